@@ -1,0 +1,86 @@
+"""Count every collective optimus2d sends: kind, mesh axis, bytes.
+
+Like PyTorch's ``CommDebugMode``, but it sees the mesh axis of each call, which is what the cost
+formulas speak of. Groups of one rank send nothing and are not recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective as this rank saw it.
+
+    ``numel``/``bytes`` is the payload of this rank: the tensor broadcast, reduced or all-reduced
+    (sender or receiver alike), the gathered output of an all-gather, the input of a
+    reduce-scatter.
+    """
+
+    kind: str
+    axis: str
+    numel: int
+    bytes: int
+    dtype: torch.dtype
+
+
+@dataclass
+class CommCounter:
+    """Records collectives issued while active; use ``with count_comm() as c:``."""
+
+    records: list[CommRecord] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(r.numel for r in self.records)
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.bytes for r in self.records)
+
+    def count(self) -> int:
+        return len(self.records)
+
+    def by(self, *keys: str) -> Counter:
+        """Element counts summed by record fields, e.g. ``c.by("kind", "axis")``."""
+        totals: Counter = Counter()
+        for r in self.records:
+            totals[tuple(getattr(r, k) for k in keys)] += r.numel
+        return totals
+
+    def summary(self) -> str:
+        rows = [f"{k:<14} {a:<6} {n:>12,} elements" for (k, a), n in sorted(self.by("kind", "axis").items())]
+        return "\n".join(rows + [f"total {self.count()} collectives, {self.bytes:,} bytes"])
+
+
+# Process-wide, not thread-local: on GPU, autograd runs backward on its own device threads.
+_counters: list[CommCounter] = []
+_lock = threading.Lock()
+
+
+class count_comm:  # noqa: N801 (a context manager, named like torch's no_grad)
+    """Context manager recording every optimus2d collective of this process (nests)."""
+
+    def __enter__(self) -> CommCounter:
+        self.counter = CommCounter()
+        with _lock:
+            _counters.append(self.counter)
+        return self.counter
+
+    def __exit__(self, *exc: object) -> None:
+        with _lock:
+            _counters.remove(self.counter)
+
+
+def record(kind: str, axis: str, tensor: torch.Tensor) -> None:
+    """Called by every communication helper before it sends."""
+    if _counters:
+        rec = CommRecord(kind, axis, tensor.numel(), tensor.numel() * tensor.element_size(), tensor.dtype)
+        with _lock:
+            for counter in _counters:
+                counter.records.append(rec)

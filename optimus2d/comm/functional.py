@@ -1,0 +1,159 @@
+"""Tiers 2 and 3: autograd collectives (backward is the reverse collective) and public helpers.
+
+Each public function's docstring says what it sends forward and backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.autograd import Function
+
+from optimus2d.comm import primitives as P
+from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.sharding import Sharding, shard, unshard
+
+
+# ---- tier 2: private autograd Functions -----------------------------------------------------
+class _Split(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: Mesh, sharding: Sharding) -> torch.Tensor:
+        ctx.mesh, ctx.sharding = mesh, sharding
+        return shard(x, mesh, sharding).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return unshard(grad.contiguous(), ctx.mesh, ctx.sharding), None, None
+
+
+class _Gather(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: Mesh, sharding: Sharding) -> torch.Tensor:
+        ctx.mesh, ctx.sharding = mesh, sharding
+        return unshard(x.contiguous(), mesh, sharding)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return shard(grad, ctx.mesh, ctx.sharding).contiguous(), None, None
+
+
+class _ReduceGrad(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Tensor:
+        ctx.mesh, ctx.axes = mesh, axes
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        for axis in ctx.axes:
+            P.all_reduce(grad, ctx.mesh, axis)
+        return grad, None, None
+
+
+class _AllReduce(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Tensor:
+        x = x.clone(memory_format=torch.contiguous_format)
+        for axis in axes:
+            P.all_reduce(x, mesh, axis)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None
+
+
+# ---- tier 3: public functions -----------------------------------------------------------------
+def activation_sharding(shape: Sequence[int]) -> Sharding:
+    """``[b, ..., h]``: batch over (depth, col) as block k·q + i, hidden over row as block j."""
+    middle = tuple(() for _ in range(len(shape) - 2))
+    return Sharding((("depth", "col"), *middle, ("row",)), tuple(shape))
+
+
+def batch_sharding(shape: Sequence[int]) -> Sharding:
+    """``[b, ...]``: batch over (depth, col) as in ``activation_sharding``; replicated over rows."""
+    return Sharding((("depth", "col"), *(() for _ in range(len(shape) - 1))), tuple(shape))
+
+
+def scatter(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Full ``[b, ..., h]`` (the same on every rank) → this rank's block ``[b/(d·q), ..., h/q]``.
+
+    forward: local slice, no communication; backward: all-gather, so a replicated input receives
+    its whole gradient on every rank.
+    """
+    _check_activation("scatter", x, mesh)
+    return _Split.apply(x, mesh, activation_sharding(x.shape))
+
+
+def gather(x_local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Block ``[b/(d·q), ..., h/q]`` → the full ``[b, ..., h]`` on every rank.
+
+    forward: all-gather over row (hidden), col and depth (batch); backward: keep the local block of
+    the gradient (which must be the same on every rank, as when every rank computes the same loss).
+    """
+    if not isinstance(x_local, torch.Tensor) or x_local.dim() < 2:
+        raise TypeError(f"gather expects a local block [b/(d·q), ..., h/q], got {_describe(x_local)}")
+    full = list(x_local.shape)
+    full[0] *= mesh.depth * mesh.q
+    full[-1] *= mesh.q
+    return _Gather.apply(x_local, mesh, activation_sharding(full))
+
+
+def scatter_batch(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Full ``[b, ...]`` (token ids, targets) → ``[b/(d·q), ...]``: batch block k·q + i, like scatter.
+
+    forward: local slice; backward: all-gather (only float tensors have gradients).
+    """
+    n = mesh.depth * mesh.q
+    if not isinstance(t, torch.Tensor) or t.dim() < 1:
+        raise TypeError(f"scatter_batch expects a tensor [b, ...], got {_describe(t)}")
+    if t.shape[0] % n:
+        raise ValueError(
+            f"scatter_batch: batch dim 0 of tensor {tuple(t.shape)} is not divisible by depth·q = {n} ({mesh})"
+        )
+    return _Split.apply(t, mesh, batch_sharding(t.shape))
+
+
+def reduce_grad(x: torch.Tensor, mesh: Mesh, axes: Sequence[str]) -> torch.Tensor:
+    """forward: identity; backward: all-reduce the gradient over ``axes``.
+
+    Wrap a tensor replicated over ``axes`` (a weight over depth, a bias over col and depth) before
+    use, so its gradient sums every replica's contribution.
+    """
+    axes = tuple(a for a in axes if mesh.axis_size(a) > 1)
+    if not axes or not torch.is_grad_enabled() or not x.requires_grad:
+        return x
+    return _ReduceGrad.apply(x, mesh, axes)
+
+
+def all_reduce(x: torch.Tensor, mesh: Mesh, axes: Sequence[str]) -> torch.Tensor:
+    """forward: all-reduce (sum) over ``axes``; backward: identity.
+
+    For a sum whose result feeds computations replicated over ``axes``.
+    """
+    axes = tuple(a for a in axes if mesh.axis_size(a) > 1)
+    if not axes:
+        return x
+    return _AllReduce.apply(x, mesh, axes)
+
+
+def _check_activation(what: str, x: torch.Tensor, mesh: Mesh) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise TypeError(f"{what} expects a full tensor [b, ..., h], got {_describe(x)}")
+    n = mesh.depth * mesh.q
+    if x.shape[0] % n:
+        raise ValueError(
+            f"{what}: batch dim 0 of tensor {tuple(x.shape)} is not divisible by depth·q = {n} ({mesh})"
+        )
+    if x.shape[-1] % mesh.q:
+        raise ValueError(
+            f"{what}: hidden dim -1 of tensor {tuple(x.shape)} is not divisible by q = {mesh.q} ({mesh})"
+        )
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return f"{type(x).__name__}"

@@ -1,0 +1,176 @@
+"""The device mesh: p = depth·q² ranks as ``depth`` stacked q×q SUMMA grids."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+AXES = ("row", "col", "depth")
+
+
+class Mesh:
+    """``depth`` stacked q×q meshes of ranks; ``depth=1`` is 2D (Optimus), ``depth>1`` 2.5D (Tesseract).
+
+    Every rank has coordinates ``(k, i, j)`` = (depth, row, column). The n-th rank of ``ranks``
+    (all ranks by default) sits at ``k = n // q²``, ``i = (n % q²) // q``, ``j = n % q``.
+    For q=2, depth=2 and ranks 0..7::
+
+        k=0:   j=0  j=1        k=1:   j=0  j=1
+         i=0    0    1          i=0    4    5
+         i=1    2    3          i=1    6    7
+
+    Groups, along which collectives run ("axis" names a group; "dim" names a tensor dimension):
+
+    * ``"row"``:   ranks sharing (k, i), e.g. {0, 1}; this rank's index in it is j.
+    * ``"col"``:   ranks sharing (k, j), e.g. {0, 2}; index i.
+    * ``"depth"``: ranks sharing (i, j), e.g. {0, 4}; index k.
+    * ``"mesh"``:  all ranks of the mesh; index n.
+
+    An activation ``[b, ..., h]`` is held as block ``[b/(depth·q), ..., h/q]``: batch block
+    ``k·q + i`` and hidden block ``j`` (see ``optimus2d.scatter``).
+
+    Building a mesh is collective: every rank of the default process group must construct it, with
+    the same arguments, in the same order as its other meshes. A ``q=1, depth=1`` mesh needs no
+    process group at all and runs as plain torch. Groups of one rank are never created and
+    communication over them is skipped.
+    """
+
+    def __init__(self, q: int, depth: int = 1, ranks: Sequence[int] | None = None) -> None:
+        if not isinstance(q, int) or not isinstance(depth, int) or q < 1 or depth < 1:
+            raise ValueError(f"Mesh needs positive integers q and depth, got q={q!r}, depth={depth!r}")
+        size = depth * q * q
+        initialized = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if initialized else 1
+        rank = dist.get_rank() if initialized else 0
+        if ranks is None:
+            if world != size:
+                raise ValueError(
+                    f"Mesh(q={q}, depth={depth}) needs depth·q² = {size} ranks but the world has "
+                    f"{world}; {_fitting_shapes(world)}"
+                )
+            ranks = range(world)
+        ranks = [int(r) for r in ranks]
+        if len(ranks) != size:
+            raise ValueError(
+                f"Mesh(q={q}, depth={depth}) needs depth·q² = {size} ranks but was given "
+                f"{len(ranks)}: {ranks}; {_fitting_shapes(len(ranks))}"
+            )
+        if len(set(ranks)) != size or min(ranks) < 0 or max(ranks) >= world:
+            raise ValueError(f"Mesh ranks {ranks} must be {size} distinct ranks in [0, {world})")
+        if size > 1 and not initialized:
+            raise RuntimeError(
+                f"Mesh(q={q}, depth={depth}) needs torch.distributed: call optimus2d.init() first"
+            )
+
+        self.q, self.depth, self.size, self.ranks = q, depth, size, tuple(ranks)
+        self.rank = rank
+        self.backend = dist.get_backend() if initialized else "gloo"
+        self._groups: dict[str, dist.ProcessGroup | None] = {}
+        self._members: dict[str, tuple[int, ...]] = {}
+        self.coord: tuple[int, int, int] | None = None
+        if rank in self.ranks:
+            n = self.ranks.index(rank)
+            self.coord = (n // (q * q), (n % (q * q)) // q, n % q)
+        self._build_groups()
+
+    # ---- coordinates --------------------------------------------------------------------------
+    @property
+    def k(self) -> int:
+        return self._coord()[0]
+
+    @property
+    def i(self) -> int:
+        return self._coord()[1]
+
+    @property
+    def j(self) -> int:
+        return self._coord()[2]
+
+    def _coord(self) -> tuple[int, int, int]:
+        if self.coord is None:
+            raise ValueError(f"rank {self.rank} is not in {self}")
+        return self.coord
+
+    def rank_at(self, k: int, i: int, j: int) -> int:
+        """The global rank at coordinates (k, i, j)."""
+        return self.ranks[k * self.q * self.q + i * self.q + j]
+
+    # ---- groups -------------------------------------------------------------------------------
+    def axis_size(self, axis: str) -> int:
+        return {"row": self.q, "col": self.q, "depth": self.depth, "mesh": self.size}[_axis(axis)]
+
+    def index(self, axis: str) -> int:
+        """This rank's index in the group ``axis``: j for "row", i for "col", k for "depth"."""
+        k, i, j = self._coord()
+        return {"row": j, "col": i, "depth": k, "mesh": (k * self.q + i) * self.q + j}[_axis(axis)]
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        """This rank's process group along ``axis``; None when that group has one rank."""
+        self._coord()
+        return self._groups[_axis(axis)]
+
+    def global_rank(self, axis: str, index: int) -> int:
+        """Global rank of member ``index`` of this rank's ``axis`` group (a broadcast root)."""
+        group = self.group(axis)
+        if group is None:
+            return self.rank
+        return dist.get_global_rank(group, index)
+
+    def _build_groups(self) -> None:
+        q, d = self.q, self.depth
+        layouts = {
+            "row": [[self.rank_at(k, i, j) for j in range(q)] for k in range(d) for i in range(q)],
+            "col": [[self.rank_at(k, i, j) for i in range(q)] for k in range(d) for j in range(q)],
+            "depth": [[self.rank_at(k, i, j) for k in range(d)] for i in range(q) for j in range(q)],
+            "mesh": [list(self.ranks)],
+        }
+        whole_world = dist.is_initialized() and self.size == dist.get_world_size()
+        for axis, members_list in layouts.items():
+            self._groups[axis] = None
+            for members in members_list:
+                if self.rank in members:
+                    self._members[axis] = tuple(members)
+                if len(members) == 1:
+                    continue
+                if axis == "mesh" and whole_world and list(members) == list(range(self.size)):
+                    group = dist.group.WORLD
+                else:  # collective: every rank creates every group, in the same order
+                    group = dist.new_group(members)
+                if self.rank in members:
+                    self._groups[axis] = group
+
+    def members(self, axis: str) -> tuple[int, ...]:
+        """Global ranks of this rank's ``axis`` group, in group order."""
+        self._coord()
+        return self._members[_axis(axis)]
+
+    @property
+    def device(self) -> torch.device:
+        """The device this mesh's tensors live on: the current CUDA device under NCCL, else CPU."""
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def __repr__(self) -> str:
+        where = f", coord(k,i,j)={self.coord}" if self.coord is not None else ""
+        r = self.ranks
+        ranks = f"{r[0]}..{r[-1]}" if r == tuple(range(r[0], r[-1] + 1)) else list(r)
+        return f"Mesh(q={self.q}, depth={self.depth}, ranks={ranks}{where})"
+
+
+def _axis(axis: str) -> str:
+    if axis not in ("row", "col", "depth", "mesh"):
+        raise ValueError(f"unknown mesh axis {axis!r}; expected 'row', 'col', 'depth' or 'mesh'")
+    return axis
+
+
+def _fitting_shapes(p: int) -> str:
+    shapes = [
+        f"Mesh(q={q}, depth={p // (q * q)})"
+        for q in range(1, math.isqrt(p) + 1)
+        if p % (q * q) == 0
+    ]
+    return f"{p} ranks fit " + ", ".join(shapes)

@@ -1,0 +1,86 @@
+"""Tier 1: plain collectives along a mesh axis. No autograd; every call is counted.
+
+A group of one rank sends nothing: the helpers return at once (async ones return a finished
+handle), so a 1-rank mesh is plain torch. Roots are given as an index within the axis group and
+turned into a global rank by the group itself (``Mesh.global_rank``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from optimus2d.comm.counter import record
+from optimus2d.comm.mesh import Mesh
+
+
+class Done:
+    """The handle of a collective that needed no communication."""
+
+    def wait(self) -> bool:
+        return True
+
+
+
+def broadcast(t: torch.Tensor, mesh: Mesh, axis: str, root: int, async_op: bool = False):
+    """In place: ``t`` takes the value of member ``root`` of this rank's ``axis`` group."""
+    group = mesh.group(axis)
+    if group is None:
+        return Done() if async_op else None
+    record("broadcast", axis, t)
+    return dist.broadcast(t, src=mesh.global_rank(axis, root), group=group, async_op=async_op)
+
+
+def reduce(t: torch.Tensor, mesh: Mesh, axis: str, root: int, async_op: bool = False):
+    """In place: member ``root`` of the ``axis`` group receives the sum of everyone's ``t``."""
+    group = mesh.group(axis)
+    if group is None:
+        return Done() if async_op else None
+    record("reduce", axis, t)
+    return dist.reduce(t, dst=mesh.global_rank(axis, root), group=group, async_op=async_op)
+
+
+def all_reduce(
+    t: torch.Tensor, mesh: Mesh, axis: str, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
+):
+    """In place: ``t`` becomes the reduction (sum by default) over the ``axis`` group."""
+    group = mesh.group(axis)
+    if group is None:
+        return Done() if async_op else None
+    record("all_reduce", axis, t)
+    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+
+
+def all_gather(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
+    """Concatenation along ``dim`` of every member's ``t``, in group order (same shape everywhere)."""
+    group = mesh.group(axis)
+    if group is None:
+        return t
+    n = mesh.axis_size(axis)
+    t = t.movedim(dim, 0).contiguous()
+    out = t.new_empty((n * t.shape[0], *t.shape[1:]))
+    record("all_gather", axis, out)
+    dist.all_gather_single(out, t, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
+    """Sum over the ``axis`` group, keeping this rank's chunk along ``dim``."""
+    group = mesh.group(axis)
+    if group is None:
+        return t
+    n = mesh.axis_size(axis)
+    t = t.movedim(dim, 0).contiguous()
+    out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
+    record("reduce_scatter", axis, t)
+    dist.reduce_scatter_single(out, t, group=group)
+    return out.movedim(0, dim)
+
+
+def split(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
+    """This rank's chunk of ``t`` along ``dim`` (no communication; dim must divide evenly)."""
+    n = mesh.axis_size(axis)
+    if n == 1:
+        return t
+    size = t.shape[dim] // n
+    return t.narrow(dim, mesh.index(axis) * size, size)

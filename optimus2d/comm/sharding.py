@@ -1,0 +1,80 @@
+"""Which block of a full tensor a rank holds, and moving between the full tensor and that block.
+
+A ``Sharding`` names, for each dim of a tensor, the mesh axes that split it, outermost first.
+"Split over the row group" means the block index along that dim is this rank's index in its row
+group (j). Axes that split no dim replicate the tensor: e.g. a ``Linear2D`` weight is split over
+"row" and "col" and replicated over "depth", so its gradient is summed over "depth".
+
+    activation [b, s, h]   dims=(("depth", "col"), (), ("row",))   block [b/(d·q), s, h/q]
+                            (batch block k·q + i, hidden block j)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from optimus2d.comm import primitives as P
+from optimus2d.comm.mesh import AXES, Mesh
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """``dims[d]``: the axes splitting dim d (outermost first); ``full_shape``: the serial shape.
+
+    The local block of a dim split over axes of total size n has ``ceil(full / n)`` entries; a dim
+    that does not divide (a vocabulary of 50257, say) is padded with zeros at its end.
+    """
+
+    dims: tuple[tuple[str, ...], ...]
+    full_shape: tuple[int, ...]
+
+    def splits(self, mesh: Mesh, dim: int) -> int:
+        n = 1
+        for axis in self.dims[dim]:
+            n *= mesh.axis_size(axis)
+        return n
+
+    def local_shape(self, mesh: Mesh) -> tuple[int, ...]:
+        return tuple(-(-size // self.splits(mesh, d)) for d, size in enumerate(self.full_shape))
+
+    def replicated_axes(self, mesh: Mesh) -> tuple[str, ...]:
+        """Axes (of more than one rank) over which the tensor is replicated."""
+        used = {a for axes in self.dims for a in axes}
+        return tuple(a for a in AXES if a not in used and mesh.axis_size(a) > 1)
+
+
+def replicated(shape: tuple[int, ...]) -> Sharding:
+    return Sharding(tuple(() for _ in shape), tuple(shape))
+
+
+def shard(full: torch.Tensor, mesh: Mesh, sharding: Sharding) -> torch.Tensor:
+    """This rank's block of ``full`` (no communication; zero-padded where a dim does not divide)."""
+    if tuple(full.shape) != sharding.full_shape:
+        raise ValueError(f"tensor of shape {tuple(full.shape)} does not match {sharding}")
+    local_shape = sharding.local_shape(mesh)
+    pad = []
+    for d in reversed(range(full.dim())):
+        pad += [0, local_shape[d] * sharding.splits(mesh, d) - full.shape[d]]
+    out = F.pad(full, pad) if any(pad) else full
+    for d, axes in enumerate(sharding.dims):
+        for axis in axes:
+            out = P.split(out, mesh, axis, d)
+    return out
+
+
+def unshard(local: torch.Tensor, mesh: Mesh, sharding: Sharding) -> torch.Tensor:
+    """The full tensor, on every rank of the mesh (all-gathers over the splitting axes)."""
+    expected = sharding.local_shape(mesh)
+    if tuple(local.shape) != expected:
+        raise ValueError(f"local block of shape {tuple(local.shape)} does not match {sharding} on {mesh}")
+    out = local
+    for d, axes in enumerate(sharding.dims):
+        for axis in reversed(axes):
+            out = P.all_gather(out, mesh, axis, d)
+    for d, size in enumerate(sharding.full_shape):
+        if out.shape[d] != size:
+            out = out.narrow(d, 0, size)
+    return out

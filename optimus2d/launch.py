@@ -1,0 +1,159 @@
+"""``optimus2d.init()``: bring up torch.distributed from whatever launched the processes.
+
+Launchers, checked in this order:
+
+* torch.distributed already initialised (by the user or another library): adopted as it is.
+* ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``): ``env://``.
+* ``mpiexec``/``mpirun`` (MPICH, Open MPI, Intel MPI, PMIx): mpi4py. Rank 0 opens a TCPStore and
+  broadcasts its address over MPI; the local rank comes from MPI's shared-memory split. MPI is used
+  only for this: tensors move over torch.distributed.
+* ``srun`` (``SLURM_PROCID``/``SLURM_NTASKS``): the store on the first host of the node list.
+* nothing: a world of one process.
+
+Backend NCCL when CUDA is available (device set from the local rank), gloo otherwise. Every
+collective gets a finite timeout, so a lost peer raises an error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+_MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+_owned = False  # whether init() created the process group (and so destroys it at exit)
+
+
+@dataclass(frozen=True)
+class World:
+    """What ``init()`` found: this process's place and how it communicates."""
+
+    rank: int
+    size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    launcher: str  # "existing", "torchrun", "mpi", "slurm" or "single"
+
+
+def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None) -> World:
+    """Initialise torch.distributed for this process (idempotent) and return the ``World``.
+
+    ``backend``: "nccl" or "gloo" (default: nccl if CUDA is available, else gloo).
+    ``timeout``: seconds (or a timedelta) before a collective waiting on a lost peer raises;
+    default ``$OPTIMUS2D_TIMEOUT`` or 300 s.
+    """
+    global _owned
+    if timeout is None:
+        timeout = float(os.environ.get("OPTIMUS2D_TIMEOUT", DEFAULT_TIMEOUT_S))
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    if dist.is_initialized():
+        rank = dist.get_rank()
+        local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        return _world(rank, dist.get_world_size(), local, dist.get_backend(), "existing")
+
+    launcher = detect_launcher()
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if launcher == "torchrun":
+        rank, size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+        _set_device(backend, local)
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout)
+    else:
+        if launcher == "mpi":
+            rank, size, local, store = _mpi_store(timeout)
+        elif launcher == "slurm":
+            rank, size, local, store = _slurm_store(timeout)
+        else:
+            rank, size, local, store = 0, 1, 0, dist.HashStore()
+        _set_device(backend, local)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    if not _owned:
+        atexit.register(shutdown)
+    _owned = True
+    return _world(rank, size, local, backend, launcher)
+
+
+def shutdown() -> None:
+    """Destroy the process group that ``init()`` created (registered to run at exit)."""
+    global _owned
+    if _owned and dist.is_initialized():
+        dist.destroy_process_group()
+    _owned = False
+
+
+def detect_launcher() -> str:
+    """"torchrun", "mpi", "slurm" or "single", from the environment."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+        return "torchrun"
+    if any(v in env for v in _MPI_VARS):
+        return "mpi"
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return "slurm"
+    return "single"
+
+
+def _world(rank: int, size: int, local: int, backend: str, launcher: str) -> World:
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return World(rank, size, local, backend, device, launcher)
+
+
+def _set_device(backend: str, local_rank: int) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+def _mpi_store(timeout: datetime.timedelta):
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local, local_size = node.Get_rank(), node.Get_size()
+    node.Free()
+    buf = bytearray(512)
+    store = None
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if local_size == size else socket.getfqdn())
+        port = int(os.environ.get("MASTER_PORT", 0))
+        store = dist.TCPStore(host, port, size, is_master=True, timeout=timeout, wait_for_workers=False)
+        address = f"{host}:{store.port}".encode()
+        buf[: len(address)] = address
+    # Poll a non-blocking broadcast: a blocking MPI wait would spin a whole core.
+    request, deadline = comm.Ibcast(buf, root=0), time.monotonic() + timeout.total_seconds()
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: no store address from MPI rank 0 within {timeout}")
+        time.sleep(0.002)
+    host, port = bytes(buf).rstrip(b"\0").decode().rsplit(":", 1)
+    if store is None:
+        store = dist.TCPStore(host, int(port), size, is_master=False, timeout=timeout)
+    return rank, size, local, store
+
+
+def _slurm_store(timeout: datetime.timedelta):
+    env = os.environ
+    rank, size, local = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+    host = env.get("MASTER_ADDR") or first_host(nodes)
+    port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
+    store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    return rank, size, local, store
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: "gpu[07-09,12],cpu1" → "gpu07"."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot read the SLURM node list {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix

@@ -1,0 +1,141 @@
+"""Linear2D: ``nn.Linear`` with the weight and the activations split over the q×q mesh."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from optimus2d.comm import reduce_grad, summa_ab, summa_abt
+from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.sharding import Sharding
+from optimus2d.layers.base import ShardedModule
+
+
+class Linear2D(ShardedModule):
+    """``y = x·Wᵀ + b`` with x, y, W and b split over the mesh; same init and weights as ``nn.Linear``.
+
+    Global shapes: x ``[b, ..., in]`` → y ``[b, ..., out]``; W ``[out, in]``; b ``[out]``.
+    On rank (k, i, j): x ``[b/(d·q), ..., in/q]`` → y ``[b/(d·q), ..., out/q]`` (batch block
+    k·q + i, feature block j); ``weight`` ``[out/q, in/q]`` in torch's layout; ``bias`` ``[out/q]`` =
+    b[block j], replicated over col and depth.
+
+    Which weight block a rank holds depends on the cheaper SUMMA form (each moves
+    3·B·f/(d·q) activation elements per rank, B = rows, f = the feature size it broadcasts):
+
+    * ``summa="ab"``  (in ≤ out): weight = W[out block j, in block i]; y = summa_ab(x, Wᵀ).
+    * ``summa="abt"`` (in > out): weight = W[out block i, in block j]; y = summa_abt(x, W).
+
+    On a mesh with q=1 the layer is ``F.linear`` (plus the depth all-reduce of its gradients).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        mesh: Mesh,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for name, n in (("in_features", in_features), ("out_features", out_features)):
+            if n % mesh.q:
+                raise ValueError(f"Linear2D: {name}={n} is not divisible by q={mesh.q} ({mesh})")
+        self.in_features, self.out_features, self.mesh = in_features, out_features, mesh
+        self.summa = "ab" if in_features <= out_features else "abt"
+        w_dims = (("row",), ("col",)) if self.summa == "ab" else (("col",), ("row",))
+        self.shardings = {"weight": Sharding(w_dims, (out_features, in_features))}
+        q = mesh.q
+        self.weight = nn.Parameter(torch.empty(out_features // q, in_features // q, device=device, dtype=dtype))
+        if bias:
+            self.shardings["bias"] = Sharding((("row",),), (out_features,))
+            self.bias = nn.Parameter(torch.empty(out_features // q, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The blocks of ``nn.Linear(in, out)`` initialised with the same RNG state (same on every rank)."""
+        full = nn.Linear(
+            self.in_features,
+            self.out_features,
+            bias=self.bias is not None,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
+        )
+        self._copy_from(full)
+
+    @classmethod
+    def from_serial(cls, linear: nn.Linear, mesh: Mesh) -> Linear2D:
+        """This rank's blocks of ``linear``'s weight and bias (no communication)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"Linear2D.from_serial expects nn.Linear, got {type(linear).__name__}")
+        w = linear.weight
+        module = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, mesh=mesh, device="meta", dtype=w.dtype
+        )
+        module.to_empty(device=w.device)
+        module._copy_from(linear)
+        module.weight.requires_grad_(w.requires_grad)
+        if linear.bias is not None:
+            module.bias.requires_grad_(linear.bias.requires_grad)
+        return module
+
+    def _copy_from(self, linear: nn.Linear) -> None:
+        if self.weight.device.type == "meta":
+            return
+        self.load_serial_tensor("weight", linear.weight)
+        if self.bias is not None:
+            self.load_serial_tensor("bias", linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        weight, bias = self.weight, self.bias
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):  # cast as autocast casts F.linear's inputs
+            dtype = torch.get_autocast_dtype(device_type)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+            with torch.autocast(device_type, enabled=False):
+                return self._linear(x, weight, bias)
+        if x.dtype != weight.dtype:
+            raise TypeError(f"Linear2D: input dtype {x.dtype} differs from weight dtype {weight.dtype}")
+        return self._linear(x, weight, bias)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        mesh = self.mesh
+        if mesh.q == 1:
+            weight = reduce_grad(weight, mesh, ("depth",))
+            bias = reduce_grad(bias, mesh, ("depth",)) if bias is not None else None
+            return F.linear(x, weight, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        if self.summa == "ab":
+            y = summa_ab(rows, weight.t(), mesh)
+        else:
+            y = summa_abt(rows, weight, mesh)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        if bias is not None:
+            y = y + reduce_grad(bias, mesh, ("col", "depth"))
+        return y
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"Linear2D expects a tensor, got {type(x).__name__}")
+        local_in = self.in_features // self.mesh.q
+        if x.dim() < 2 or x.shape[-1] != local_in:
+            hint = ""
+            if x.dim() >= 1 and x.shape[-1] == self.in_features and self.mesh.q > 1:
+                hint = "; it looks like the full tensor: pass this rank's block (optimus2d.scatter)"
+            raise ValueError(
+                f"Linear2D(in_features={self.in_features}): input of shape {tuple(x.shape)} must be "
+                f"[rows..., in_features/q = {local_in}] on {self.mesh}{hint}"
+            )
+
+    def extra_repr(self) -> str:
+        q = self.mesh.q
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"local=[{self.out_features // q}, {self.in_features // q}], summa={self.summa}, mesh={self.mesh}"
+        )

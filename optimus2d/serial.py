@@ -1,0 +1,67 @@
+"""Serial views of a parallel model: the full tensors under the serial model's keys."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from optimus2d.layers.base import ShardedModule
+
+
+def _owners(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """state_dict key → (owning submodule, its local name)."""
+    owners = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name in list(sub._parameters) + list(sub._buffers):
+            if getattr(sub, name) is not None:
+                owners[f"{prefix}.{name}" if prefix else name] = (sub, name)
+    return owners
+
+
+def serial_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every key of ``module.state_dict()`` with the full serial tensor, on every rank.
+
+    Collective: every rank of the mesh must call it. The keys and shapes are exactly those of the
+    serial model the parallel one stands for (padding, e.g. of a vocabulary, is removed).
+    """
+    owners = _owners(module)
+    out = {}
+    for key, value in module.state_dict().items():
+        owner, name = owners.get(key, (None, None))
+        if isinstance(owner, ShardedModule):
+            out[key] = owner.serial_tensor(name).clone()
+        else:
+            out[key] = value.detach().clone()
+    return out
+
+
+def load_serial_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+    """Load full serial tensors (e.g. ``nn_model.state_dict()``) into a parallel model, in place.
+
+    No communication: each rank keeps its blocks. Every key and shape is checked first, so a dict
+    that does not fit raises ``ValueError`` and leaves the model unchanged.
+    """
+    owners = _owners(module)
+    own_keys = list(module.state_dict().keys())
+    missing = [k for k in own_keys if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own_keys]
+    if strict and (missing or unexpected):
+        raise ValueError(f"load_serial_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    plan = []
+    for key in own_keys:
+        if key not in state_dict:
+            continue
+        owner, name = owners[key]
+        expected = owner.serial_shape(name) if isinstance(owner, ShardedModule) else tuple(getattr(owner, name).shape)
+        got = tuple(state_dict[key].shape)
+        if got != expected:
+            raise ValueError(f"load_serial_state_dict: {key} has shape {got}, the serial model's is {expected}")
+        plan.append((owner, name, state_dict[key]))
+    for owner, name, full in plan:
+        if isinstance(owner, ShardedModule):
+            owner.load_serial_tensor(name, full)
+        else:
+            with torch.no_grad():
+                getattr(owner, name).copy_(full)

@@ -1,0 +1,17 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="optimus2d",
+    version="0.1.0",
+    description="2D (Optimus) and 2.5D (Tesseract) tensor parallelism for PyTorch",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["optimus2d", "optimus2d.*"]),
+    python_requires=">=3.10",
+    # Installs here pin torch==2.13.0 through constraints.txt (an unpinned torch pulls a CUDA build).
+    install_requires=["torch>=2.6", "numpy", "einops"],
+    extras_require={
+        "mpi": ["mpi4py>=4", "mpich"],
+        "test": ["pytest>=8", "pytest-mpi", "pytest-timeout", "ruff"],
+    },
+)
