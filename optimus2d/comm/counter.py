@@ -29,7 +29,7 @@ class CommRecord:
     dtype: torch.dtype
 
 
-@dataclass
+@dataclass(eq=False)
 class CommCounter:
     """Records collectives issued while active; use ``with count_comm() as c:``."""
 
@@ -55,7 +55,7 @@ class CommCounter:
 
     def summary(self) -> str:
         rows = [f"{k:<14} {a:<6} {n:>12,} elements" for (k, a), n in sorted(self.by("kind", "axis").items())]
-        return "\n".join(rows + [f"total {self.count()} collectives, {self.bytes:,} bytes"])
+        return "\n".join([*rows, f"total {self.count()} collectives, {self.bytes:,} bytes"])
 
 
 # Process-wide, not thread-local: on GPU, autograd runs backward on its own device threads.
@@ -74,7 +74,7 @@ class count_comm:  # noqa: N801 (a context manager, named like torch's no_grad)
 
     def __exit__(self, *exc: object) -> None:
         with _lock:
-            _counters.remove(self.counter)
+            del _counters[next(n for n, c in enumerate(_counters) if c is self.counter)]
 
 
 def record(kind: str, axis: str, tensor: torch.Tensor) -> None:

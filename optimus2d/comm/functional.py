@@ -144,13 +144,9 @@ def _check_activation(what: str, x: torch.Tensor, mesh: Mesh) -> None:
         raise TypeError(f"{what} expects a full tensor [b, ..., h], got {_describe(x)}")
     n = mesh.depth * mesh.q
     if x.shape[0] % n:
-        raise ValueError(
-            f"{what}: batch dim 0 of tensor {tuple(x.shape)} is not divisible by depth·q = {n} ({mesh})"
-        )
+        raise ValueError(f"{what}: batch dim 0 of tensor {tuple(x.shape)} is not divisible by depth·q = {n} ({mesh})")
     if x.shape[-1] % mesh.q:
-        raise ValueError(
-            f"{what}: hidden dim -1 of tensor {tuple(x.shape)} is not divisible by q = {mesh.q} ({mesh})"
-        )
+        raise ValueError(f"{what}: hidden dim -1 of tensor {tuple(x.shape)} is not divisible by q = {mesh.q} ({mesh})")
 
 
 def _describe(x: object) -> str:

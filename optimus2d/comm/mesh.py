@@ -45,6 +45,8 @@ class Mesh:
         initialized = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialized else 1
         rank = dist.get_rank() if initialized else 0
+        if size > 1 and not initialized:
+            raise RuntimeError(f"Mesh(q={q}, depth={depth}) needs torch.distributed: call optimus2d.init() first")
         if ranks is None:
             if world != size:
                 raise ValueError(
@@ -60,10 +62,6 @@ class Mesh:
             )
         if len(set(ranks)) != size or min(ranks) < 0 or max(ranks) >= world:
             raise ValueError(f"Mesh ranks {ranks} must be {size} distinct ranks in [0, {world})")
-        if size > 1 and not initialized:
-            raise RuntimeError(
-                f"Mesh(q={q}, depth={depth}) needs torch.distributed: call optimus2d.init() first"
-            )
 
         self.q, self.depth, self.size, self.ranks = q, depth, size, tuple(ranks)
         self.rank = rank
@@ -168,9 +166,5 @@ def _axis(axis: str) -> str:
 
 
 def _fitting_shapes(p: int) -> str:
-    shapes = [
-        f"Mesh(q={q}, depth={p // (q * q)})"
-        for q in range(1, math.isqrt(p) + 1)
-        if p % (q * q) == 0
-    ]
+    shapes = [f"Mesh(q={q}, depth={p // (q * q)})" for q in range(1, math.isqrt(p) + 1) if p % (q * q) == 0]
     return f"{p} ranks fit " + ", ".join(shapes)

@@ -21,7 +21,6 @@ class Done:
         return True
 
 
-
 def broadcast(t: torch.Tensor, mesh: Mesh, axis: str, root: int, async_op: bool = False):
     """In place: ``t`` takes the value of member ``root`` of this rank's ``axis`` group."""
     group = mesh.group(axis)
@@ -40,9 +39,7 @@ def reduce(t: torch.Tensor, mesh: Mesh, axis: str, root: int, async_op: bool = F
     return dist.reduce(t, dst=mesh.global_rank(axis, root), group=group, async_op=async_op)
 
 
-def all_reduce(
-    t: torch.Tensor, mesh: Mesh, axis: str, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
-):
+def all_reduce(t: torch.Tensor, mesh: Mesh, axis: str, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False):
     """In place: ``t`` becomes the reduction (sum by default) over the ``axis`` group."""
     group = mesh.group(axis)
     if group is None:

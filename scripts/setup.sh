@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates .venv (once) with optimus2d, its test and MPI extras, and MPICH from PyPI.
+# torch is pinned to 2.13.0 through constraints.txt: an unpinned torch would pull a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv
+fi
+if ! .venv/bin/python -c "import optimus2d, mpi4py, pytest_mpi, pytest_timeout, einops, ruff" 2>/dev/null \
+   || [ ! -x .venv/bin/mpiexec ]; then
+  echo "setting up .venv (about a minute)..."
+  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,mpi]' 2>&1 \
+    | grep -v "is ignored: it is neither a file nor a directory" || true
+fi
+.venv/bin/python -c "import optimus2d, mpi4py"

@@ -1,0 +1,94 @@
+"""Serial tests run under plain pytest; tests marked ``mpi`` run under
+``mpiexec -n N python -m pytest --only-mpi``, N = 1, 4, 8 or 9, and adapt to N.
+
+Under MPI: one report (rank 0's), and a failure on any rank aborts the whole job at once instead
+of leaving the other ranks waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+
+def _under_mpi(config) -> bool:
+    return bool(config.getoption("--only-mpi", False) or config.getoption("--with-mpi", False))
+
+
+def _world_size(config) -> int:
+    if not _under_mpi(config):
+        return 1
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_size()
+
+
+def mesh_shapes(world: int) -> list[tuple[int, int]]:
+    """Every (q, depth) with depth·q² = world."""
+    return [(q, world // (q * q)) for q in range(1, math.isqrt(world) + 1) if world % (q * q) == 0]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    if _under_mpi(config):
+        from mpi4py import MPI
+
+        for plugin in config.pluginmanager.get_plugins():  # keep pytest-mpi's skips, drop its long footer
+            if type(plugin).__name__ == "MPIPlugin":
+                plugin._is_testing_mpi = False
+        if MPI.COMM_WORLD.Get_rank() != 0:
+            reporter = config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                config.pluginmanager.unregister(reporter)
+
+
+def pytest_report_header(config):
+    if _under_mpi(config):
+        from mpi4py import MPI
+
+        return f"MPI: {MPI.COMM_WORLD.Get_size()} ranks, {MPI.Get_library_version().splitlines()[0]}"
+    return None
+
+
+def pytest_generate_tests(metafunc):
+    if "mesh_shape" in metafunc.fixturenames:
+        shapes = mesh_shapes(_world_size(metafunc.config))
+        metafunc.parametrize("mesh_shape", shapes, ids=[f"q{q}d{d}" for q, d in shapes])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _under_mpi(item.config):
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        if comm.Get_size() > 1:
+            sys.stderr.write(f"\n[rank {comm.Get_rank()}] {report.nodeid} FAILED\n{report.longreprtext}\n")
+            sys.stderr.flush()
+            comm.Abort(1)
+
+
+@pytest.fixture(scope="session")
+def world():
+    import optimus2d
+
+    torch.set_num_threads(1)
+    return optimus2d.init(timeout=120)
+
+
+_meshes: dict = {}
+
+
+@pytest.fixture
+def mesh(world, mesh_shape):
+    """The mesh of shape (q, depth) over all ranks, built once per session (collectively)."""
+    import optimus2d
+
+    if mesh_shape not in _meshes:
+        _meshes[mesh_shape] = optimus2d.Mesh(*mesh_shape)
+    return _meshes[mesh_shape]

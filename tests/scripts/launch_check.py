@@ -1,0 +1,46 @@
+"""Started by tests/test_launch.py under each launcher: init, then one real check.
+
+modes: "check" (a Linear2D on the largest mesh that fits, against nn.Linear), "stall" (rank 1
+never joins a collective: rank 0 must get an error within the timeout), "existing" (the process
+group is created first by the user's own code).
+"""
+
+import math
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import optimus2d
+
+mode = sys.argv[1] if len(sys.argv) > 1 else "check"
+torch.set_num_threads(1)
+if mode == "existing":
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+world = optimus2d.init(timeout=float(sys.argv[2]) if len(sys.argv) > 2 else 60)
+
+if mode == "stall":
+    if world.rank == 1:
+        time.sleep(30)
+        sys.exit(0)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+        print("no error", flush=True)
+    except Exception as err:
+        print(f"raised after {time.monotonic() - start:.1f}s: {type(err).__name__}", flush=True)
+    sys.exit(0)
+
+q = math.isqrt(world.size)
+while world.size % (q * q):
+    q -= 1
+mesh = optimus2d.Mesh(q, depth=world.size // (q * q))
+torch.manual_seed(0)
+serial = torch.nn.Linear(6 * q, 4 * q)
+layer = optimus2d.Linear2D.from_serial(serial, mesh)
+x = torch.randn(2 * world.size, 3, 6 * q)
+y = optimus2d.gather(layer(optimus2d.scatter(x, mesh)), mesh)
+err = ((y - serial(x)).abs().max() / serial(x).abs().max()).item()
+assert err < 1e-5, err
+print(f"ok launcher={world.launcher} rank={world.rank} size={world.size} local={world.local_rank} {mesh}", flush=True)

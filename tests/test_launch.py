@@ -1,0 +1,123 @@
+"""optimus2d.init() under every launcher, each in processes of its own."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import optimus2d.launch as launch
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "launch_check.py")
+BIN = Path(sys.executable).parent
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(launch._MPI_VARS)}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _slurm(n: int, *args: str) -> list[subprocess.Popen]:
+    port = str(_free_port())
+    return [
+        subprocess.Popen(
+            [sys.executable, SCRIPT, *args],
+            env=_clean_env(
+                SLURM_PROCID=str(r),
+                SLURM_NTASKS=str(n),
+                SLURM_LOCALID=str(r),
+                SLURM_JOB_NODELIST="127.0.0.1",
+                MASTER_PORT=port,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(n)
+    ]
+
+
+def test_single_process_is_a_world_of_one():
+    out = _run([sys.executable, SCRIPT], _clean_env())
+    assert out.returncode == 0, out.stderr
+    assert "ok launcher=single rank=0 size=1 local=0 Mesh(q=1, depth=1" in out.stdout
+
+
+def test_adopts_an_existing_process_group():
+    out = _run([sys.executable, SCRIPT, "existing"], _clean_env())
+    assert out.returncode == 0, out.stderr
+    assert "ok launcher=existing" in out.stdout
+
+
+@pytest.mark.slow
+def test_torchrun_four_ranks_on_a_2x2_mesh():
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", SCRIPT]
+    out = _run(cmd, _clean_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in range(4):
+        assert f"ok launcher=torchrun rank={r} size=4 local={r} Mesh(q=2, depth=1" in out.stdout
+
+
+@pytest.mark.slow
+def test_mpiexec_four_ranks_on_a_2x2_mesh():
+    out = _run([str(BIN / "mpiexec"), "-n", "4", sys.executable, SCRIPT], _clean_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in range(4):
+        assert f"ok launcher=mpi rank={r} size=4 local={r} Mesh(q=2, depth=1" in out.stdout
+
+
+@pytest.mark.slow
+def test_slurm_two_tasks_on_a_depth_two_mesh():
+    procs = _slurm(2)
+    outs = [p.communicate(timeout=120) for p in procs]
+    for r, (p, (stdout, stderr)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, stderr[-3000:]
+        assert f"ok launcher=slurm rank={r} size=2 local={r} Mesh(q=1, depth=2" in stdout
+
+
+@pytest.mark.slow
+def test_a_peer_that_never_joins_gives_an_error_not_a_hang():
+    procs = _slurm(2, "stall", "3")
+    stdout, stderr = procs[0].communicate(timeout=60)
+    procs[1].kill()
+    assert "raised after" in stdout, stderr[-3000:]
+    seconds = float(stdout.split("raised after ")[1].split("s")[0])
+    assert 2.5 <= seconds < 20
+
+
+def test_detect_launcher(monkeypatch):
+    for var in (*LAUNCH_VARS, *launch._MPI_VARS):
+        monkeypatch.delenv(var, raising=False)
+    assert launch.detect_launcher() == "single"
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert launch.detect_launcher() == "slurm"
+    monkeypatch.setenv("PMI_RANK", "0")  # srun --mpi=pmi2 sets both: MPI takes precedence
+    assert launch.detect_launcher() == "mpi"
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "h")):
+        monkeypatch.setenv(var, value)
+    assert launch.detect_launcher() == "torchrun"
+
+
+@pytest.mark.parametrize(
+    "nodelist, host",
+    [("gpu[07-09,12],cpu1", "gpu07"), ("node12", "node12"), ("a-b[003]", "a-b003"), ("x1,x2", "x1")],
+)
+def test_first_host_of_a_slurm_node_list(nodelist, host):
+    assert launch.first_host(nodelist) == host

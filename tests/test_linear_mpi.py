@@ -1,0 +1,192 @@
+"""Linear2D against torch.nn.Linear on every mesh shape of the world (1, 4, 8, 9 ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close, assert_state_close
+from torch import nn
+
+import optimus2d
+from optimus2d import Linear2D, count_comm, gather, scatter, serial_state_dict
+
+pytestmark = pytest.mark.mpi
+
+SEQ = 5  # odd, so no size is a power of two by accident
+
+
+def _data(mesh, features, dtype=torch.float32, seed=1):
+    torch.manual_seed(seed)  # the same full tensor on every rank
+    return torch.randn(2 * mesh.depth * mesh.q, SEQ, features, dtype=dtype)
+
+
+def _step_both(serial, parallel, x, mesh, lr=0.1):
+    """fwd+bwd+SGD step of the serial module and its 2D twin on the same input; returns results."""
+    x_serial = x.clone().requires_grad_()
+    y_serial = serial(x_serial)
+    torch.manual_seed(2)
+    probe = torch.randn_like(y_serial)  # a loss that weighs every output differently
+    (y_serial * probe).sum().backward()
+    torch.optim.SGD(serial.parameters(), lr=lr).step()
+
+    x_full = x.clone().requires_grad_()
+    y_local = parallel(scatter(x_full, mesh))
+    (y_local * scatter(probe, mesh)).sum().backward()
+    torch.optim.SGD(parallel.parameters(), lr=lr).step()
+    # x_full.grad: scatter's backward gathered every rank's block into the full gradient
+    return (gather(y_local.detach(), mesh), y_serial, x_full.grad, x_serial.grad)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("features", [(12, 30), (30, 12), (18, 18)], ids=["up", "down", "square"])
+def test_linear_matches_torch(mesh, features, bias):
+    torch.manual_seed(0)
+    serial = nn.Linear(*features, bias=bias)
+    parallel = Linear2D.from_serial(serial, mesh)
+    assert parallel.summa == ("ab" if features[0] <= features[1] else "abt")
+    y, y_ref, dx, dx_ref = _step_both(serial, parallel, _data(mesh, features[0]), mesh)
+    new_state = serial_state_dict(parallel)
+    assert_close(y, y_ref, what="output")
+    assert_close(dx, dx_ref, what="input grad")
+    assert_state_close(new_state, serial.state_dict())
+
+
+def test_reset_parameters_matches_nn_linear_init(mesh):
+    torch.manual_seed(3)
+    serial = nn.Linear(12, 18)
+    torch.manual_seed(3)
+    parallel = Linear2D(12, 18, mesh=mesh)
+    state = serial_state_dict(parallel)
+    assert torch.equal(state["weight"], serial.weight) and torch.equal(state["bias"], serial.bias)
+
+
+def test_mlp_stack_matches_torch(mesh):
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(12, 48), nn.GELU(), nn.Linear(48, 12))
+    parallel = nn.Sequential(Linear2D.from_serial(serial[0], mesh), nn.GELU(), Linear2D.from_serial(serial[2], mesh))
+    y, y_ref, dx, dx_ref = _step_both(serial, parallel, _data(mesh, 12), mesh)
+    new_state = serial_state_dict(parallel)
+    assert_close(y, y_ref, what="output")
+    assert_close(dx, dx_ref, what="input grad")
+    assert_state_close(new_state, serial.state_dict())
+
+
+def test_one_rank_mesh_is_bitwise_torch(mesh):
+    if mesh.size != 1:
+        pytest.skip("bitwise equality holds on a 1-rank mesh")
+    torch.manual_seed(0)
+    serial = nn.Linear(12, 30)
+    parallel = Linear2D.from_serial(serial, mesh)
+    x = _data(mesh, 12)
+    with count_comm() as counter:
+        y = parallel(scatter(x, mesh))
+        y.sum().backward()
+    assert counter.count() == 0
+    assert torch.equal(y, serial(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_within_tolerance(mesh, dtype):
+    torch.manual_seed(0)
+    serial = nn.Linear(24, 36)
+    parallel = Linear2D.from_serial(serial, mesh).to(dtype)
+    x = _data(mesh, 24)
+    y_ref = serial(x)  # fp32 reference
+    x_low = x.to(dtype).requires_grad_()
+    y = parallel(scatter(x_low, mesh))
+    assert y.dtype == dtype and parallel.weight.dtype == dtype
+    y.float().sum().backward()
+    y_full = gather(y.detach(), mesh)
+    x_ref = x.clone().requires_grad_()
+    serial(x_ref).sum().backward()
+    assert_close(y_full.float(), y_ref, tol=2e-2, what=f"{dtype} output")
+    assert_close(x_low.grad.float(), x_ref.grad, tol=2e-2, what=f"{dtype} input grad")
+
+
+def test_autocast_matches_torch_autocast(mesh):
+    torch.manual_seed(0)
+    serial = nn.Linear(24, 12)
+    parallel = Linear2D.from_serial(serial, mesh)
+    x = _data(mesh, 24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = parallel(scatter(x, mesh))
+        y_ref = serial(x)
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    y.float().sum().backward()
+    y_full = gather(y.detach(), mesh)
+    serial(x).sum().backward()
+    assert parallel.weight.grad.dtype == torch.float32
+    assert_close(y_full.float(), y_ref.float(), tol=2e-2, what="autocast output")
+    grad = serial_state_dict_grad(parallel)
+    assert_close(grad, serial.weight.grad, tol=2e-2, what="autocast weight grad")
+
+
+def serial_state_dict_grad(layer: Linear2D) -> torch.Tensor:
+    return optimus2d.comm.unshard(layer.weight.grad, layer.mesh, layer.shardings["weight"])
+
+
+def _linear_elements(mesh, rows, fin, fout, *, dx=True, dw=True, bias=True):
+    """Elements each rank sends for Linear2D fwd+bwd, by the SUMMA schedule (see docs/DESIGN.md)."""
+    q, d = mesh.q, mesh.depth
+    act = rows * min(fin, fout) // (d * q)  # the activation panel of the cheaper SUMMA form
+    block = fin * fout // (q * q)
+    total = 0
+    if q > 1:
+        total += q * (act // q + block)  # forward: q steps of an activation and a weight block
+        total += q * (act // q + block) if dx else 0  # dX
+        total += q * (act // q + block) if dw else 0  # dW
+        total += fout // q if bias and dw and q > 1 else 0  # bias grad over col
+    if d > 1 and dw:
+        total += block + (fout // q if bias else 0)  # weight and bias grads over depth
+    return total
+
+
+@pytest.mark.parametrize("features", [(12, 30), (30, 12)], ids=["up", "down"])
+def test_comm_volume_meets_summa_formula(mesh, features):
+    fin, fout = features
+    torch.manual_seed(0)
+    layer = Linear2D(fin, fout, mesh=mesh)
+    x = scatter(_data(mesh, fin), mesh).requires_grad_()
+    with count_comm() as counter:
+        layer(x).sum().backward()
+    rows = x.shape[0] * x.shape[1] * mesh.depth * mesh.q
+    assert counter.numel == _linear_elements(mesh, rows, fin, fout)
+    # the bound the foundation issue sets, per rank: (2·B·in + B·max(in,out) + 3·in·out)/q + bias
+    bound = (2 * rows * fin + rows * max(fin, fout) + 3 * fin * fout) / mesh.q + 2 * fout
+    assert counter.numel <= bound
+    if mesh.size == 1:
+        assert counter.count() == 0
+
+
+def test_frozen_weight_sends_no_weight_gradient(mesh):
+    torch.manual_seed(0)
+    layer = Linear2D(12, 30, mesh=mesh)
+    layer.requires_grad_(False)
+    x = scatter(_data(mesh, 12), mesh).requires_grad_()
+    with count_comm() as counter:
+        layer(x).sum().backward()
+    rows = x.shape[0] * x.shape[1] * mesh.depth * mesh.q
+    assert layer.weight.grad is None and x.grad is not None
+    assert counter.numel == _linear_elements(mesh, rows, 12, 30, dw=False)
+
+
+def test_input_without_grad_gets_none_computed(mesh):
+    torch.manual_seed(0)
+    layer = Linear2D(12, 30, mesh=mesh)
+    x = scatter(_data(mesh, 12), mesh)
+    with count_comm() as counter:
+        layer(x).sum().backward()
+    rows = x.shape[0] * x.shape[1] * mesh.depth * mesh.q
+    assert layer.weight.grad is not None
+    assert counter.numel == _linear_elements(mesh, rows, 12, 30, dx=False)
+
+
+def test_functional_linear_identity(mesh):
+    """F.linear on the gathered weight equals the layer: the serial view is the weight used."""
+    torch.manual_seed(0)
+    layer = Linear2D(18, 12, mesh=mesh)
+    x = _data(mesh, 18)
+    y = gather(layer(scatter(x, mesh)), mesh)
+    state = serial_state_dict(layer)
+    assert_close(y, F.linear(x, state["weight"], state["bias"]), what="output")
