@@ -6,22 +6,44 @@ Parameters *and* activations are split over a q×q mesh of ranks (``depth`` of t
 
 from optimus2d.comm import Mesh, count_comm, gather, scatter, scatter_batch
 from optimus2d.launch import World, init, shutdown
-from optimus2d.layers import Linear2D
+from optimus2d.layers import (
+    MLP2D,
+    Dropout2D,
+    Embedding2D,
+    LayerNorm2D,
+    Linear2D,
+    MultiheadAttention2D,
+    RMSNorm2D,
+    TransformerBlock2D,
+    cross_entropy,
+)
+from optimus2d.random import shard_rng
 from optimus2d.serial import load_serial_state_dict, serial_state_dict
+from optimus2d.training import clip_grad_norm_
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "MLP2D",
+    "Dropout2D",
+    "Embedding2D",
+    "LayerNorm2D",
     "Linear2D",
     "Mesh",
+    "MultiheadAttention2D",
+    "RMSNorm2D",
+    "TransformerBlock2D",
     "World",
     "__version__",
+    "clip_grad_norm_",
     "count_comm",
+    "cross_entropy",
     "gather",
     "init",
     "load_serial_state_dict",
     "scatter",
     "scatter_batch",
     "serial_state_dict",
+    "shard_rng",
     "shutdown",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, assert_state_close
+from helpers import assert_close, assert_state_close, step_both
 from torch import nn
 
 import optimus2d
@@ -21,23 +21,6 @@ def _data(mesh, features, dtype=torch.float32, seed=1):
     return torch.randn(2 * mesh.depth * mesh.q, SEQ, features, dtype=dtype)
 
 
-def _step_both(serial, parallel, x, mesh, lr=0.1):
-    """fwd+bwd+SGD step of the serial module and its 2D twin on the same input; returns results."""
-    x_serial = x.clone().requires_grad_()
-    y_serial = serial(x_serial)
-    torch.manual_seed(2)
-    probe = torch.randn_like(y_serial)  # a loss that weighs every output differently
-    (y_serial * probe).sum().backward()
-    torch.optim.SGD(serial.parameters(), lr=lr).step()
-
-    x_full = x.clone().requires_grad_()
-    y_local = parallel(scatter(x_full, mesh))
-    (y_local * scatter(probe, mesh)).sum().backward()
-    torch.optim.SGD(parallel.parameters(), lr=lr).step()
-    # x_full.grad: scatter's backward gathered every rank's block into the full gradient
-    return (gather(y_local.detach(), mesh), y_serial, x_full.grad, x_serial.grad)
-
-
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("features", [(12, 30), (30, 12), (18, 18)], ids=["up", "down", "square"])
 def test_linear_matches_torch(mesh, features, bias):
@@ -45,7 +28,7 @@ def test_linear_matches_torch(mesh, features, bias):
     serial = nn.Linear(*features, bias=bias)
     parallel = Linear2D.from_serial(serial, mesh)
     assert parallel.summa == ("ab" if features[0] <= features[1] else "abt")
-    y, y_ref, dx, dx_ref = _step_both(serial, parallel, _data(mesh, features[0]), mesh)
+    y, y_ref, dx, dx_ref = step_both(serial, parallel, _data(mesh, features[0]), mesh)
     new_state = serial_state_dict(parallel)
     assert_close(y, y_ref, what="output")
     assert_close(dx, dx_ref, what="input grad")
@@ -65,7 +48,7 @@ def test_mlp_stack_matches_torch(mesh):
     torch.manual_seed(0)
     serial = nn.Sequential(nn.Linear(12, 48), nn.GELU(), nn.Linear(48, 12))
     parallel = nn.Sequential(Linear2D.from_serial(serial[0], mesh), nn.GELU(), Linear2D.from_serial(serial[2], mesh))
-    y, y_ref, dx, dx_ref = _step_both(serial, parallel, _data(mesh, 12), mesh)
+    y, y_ref, dx, dx_ref = step_both(serial, parallel, _data(mesh, 12), mesh)
     new_state = serial_state_dict(parallel)
     assert_close(y, y_ref, what="output")
     assert_close(dx, dx_ref, what="input grad")

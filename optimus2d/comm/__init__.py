@@ -1,7 +1,16 @@
 """Communication on the mesh: the Mesh, collectives, SUMMA, scatter/gather and their accounting."""
 
 from optimus2d.comm.counter import CommCounter, CommRecord, count_comm
-from optimus2d.comm.functional import all_reduce, gather, reduce_grad, scatter, scatter_batch
+from optimus2d.comm.functional import (
+    all_gather,
+    all_reduce,
+    gather,
+    reduce_grad,
+    reduce_scatter,
+    scatter,
+    scatter_batch,
+    sum_across,
+)
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
 from optimus2d.comm.summa import summa_ab, summa_abt, summa_atb
@@ -11,13 +20,16 @@ __all__ = [
     "CommRecord",
     "Mesh",
     "Sharding",
+    "all_gather",
     "all_reduce",
     "count_comm",
     "gather",
     "reduce_grad",
+    "reduce_scatter",
     "scatter",
     "scatter_batch",
     "shard",
+    "sum_across",
     "summa_ab",
     "summa_abt",
     "summa_atb",

@@ -65,6 +65,45 @@ class _AllReduce(Function):
         return grad, None, None
 
 
+class _SumAcross(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Tensor:
+        ctx.mesh, ctx.axes = mesh, axes
+        x = x.clone(memory_format=torch.contiguous_format)
+        for axis in axes:
+            P.all_reduce(x, mesh, axis)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        for axis in ctx.axes:
+            P.all_reduce(grad, ctx.mesh, axis)
+        return grad, None, None
+
+
+class _AllGather(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
+        ctx.mesh, ctx.axis, ctx.dim = mesh, axis, dim
+        return P.all_gather(x, mesh, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return P.reduce_scatter(grad, ctx.mesh, ctx.axis, ctx.dim), None, None, None
+
+
+class _ReduceScatter(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
+        ctx.mesh, ctx.axis, ctx.dim = mesh, axis, dim
+        return P.reduce_scatter(x, mesh, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return P.all_gather(grad, ctx.mesh, ctx.axis, ctx.dim), None, None, None
+
+
 # ---- tier 3: public functions -----------------------------------------------------------------
 def activation_sharding(shape: Sequence[int]) -> Sharding:
     """``[b, ..., h]``: batch over (depth, col) as block k·q + i, hidden over row as block j."""
@@ -137,6 +176,32 @@ def all_reduce(x: torch.Tensor, mesh: Mesh, axes: Sequence[str]) -> torch.Tensor
     if not axes:
         return x
     return _AllReduce.apply(x, mesh, axes)
+
+
+def sum_across(x: torch.Tensor, mesh: Mesh, axes: Sequence[str]) -> torch.Tensor:
+    """forward: all-reduce (sum) over ``axes``; backward: all-reduce.
+
+    For a sum whose result feeds different computations on each rank of ``axes`` (LayerNorm's
+    statistics over the row feed every hidden block), so the gradients must be summed back.
+    """
+    axes = tuple(a for a in axes if mesh.axis_size(a) > 1)
+    if not axes:
+        return x
+    return _SumAcross.apply(x, mesh, axes)
+
+
+def all_gather(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
+    """forward: all-gather along ``dim`` over ``axis``; backward: reduce-scatter."""
+    if mesh.axis_size(axis) == 1:
+        return x
+    return _AllGather.apply(x, mesh, axis, dim)
+
+
+def reduce_scatter(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
+    """forward: reduce-scatter (sum, keep this rank's chunk of ``dim``) over ``axis``; backward: all-gather."""
+    if mesh.axis_size(axis) == 1:
+        return x
+    return _ReduceScatter.apply(x, mesh, axis, dim)
 
 
 def _check_activation(what: str, x: torch.Tensor, mesh: Mesh) -> None:

@@ -26,10 +26,18 @@ class Sharding:
 
     The local block of a dim split over axes of total size n has ``ceil(full / n)`` entries; a dim
     that does not divide (a vocabulary of 50257, say) is padded with zeros at its end.
+
+    ``parts``: dim 0 is a concatenation of parts of these sizes (a fused q/k/v projection), each
+    split on its own; the local block is the concatenation of the parts' blocks, so a rank holds
+    whole heads of q, k and v.
     """
 
     dims: tuple[tuple[str, ...], ...]
     full_shape: tuple[int, ...]
+    parts: tuple[int, ...] | None = None
+
+    def _part_shardings(self) -> list[Sharding]:
+        return [Sharding(self.dims, (n, *self.full_shape[1:])) for n in self.parts]
 
     def splits(self, mesh: Mesh, dim: int) -> int:
         n = 1
@@ -38,6 +46,9 @@ class Sharding:
         return n
 
     def local_shape(self, mesh: Mesh) -> tuple[int, ...]:
+        if self.parts:
+            shapes = [p.local_shape(mesh) for p in self._part_shardings()]
+            return (sum(s[0] for s in shapes), *shapes[0][1:])
         return tuple(-(-size // self.splits(mesh, d)) for d, size in enumerate(self.full_shape))
 
     def replicated_axes(self, mesh: Mesh) -> tuple[str, ...]:
@@ -54,6 +65,9 @@ def shard(full: torch.Tensor, mesh: Mesh, sharding: Sharding) -> torch.Tensor:
     """This rank's block of ``full`` (no communication; zero-padded where a dim does not divide)."""
     if tuple(full.shape) != sharding.full_shape:
         raise ValueError(f"tensor of shape {tuple(full.shape)} does not match {sharding}")
+    if sharding.parts:
+        pieces = full.split(list(sharding.parts))
+        return torch.cat([shard(t, mesh, s) for t, s in zip(pieces, sharding._part_shardings(), strict=True)])
     local_shape = sharding.local_shape(mesh)
     pad = []
     for d in reversed(range(full.dim())):
@@ -70,6 +84,10 @@ def unshard(local: torch.Tensor, mesh: Mesh, sharding: Sharding) -> torch.Tensor
     expected = sharding.local_shape(mesh)
     if tuple(local.shape) != expected:
         raise ValueError(f"local block of shape {tuple(local.shape)} does not match {sharding} on {mesh}")
+    if sharding.parts:
+        parts = sharding._part_shardings()
+        pieces = local.split([p.local_shape(mesh)[0] for p in parts])
+        return torch.cat([unshard(t.contiguous(), mesh, p) for t, p in zip(pieces, parts, strict=True)])
     out = local
     for d, axes in enumerate(sharding.dims):
         for axis in reversed(axes):

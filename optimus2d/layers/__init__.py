@@ -1,6 +1,25 @@
 """Modules that stand in for torch.nn ones on the mesh."""
 
+from optimus2d.layers.attention import MultiheadAttention2D
 from optimus2d.layers.base import ShardedModule
-from optimus2d.layers.linear import Linear2D
+from optimus2d.layers.block import TransformerBlock2D
+from optimus2d.layers.embedding import Embedding2D
+from optimus2d.layers.linear import Linear2D, linear_2d
+from optimus2d.layers.loss import cross_entropy
+from optimus2d.layers.mlp import MLP2D
+from optimus2d.layers.norm import LayerNorm2D, RMSNorm2D
+from optimus2d.random import Dropout2D
 
-__all__ = ["Linear2D", "ShardedModule"]
+__all__ = [
+    "MLP2D",
+    "Dropout2D",
+    "Embedding2D",
+    "LayerNorm2D",
+    "Linear2D",
+    "MultiheadAttention2D",
+    "RMSNorm2D",
+    "ShardedModule",
+    "TransformerBlock2D",
+    "cross_entropy",
+    "linear_2d",
+]

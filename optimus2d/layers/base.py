@@ -19,6 +19,12 @@ class ShardedModule(nn.Module):
     mesh: Mesh
     shardings: dict[str, Sharding]
 
+    def tag_parameters(self) -> None:
+        """Mark each own parameter with its Sharding (``clip_grad_norm_`` counts replicas once)."""
+        for name, param in self.named_parameters(recurse=False):
+            param._optimus2d_sharding = self.shardings.get(name)
+            param._optimus2d_mesh = self.mesh
+
     def load_serial_tensor(self, name: str, full: torch.Tensor) -> None:
         """Copy this rank's block of the serial tensor ``full`` into ``name`` (no communication)."""
         local = getattr(self, name)

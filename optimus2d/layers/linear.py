@@ -55,6 +55,7 @@ class Linear2D(ShardedModule):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
+        self.tag_parameters()
 
     def reset_parameters(self) -> None:
         """The blocks of ``nn.Linear(in, out)`` initialised with the same RNG state (same on every rank)."""
@@ -77,6 +78,7 @@ class Linear2D(ShardedModule):
             linear.in_features, linear.out_features, linear.bias is not None, mesh=mesh, device="meta", dtype=w.dtype
         )
         module.to_empty(device=w.device)
+        module.tag_parameters()
         module._copy_from(linear)
         module.weight.requires_grad_(w.requires_grad)
         if linear.bias is not None:
@@ -92,33 +94,7 @@ class Linear2D(ShardedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        weight, bias = self.weight, self.bias
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):  # cast as autocast casts F.linear's inputs
-            dtype = torch.get_autocast_dtype(device_type)
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
-            with torch.autocast(device_type, enabled=False):
-                return self._linear(x, weight, bias)
-        if x.dtype != weight.dtype:
-            raise TypeError(f"Linear2D: input dtype {x.dtype} differs from weight dtype {weight.dtype}")
-        return self._linear(x, weight, bias)
-
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        mesh = self.mesh
-        if mesh.q == 1:
-            weight = reduce_grad(weight, mesh, ("depth",))
-            bias = reduce_grad(bias, mesh, ("depth",)) if bias is not None else None
-            return F.linear(x, weight, bias)
-        rows = x.reshape(-1, x.shape[-1])
-        if self.summa == "ab":
-            y = summa_ab(rows, weight.t(), mesh)
-        else:
-            y = summa_abt(rows, weight, mesh)
-        y = y.view(*x.shape[:-1], y.shape[-1])
-        if bias is not None:
-            y = y + reduce_grad(bias, mesh, ("col", "depth"))
-        return y
+        return linear_2d(x, self.weight, self.bias, self.mesh, self.summa)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
@@ -139,3 +115,31 @@ class Linear2D(ShardedModule):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"local=[{self.out_features // q}, {self.in_features // q}], summa={self.summa}, mesh={self.mesh}"
         )
+
+
+def linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mesh: Mesh, summa: str) -> torch.Tensor:
+    """``F.linear`` on the mesh: x ``[rows..., in/q]``, weight ``[out/q, in/q]``, bias ``[out/q]``.
+
+    ``summa`` says which block the weight is ("ab": W[out blk j, in blk i]; "abt": W[out blk i,
+    in blk j]). Under autocast the three are cast as autocast casts F.linear's inputs, so the
+    collectives move the low-precision tensors.
+    """
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+        with torch.autocast(device_type, enabled=False):
+            return linear_2d(x, weight, bias, mesh, summa)
+    if x.dtype != weight.dtype:
+        raise TypeError(f"Linear2D: input dtype {x.dtype} differs from weight dtype {weight.dtype}")
+    if mesh.q == 1:
+        weight = reduce_grad(weight, mesh, ("depth",))
+        bias = reduce_grad(bias, mesh, ("depth",)) if bias is not None else None
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    y = summa_ab(rows, weight.t(), mesh) if summa == "ab" else summa_abt(rows, weight, mesh)
+    y = y.view(*x.shape[:-1], y.shape[-1])
+    if bias is not None:
+        y = y + reduce_grad(bias, mesh, ("col", "depth"))
+    return y

@@ -1,0 +1,98 @@
+"""TransformerBlock2D: ``nn.TransformerEncoderLayer`` (batch_first) on the mesh, pre- or post-norm."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from optimus2d.comm.mesh import Mesh
+from optimus2d.layers.attention import MultiheadAttention2D
+from optimus2d.layers.linear import Linear2D
+from optimus2d.layers.mlp import activation_fn
+from optimus2d.layers.norm import LayerNorm2D
+from optimus2d.random import Dropout2D
+
+
+class TransformerBlock2D(nn.Module):
+    """Self-attention and feed-forward with residuals, as ``nn.TransformerEncoderLayer(batch_first=True)``.
+
+    ``norm_first=True``: ``x + attn(norm1(x))``, then ``x + ff(norm2(x))``; ``False``: post-norm.
+    Submodules carry ``nn.TransformerEncoderLayer``'s names (``self_attn``, ``linear1``, ``linear2``,
+    ``norm1``, ``norm2``), so ``serial_state_dict`` gives that module's keys.
+    Global ``[b, s, d_model]``; on rank (k, i, j) ``[b/(d·q), s, d_model/q]``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        nhead: int,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        activation: str | Callable[[torch.Tensor], torch.Tensor] = "relu",
+        layer_norm_eps: float = 1e-5,
+        norm_first: bool = False,
+        bias: bool = True,
+        *,
+        num_kv_heads: int | None = None,
+        mesh: Mesh,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        kw = {"mesh": mesh, "device": device, "dtype": dtype}
+        self.self_attn = MultiheadAttention2D(d_model, nhead, dropout, bias, num_kv_heads=num_kv_heads, **kw)
+        self.linear1 = Linear2D(d_model, dim_feedforward, bias, **kw)
+        self.dropout = Dropout2D(dropout, mesh=mesh)
+        self.linear2 = Linear2D(dim_feedforward, d_model, bias, **kw)
+        self.norm_first = norm_first
+        self.norm1 = LayerNorm2D(d_model, layer_norm_eps, bias=bias, **kw)
+        self.norm2 = LayerNorm2D(d_model, layer_norm_eps, bias=bias, **kw)
+        self.dropout1 = Dropout2D(dropout, mesh=mesh)
+        self.dropout2 = Dropout2D(dropout, mesh=mesh)
+        self.activation = activation_fn(activation)
+
+    @classmethod
+    def from_serial(cls, layer: nn.TransformerEncoderLayer, mesh: Mesh) -> TransformerBlock2D:
+        """The same block with ``layer``'s weights (its activation function is kept as it is)."""
+        if not isinstance(layer, nn.TransformerEncoderLayer):
+            raise TypeError(
+                f"TransformerBlock2D.from_serial expects nn.TransformerEncoderLayer, got {type(layer).__name__}"
+            )
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.self_attn = MultiheadAttention2D.from_serial(layer.self_attn, mesh)
+        module.linear1 = Linear2D.from_serial(layer.linear1, mesh)
+        module.dropout = Dropout2D(layer.dropout.p, mesh=mesh)
+        module.linear2 = Linear2D.from_serial(layer.linear2, mesh)
+        module.norm_first = layer.norm_first
+        module.norm1 = LayerNorm2D.from_serial(layer.norm1, mesh)
+        module.norm2 = LayerNorm2D.from_serial(layer.norm2, mesh)
+        module.dropout1 = Dropout2D(layer.dropout1.p, mesh=mesh)
+        module.dropout2 = Dropout2D(layer.dropout2.p, mesh=mesh)
+        module.activation = layer.activation
+        return module
+
+    def forward(
+        self,
+        src: torch.Tensor,
+        src_mask: torch.Tensor | None = None,
+        src_key_padding_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        x = src
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal)
+            return x + self._ff_block(self.norm2(x))
+        x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal))
+        return self.norm2(x + self._ff_block(x))
+
+    def _sa_block(self, x, attn_mask, key_padding_mask, is_causal):
+        out = self.self_attn(
+            x, x, x, attn_mask=attn_mask, key_padding_mask=key_padding_mask, need_weights=False, is_causal=is_causal
+        )[0]
+        return self.dropout1(out)
+
+    def _ff_block(self, x):
+        return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))

@@ -1,0 +1,137 @@
+"""Embedding2D: ``nn.Embedding`` with both the vocabulary and the hidden dim split over the mesh."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from optimus2d.comm import primitives as P
+from optimus2d.comm import reduce_grad, reduce_scatter, summa_abt
+from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.sharding import Sharding
+from optimus2d.layers.base import ShardedModule
+
+
+class Embedding2D(ShardedModule):
+    """A lookup table ``[V, h]`` of which no rank holds more than ``[⌈V/q⌉, h/q]``.
+
+    On rank (k, i, j): ``weight`` ``[⌈V/q⌉, h/q]`` = rows block i (vocabulary, split over the column
+    group), columns block j (hidden, split over the row group); replicated over depth. A vocabulary
+    that does not divide by q is padded at its end with zero rows that no id reaches and that
+    ``serial_state_dict`` leaves out.
+
+    forward: token ids ``[b/(d·q), ...]`` (``optimus2d.scatter_batch``) → ``[b/(d·q), ..., h/q]``.
+    Sends: all-gather of the ids over the column, reduce-scatter of the looked-up partial sums
+    (backward: all-gather of the gradient, all-reduce of the weight gradient over depth).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        *,
+        mesh: Mesh,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if embedding_dim % mesh.q:
+            raise ValueError(f"Embedding2D: embedding_dim={embedding_dim} is not divisible by q={mesh.q} ({mesh})")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(
+                    f"Embedding2D: padding_idx={padding_idx} must be within num_embeddings={num_embeddings}"
+                )
+            padding_idx %= num_embeddings
+        self.num_embeddings, self.embedding_dim, self.padding_idx, self.mesh = (
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            mesh,
+        )
+        self.shardings = {"weight": Sharding((("col",), ("row",)), (num_embeddings, embedding_dim))}
+        local = self.shardings["weight"].local_shape(mesh)
+        self.vocab_per_rank = local[0]
+        self.weight = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
+        self.reset_parameters()
+        self.tag_parameters()
+
+    def reset_parameters(self) -> None:
+        """The blocks of ``nn.Embedding``'s N(0, 1) init with the same RNG state (same on every rank)."""
+        if self.weight.device.type == "meta":
+            return
+        full = nn.Embedding(
+            self.num_embeddings,
+            self.embedding_dim,
+            self.padding_idx,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
+        )
+        self.load_serial_tensor("weight", full.weight)
+
+    @classmethod
+    def from_serial(cls, embedding: nn.Embedding, mesh: Mesh) -> Embedding2D:
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError(f"Embedding2D.from_serial expects nn.Embedding, got {type(embedding).__name__}")
+        if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+            raise ValueError("Embedding2D.from_serial: max_norm, scale_grad_by_freq and sparse are not supported")
+        w = embedding.weight
+        module = cls(w.shape[0], w.shape[1], embedding.padding_idx, mesh=mesh, device="meta", dtype=w.dtype)
+        module.to_empty(device=w.device)
+        module.tag_parameters()
+        module.load_serial_tensor("weight", w)
+        module.weight.requires_grad_(w.requires_grad)
+        return module
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dim() < 1:
+            raise TypeError(f"Embedding2D expects integer token ids [b/(d·q), ...], got {_describe(ids)}")
+        mesh, n = self.mesh, self.num_embeddings
+        local_bad = ((ids < 0) | (ids >= n)).any().to(ids.dtype).reshape(1)
+        # ids and a "some id is out of range" flag travel together (and the flag on over depth):
+        # every rank sees the same flag and raises together, none is left waiting in a collective
+        packed = torch.cat([ids.reshape(-1), local_bad])
+        gathered = P.all_gather(packed.contiguous(), mesh, "col", 0).view(mesh.q, -1)
+        flag = gathered[:, -1].amax().reshape(1)
+        P.all_reduce(flag, mesh, "depth")  # depth slices see other ids: share the flag with them too
+        if flag.item():
+            bad = ids[(ids < 0) | (ids >= n)]
+            where = f": {bad[:8].tolist()}" if bad.numel() else " on another rank of this column"
+            raise ValueError(f"Embedding2D(num_embeddings={n}): token ids outside [0, {n}){where} ({mesh})")
+        all_ids = gathered[:, :-1].reshape(mesh.q * ids.shape[0], *ids.shape[1:])
+        start = mesh.index("col") * self.vocab_per_rank
+        mine = (all_ids >= start) & (all_ids < start + self.vocab_per_rank)
+        local_ids = torch.where(mine, all_ids - start, 0)
+        pad = self.padding_idx
+        local_pad = pad - start if pad is not None and start <= pad < start + self.vocab_per_rank else None
+        weight = reduce_grad(self.weight, mesh, ("depth",))
+        partial = F.embedding(local_ids, weight, local_pad) * mine.unsqueeze(-1).to(weight.dtype)
+        return reduce_scatter(partial, mesh, "col", 0)
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        """Tied output head: logits ``x·Wᵀ``, ``[b/(d·q), ..., h/q]`` → ``[b/(d·q), ..., ⌈V/q⌉]``.
+
+        The logits of padded vocabulary rows are −inf: they take no part in softmax or in
+        ``optimus2d.cross_entropy``. Sends as ``summa_abt`` (the table's layout is that of an
+        "abt" weight).
+        """
+        if x.shape[-1] != self.embedding_dim // self.mesh.q:
+            raise ValueError(
+                f"Embedding2D.attend: input of shape {tuple(x.shape)} must end in embedding_dim/q = "
+                f"{self.embedding_dim // self.mesh.q} on {self.mesh}"
+            )
+        rows = x.reshape(-1, x.shape[-1])
+        logits = summa_abt(rows, self.weight.to(x.dtype), self.mesh).view(*x.shape[:-1], -1)
+        start = self.mesh.index("row") * self.vocab_per_rank  # the logits' vocab block is the row index j
+        padded = torch.arange(start, start + self.vocab_per_rank, device=x.device) >= self.num_embeddings
+        return logits.masked_fill(padded, float("-inf")) if padded.any() else logits
+
+    def extra_repr(self) -> str:
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}, local={list(self.weight.shape)}, mesh={self.mesh}"
+
+
+def _describe(x: object) -> str:
+    return f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__

@@ -1,0 +1,84 @@
+"""cross_entropy over logits whose vocabulary is split over the row group."""
+
+from __future__ import annotations
+
+import torch
+
+from optimus2d.comm import all_reduce
+from optimus2d.comm import primitives as P
+from optimus2d.comm.mesh import Mesh
+
+
+def cross_entropy(
+    logits_local: torch.Tensor,
+    target_local: torch.Tensor,
+    mesh: Mesh,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``F.cross_entropy`` of the full logits, computed from this rank's block.
+
+    logits_local: ``[b/(d·q), ..., V/q]``, vocabulary block j (this rank's row index), e.g. from a
+    ``Linear2D`` head or ``Embedding2D.attend``; columns whose logit is −inf (padded vocabulary)
+    take no part, so the vocabulary size is the number of finite columns.
+    target_local: ``[b/(d·q), ...]`` class indices (``optimus2d.scatter_batch``).
+
+    Returns, on every rank, the global loss (``"mean"``: over the targets that are not
+    ``ignore_index``; ``"sum"``) or this rank's block ``[b/(d·q), ...]`` of the per-target losses
+    (``"none"``). Sends: a max and a sum all-reduce over the row (3 values a target), and for
+    "mean"/"sum" one all-reduce of 2 values over col and depth; backward sends nothing.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"cross_entropy: reduction={reduction!r} is not 'mean', 'sum' or 'none'")
+    if tuple(target_local.shape) != tuple(logits_local.shape[:-1]):
+        raise ValueError(
+            f"cross_entropy: target of shape {tuple(target_local.shape)} does not match logits "
+            f"{tuple(logits_local.shape)} (expected target {tuple(logits_local.shape[:-1])}) on {mesh}"
+        )
+    if target_local.is_floating_point():
+        raise TypeError(f"cross_entropy: targets must be class indices, got {target_local.dtype}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing={label_smoothing} must be in [0, 1]")
+
+    logits = logits_local.float()
+    per_rank = logits.shape[-1]
+    start = mesh.index("row") * per_rank
+    finite = torch.isfinite(logits)
+
+    row_max = logits.detach().amax(-1, keepdim=True)
+    P.all_reduce(row_max, mesh, "row", op=torch.distributed.ReduceOp.MAX)
+    shifted = logits - row_max
+    valid = target_local != ignore_index
+    in_block = valid & (target_local >= start) & (target_local < start + per_rank)
+    local_target = torch.where(in_block, target_local - start, 0).unsqueeze(-1)
+    picked = shifted.gather(-1, local_target).squeeze(-1) * in_block
+    sums = [
+        shifted.exp().sum(-1),  # Σ exp over this block
+        picked,  # the target's logit, if it is in this block
+        torch.where(finite, shifted, 0.0).sum(-1),  # Σ logits, for label smoothing
+        finite.sum(-1).to(logits.dtype),  # how many real classes
+        (valid & ((target_local < 0) | (target_local >= start + per_rank * mesh.q))).to(logits.dtype),
+    ]
+    totals = all_reduce(torch.stack(sums, -1), mesh, ("row",))
+    sum_exp, target_logit, sum_logits, classes, out_of_range = totals.unbind(-1)
+    # A bad target is reported on every rank at once (the flag rides on the last all-reduce), so no
+    # rank raises while the others wait in a collective.
+    bad = ((out_of_range > 0) | ((target_local >= classes.long()) & valid)).any().to(logits.dtype)
+    log_z = sum_exp.log()
+    nll = log_z - target_logit
+    loss = (1 - label_smoothing) * nll + label_smoothing * (log_z - sum_logits / classes)
+    loss = loss * valid
+    if reduction == "none":
+        _raise_if(bad, classes, mesh)
+        return loss.to(logits_local.dtype)
+    total = all_reduce(torch.stack([loss.sum(), valid.sum().to(loss.dtype), bad]), mesh, ("col", "depth"))
+    _raise_if(total[2], classes, mesh)
+    result = total[0] / total[1] if reduction == "mean" else total[0]
+    return result.to(logits_local.dtype)
+
+
+def _raise_if(bad: torch.Tensor, classes: torch.Tensor, mesh: Mesh) -> None:
+    if bool(bad > 0):
+        n = int(classes.reshape(-1)[0]) if classes.numel() else 0
+        raise ValueError(f"cross_entropy: a target class is outside [0, {n}) ({mesh})")

@@ -1,0 +1,194 @@
+"""LayerNorm2D and RMSNorm2D: statistics over a hidden dim that is split over the row group."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import nn
+from torch.autograd import Function
+
+from optimus2d.comm import primitives as P
+from optimus2d.comm import reduce_grad
+from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.sharding import Sharding
+from optimus2d.layers.base import ShardedModule
+
+
+class _Norm2D(Function):
+    """y = x̂·w + b with x̂ = (x − μ)·r (LayerNorm) or x·r (RMSNorm), over the full hidden size.
+
+    forward: one all-reduce over the row of [Σx, Σx²] (RMS: [Σx²]); backward: one all-reduce over
+    the row of [Σg, Σg·x̂] (RMS: [Σg·x̂]), g = dy·w. Saves x and the per-row statistics only.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mesh: Mesh, hidden: int, eps: float, rms: bool):
+        xf = x.float()
+        sums = (
+            [xf.square().sum(-1, keepdim=True)]
+            if rms
+            else [xf.sum(-1, keepdim=True), xf.square().sum(-1, keepdim=True)]
+        )
+        stats = torch.cat(sums, -1)
+        P.all_reduce(stats, mesh, "row")
+        if rms:
+            mean = torch.zeros_like(stats[..., :1])
+            var = stats[..., :1] / hidden
+        else:
+            mean = stats[..., :1] / hidden
+            var = (stats[..., 1:] / hidden - mean.square()).clamp_min(0)
+        rstd = torch.rsqrt(var + eps)
+        y = (xf - mean) * rstd
+        if weight is not None:
+            y = y * weight.float()
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.mesh, ctx.hidden, ctx.rms, ctx.has_bias = mesh, hidden, rms, bias is not None
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, mean, rstd = ctx.saved_tensors
+        x_hat = (x.float() - mean) * rstd
+        dy = grad_y.float()
+        g = dy * weight.float() if weight is not None else dy
+        lead = tuple(range(x.dim() - 1))
+        grad_w = (dy * x_hat).sum(lead).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_b = dy.sum(lead).to(grad_y.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            sums = (
+                [(g * x_hat).sum(-1, keepdim=True)]
+                if ctx.rms
+                else [g.sum(-1, keepdim=True), (g * x_hat).sum(-1, keepdim=True)]
+            )
+            stats = torch.cat(sums, -1)
+            P.all_reduce(stats, ctx.mesh, "row")
+            means = stats / ctx.hidden
+            grad_x = g - x_hat * means[..., -1:]
+            if not ctx.rms:
+                grad_x = grad_x - means[..., :1]
+            grad_x = (grad_x * rstd).to(x.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+class _Norm2DBase(ShardedModule):
+    def __init__(self, normalized_shape, eps, elementwise_affine, bias, *, mesh, device, dtype) -> None:
+        super().__init__()
+        shape = (normalized_shape,) if isinstance(normalized_shape, numbers.Integral) else tuple(normalized_shape)
+        name = type(self).__name__
+        if len(shape) != 1:
+            raise ValueError(f"{name} normalises the last dim only; got normalized_shape={shape}")
+        (hidden,) = shape
+        if hidden % mesh.q:
+            raise ValueError(f"{name}: hidden size {hidden} is not divisible by q={mesh.q} ({mesh})")
+        self.normalized_shape, self.eps, self.mesh = shape, eps, mesh
+        self.elementwise_affine = elementwise_affine
+        self.shardings = {}
+        local = hidden // mesh.q
+        for pname, wanted in (("weight", elementwise_affine), ("bias", elementwise_affine and bias)):
+            if wanted:
+                self.shardings[pname] = Sharding((("row",),), shape)
+                self.register_parameter(pname, nn.Parameter(torch.empty(local, device=device, dtype=dtype)))
+            else:
+                self.register_parameter(pname, None)
+        self.reset_parameters()
+        self.tag_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def _normalise(self, x: torch.Tensor, eps: float, rms: bool) -> torch.Tensor:
+        local = self.normalized_shape[0] // self.mesh.q
+        if x.shape[-1] != local:
+            raise ValueError(
+                f"{type(self).__name__}({self.normalized_shape[0]}): input of shape {tuple(x.shape)} must end in "
+                f"hidden/q = {local} on {self.mesh}"
+            )
+        weight = reduce_grad(self.weight, self.mesh, ("col", "depth")) if self.weight is not None else None
+        bias = reduce_grad(self.bias, self.mesh, ("col", "depth")) if self.bias is not None else None
+        return _Norm2D.apply(x, weight, bias, self.mesh, self.normalized_shape[0], eps, rms)
+
+    def _from_serial(self, module: nn.Module) -> None:
+        self.to_empty(device=(module.weight if module.weight is not None else torch.empty(0)).device)
+        self.tag_parameters()
+        for pname in ("weight", "bias"):
+            if getattr(self, pname, None) is not None:
+                self.load_serial_tensor(pname, getattr(module, pname))
+                getattr(self, pname).requires_grad_(getattr(module, pname).requires_grad)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, mesh={self.mesh}"
+        )
+
+
+class LayerNorm2D(_Norm2DBase):
+    """``nn.LayerNorm`` over the last dim, which is split over the row group.
+
+    Global: x ``[b, ..., h]``; weight, bias ``[h]``. On rank (k, i, j): x ``[b/(d·q), ..., h/q]``;
+    weight, bias ``[h/q]`` = block j, replicated over col and depth.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | tuple[int],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        *,
+        mesh: Mesh,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, mesh=mesh, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._normalise(x, self.eps, rms=False)
+
+    @classmethod
+    def from_serial(cls, norm: nn.LayerNorm, mesh: Mesh) -> LayerNorm2D:
+        if not isinstance(norm, nn.LayerNorm):
+            raise TypeError(f"LayerNorm2D.from_serial expects nn.LayerNorm, got {type(norm).__name__}")
+        module = cls(
+            norm.normalized_shape, norm.eps, norm.elementwise_affine, norm.bias is not None, mesh=mesh, device="meta"
+        )
+        module._from_serial(norm)
+        return module
+
+
+class RMSNorm2D(_Norm2DBase):
+    """``nn.RMSNorm`` over the last dim, which is split over the row group.
+
+    Global: x ``[b, ..., h]``; weight ``[h]``. On rank (k, i, j): x ``[b/(d·q), ..., h/q]``; weight
+    ``[h/q]`` = block j, replicated over col and depth. ``eps=None`` is ``torch.finfo(x.dtype).eps``.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | tuple[int],
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        *,
+        mesh: Mesh,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, False, mesh=mesh, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return self._normalise(x, eps, rms=True)
+
+    @classmethod
+    def from_serial(cls, norm: nn.RMSNorm, mesh: Mesh) -> RMSNorm2D:
+        if not isinstance(norm, nn.RMSNorm):
+            raise TypeError(f"RMSNorm2D.from_serial expects nn.RMSNorm, got {type(norm).__name__}")
+        module = cls(norm.normalized_shape, norm.eps, norm.elementwise_affine, mesh=mesh, device="meta")
+        module._from_serial(norm)
+        return module

@@ -1,0 +1,54 @@
+"""Training utilities that need the whole mesh's view: the true global gradient norm."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from optimus2d.comm import all_reduce
+from optimus2d.comm import primitives as P
+from optimus2d.comm.mesh import Mesh
+
+
+def _replicas(param: torch.Tensor, mesh: Mesh) -> int:
+    """How many ranks hold the same block of ``param``."""
+    sharding = getattr(param, "_optimus2d_sharding", None)
+    if getattr(param, "_optimus2d_mesh", None) is None:
+        return mesh.size  # a plain torch parameter: the same on every rank
+    if sharding is None:
+        return mesh.size
+    n = 1
+    for axis in sharding.replicated_axes(mesh):
+        n *= mesh.axis_size(axis)
+    return n
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, mesh: Mesh, norm_type: float = 2.0
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a model on the mesh: the norm of the serial gradient.
+
+    Each block of a sharded parameter counts once; a parameter replicated over some axes (a bias
+    over col and depth, a plain torch parameter everywhere) counts once, not once per replica.
+    One all-reduce over the mesh (a max for ``norm_type=inf``). Returns the total norm, the same
+    on every rank.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [(p.grad, _replicas(p, mesh)) for p in params if p.grad is not None]
+    device = grads[0][0].device if grads else torch.device("cpu")
+    if norm_type == float("inf"):
+        local = max((g.detach().abs().max().float() for g, _ in grads), default=torch.zeros((), device=device))
+        total = local.reshape(1).clone()
+        P.all_reduce(total, mesh, "mesh", op=torch.distributed.ReduceOp.MAX)
+        total = total[0]
+    else:
+        local = torch.zeros((), dtype=torch.float64, device=device)
+        for g, replicas in grads:
+            local = local + g.detach().double().abs().pow(norm_type).sum() / replicas
+        total = all_reduce(local.reshape(1), mesh, ("mesh",))[0] ** (1.0 / norm_type)
+    clip = max_norm / (total.float() + 1e-6)
+    if clip < 1:
+        for g, _ in grads:
+            g.detach().mul_(clip.to(g.dtype))
+    return total.float()

@@ -1,0 +1,283 @@
+"""Norms, attention, embedding, loss and the transformer block against torch.nn, on every mesh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close, check_against_serial
+from torch import nn
+
+from optimus2d import (
+    Embedding2D,
+    LayerNorm2D,
+    MultiheadAttention2D,
+    RMSNorm2D,
+    TransformerBlock2D,
+    count_comm,
+    cross_entropy,
+    gather,
+    scatter,
+    scatter_batch,
+    serial_state_dict,
+)
+
+pytestmark = pytest.mark.mpi
+
+E, HEADS, SEQ = 12, 6, 5  # divisible by q = 1, 2, 3; odd sequence
+
+
+def _x(mesh, features=E, seed=1, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return torch.randn(2 * mesh.depth * mesh.q, SEQ, features, dtype=dtype)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_layernorm_matches_torch(mesh, bias):
+    torch.manual_seed(0)
+    serial = nn.LayerNorm(E, eps=1e-6, bias=bias)
+    with torch.no_grad():  # not the trivial ones/zeros init
+        serial.weight.uniform_(0.5, 1.5)
+        if bias:
+            serial.bias.uniform_(-0.5, 0.5)
+    check_against_serial(serial, LayerNorm2D.from_serial(serial, mesh), _x(mesh) * 3 + 1, mesh)
+
+
+def test_rmsnorm_matches_torch(mesh):
+    torch.manual_seed(0)
+    serial = nn.RMSNorm(E)
+    with torch.no_grad():
+        serial.weight.uniform_(0.5, 1.5)
+    check_against_serial(serial, RMSNorm2D.from_serial(serial, mesh), _x(mesh), mesh)
+
+
+def test_norm_sends_one_all_reduce_each_way(mesh):
+    norm = LayerNorm2D(E, mesh=mesh)
+    x = scatter(_x(mesh), mesh).requires_grad_()
+    with count_comm() as counter:
+        norm(x).sum().backward()
+    rows = x.shape[0] * x.shape[1]
+    row_reduces = [r for r in counter.records if r.axis == "row"]
+    if mesh.q > 1:
+        assert [r.numel for r in row_reduces] == [2 * rows, 2 * rows]
+    assert len(row_reduces) == (2 if mesh.q > 1 else 0)
+
+
+class SelfAttention(nn.Module):
+    """Calls an attention module as nn.TransformerEncoderLayer does, returning the output only."""
+
+    def __init__(self, attn, **kwargs):
+        super().__init__()
+        self.attn, self.kwargs = attn, kwargs
+
+    def forward(self, x):
+        return self.attn(x, x, x, **self.kwargs)[0]
+
+
+def _serial_mha(bias=True):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, HEADS, bias=bias, batch_first=True)
+    with torch.no_grad():
+        if bias:
+            mha.in_proj_bias.uniform_(-0.5, 0.5)
+            mha.out_proj.bias.uniform_(-0.5, 0.5)
+    return mha
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_attention_matches_torch(mesh, bias):
+    serial = _serial_mha(bias)
+    parallel = MultiheadAttention2D.from_serial(serial, mesh)
+    check_against_serial(
+        SelfAttention(serial, need_weights=False), SelfAttention(parallel, need_weights=False), _x(mesh), mesh
+    )
+
+
+def test_attention_causal_and_padding_masks(mesh):
+    serial = _serial_mha()
+    parallel = MultiheadAttention2D.from_serial(serial, mesh)
+    b = 2 * mesh.depth * mesh.q
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)  # True: may not attend
+    padding = torch.zeros(b, SEQ, dtype=torch.bool)
+    padding[::2, -2:] = True  # every other sequence ends in two padding tokens
+    kwargs = {"attn_mask": causal, "is_causal": True, "key_padding_mask": padding, "need_weights": False}
+    check_against_serial(SelfAttention(serial, **kwargs), SelfAttention(parallel, **kwargs), _x(mesh), mesh)
+    # a per-head 3-D boolean mask, given whole
+    torch.manual_seed(4)
+    mask3 = torch.rand(b * HEADS, SEQ, SEQ) < 0.3
+    mask3[..., 0] = False  # no row fully masked
+    kwargs = {"attn_mask": mask3, "need_weights": False}
+    serial = _serial_mha()
+    parallel = MultiheadAttention2D.from_serial(serial, mesh)
+    check_against_serial(SelfAttention(serial, **kwargs), SelfAttention(parallel, **kwargs), _x(mesh), mesh)
+
+
+def test_attention_weights_match_torch(mesh):
+    serial = _serial_mha()
+    parallel = MultiheadAttention2D.from_serial(serial, mesh)
+    x = _x(mesh)
+    causal = nn.Transformer.generate_square_subsequent_mask(SEQ)
+    out_ref, weights_ref = serial(x, x, x, attn_mask=causal, need_weights=True)
+    xl = scatter(x, mesh)
+    out, weights = parallel(xl, xl, xl, attn_mask=causal, need_weights=True)
+    out = gather(out, mesh)
+    assert weights.shape == (x.shape[0] // (mesh.depth * mesh.q), SEQ, SEQ)
+    assert_close(out, out_ref, what="output")
+    assert_close(weights, scatter_batch(weights_ref, mesh), what="weights")
+
+
+def test_grouped_query_attention_matches_sdpa(mesh):
+    """Two kv heads shared by six query heads (LLaMA-style), against torch's own GQA."""
+    kv_heads = 3 if mesh.q != 2 else 2
+    heads = 6
+    hd = E // heads
+    torch.manual_seed(0)
+    parallel = MultiheadAttention2D(E, heads, num_kv_heads=kv_heads, mesh=mesh)
+    state = serial_state_dict(parallel)
+    x = _x(mesh)
+    w_q, w_k, w_v = state["in_proj_weight"].split([E, kv_heads * hd, kv_heads * hd])
+
+    def reference(x):
+        b = x.shape[0]
+        q = F.linear(x, w_q).view(b, SEQ, heads, hd).transpose(1, 2)
+        k = F.linear(x, w_k).view(b, SEQ, kv_heads, hd).transpose(1, 2)
+        v = F.linear(x, w_v).view(b, SEQ, kv_heads, hd).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.linear(out.transpose(1, 2).reshape(b, SEQ, E), state["out_proj.weight"], state["out_proj.bias"])
+
+    xl = scatter(x, mesh)
+    out = gather(parallel(xl, xl, xl, need_weights=False, is_causal=True)[0], mesh)
+    assert_close(out, reference(x), what="GQA output")
+
+
+def test_attention_refuses_bad_input(mesh):
+    q = mesh.q
+    with count_comm() as counter:
+        if q > 1:
+            with pytest.raises(ValueError, match=rf"num_heads={q + 1} is not divisible by q={q}"):
+                MultiheadAttention2D(E * (q + 1), q + 1, mesh=mesh)
+        attn = MultiheadAttention2D(E, HEADS, mesh=mesh)
+        xl = scatter(_x(mesh), mesh)
+        with pytest.raises(ValueError, match=r"attn_mask of shape \(4, 4\) does not fit \[L, S\] = \(5, 5\)"):
+            attn(xl, xl, xl, attn_mask=torch.zeros(4, 4))
+        with pytest.raises(ValueError, match=r"key_padding_mask of shape \(1, 5\)"):
+            attn(xl, xl, xl, key_padding_mask=torch.zeros(1, SEQ, dtype=torch.bool))
+        with pytest.raises(ValueError, match=r"query of shape .* must be \[b/\(d·q\), seq, embed_dim/q"):
+            attn(xl[..., :1], xl[..., :1], xl[..., :1])
+    assert counter.count() == 0
+
+
+def test_embedding_with_padded_vocabulary_matches_torch(mesh):
+    vocab = 13  # divisible by neither 2 nor 3: padded inside
+    torch.manual_seed(0)
+    serial = nn.Embedding(vocab, E, padding_idx=2)
+    parallel = Embedding2D.from_serial(serial, mesh)
+    torch.manual_seed(3)
+    ids = torch.randint(0, vocab, (2 * mesh.depth * mesh.q, SEQ))
+    ids[0, 0] = 2
+    y_ref = serial(ids)
+    torch.manual_seed(4)
+    probe = torch.randn_like(y_ref)
+    (y_ref * probe).sum().backward()
+    torch.optim.SGD(serial.parameters(), lr=0.1).step()
+    y = parallel(scatter_batch(ids, mesh))
+    (y * scatter(probe, mesh)).sum().backward()
+    torch.optim.SGD(parallel.parameters(), lr=0.1).step()
+    y_full, state = gather(y.detach(), mesh), serial_state_dict(parallel)
+    assert_close(y_full, y_ref, what="embedding output")
+    assert state["weight"].shape == (vocab, E)
+    assert_close(state["weight"], serial.weight, what="weight after a step")
+    assert torch.equal(state["weight"][2], serial.weight[2])  # padding row: no gradient
+
+
+def test_embedding_refuses_ids_outside_the_vocabulary(mesh):
+    emb = Embedding2D(10, E, mesh=mesh)
+    ids = torch.zeros(2 * mesh.depth * mesh.q, SEQ, dtype=torch.long)
+    ids[-1, -1] = 10  # only the last batch block holds the bad id
+    with pytest.raises(ValueError, match=r"token ids outside \[0, 10\)"):
+        emb(scatter_batch(ids, mesh))
+    with pytest.raises(TypeError, match="integer token ids"):
+        emb(torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1], ids=["plain", "smooth"])
+def test_cross_entropy_matches_torch(mesh, reduction, smoothing):
+    vocab = 6 * mesh.q + 0
+    torch.manual_seed(0)
+    b = 2 * mesh.depth * mesh.q
+    logits = torch.randn(b, SEQ, vocab) * 3
+    target = torch.randint(0, vocab, (b, SEQ))
+    target[0, :2] = -100
+    ref_logits = logits.clone().requires_grad_()
+    ref = F.cross_entropy(
+        ref_logits.view(-1, vocab), target.view(-1), ignore_index=-100, label_smoothing=smoothing, reduction=reduction
+    )
+    ref = ref.view(b, SEQ) if reduction == "none" else ref
+    torch.manual_seed(5)
+    weight = torch.randn_like(ref)
+    (ref * weight).sum().backward()
+
+    full = logits.clone().requires_grad_()
+    loss = cross_entropy(
+        scatter(full, mesh), scatter_batch(target, mesh), mesh, label_smoothing=smoothing, reduction=reduction
+    )
+    if reduction == "none":
+        (loss * scatter_batch(weight, mesh)).sum().backward()
+        loss = gather(loss.unsqueeze(-1).expand(-1, -1, mesh.q).contiguous(), mesh)[..., 0]  # hidden-split view
+    else:
+        (loss * weight).backward()
+    assert_close(loss, ref, what="loss")
+    assert_close(full.grad, ref_logits.grad, what="logits grad")
+
+
+def test_tied_head_with_padded_vocabulary_and_loss(mesh):
+    vocab = 13
+    torch.manual_seed(0)
+    serial = nn.Embedding(vocab, E)
+    parallel = Embedding2D.from_serial(serial, mesh)
+    x, b = _x(mesh), 2 * mesh.depth * mesh.q
+    target = torch.randint(0, vocab, (b, SEQ))
+    ref = F.cross_entropy((x @ serial.weight.t()).view(-1, vocab), target.view(-1), label_smoothing=0.1)
+    ref.backward()
+    loss = cross_entropy(parallel.attend(scatter(x, mesh)), scatter_batch(target, mesh), mesh, label_smoothing=0.1)
+    loss.backward()
+    grad = parallel.weight.grad
+    from optimus2d.comm import unshard
+
+    grad_full = unshard(grad, mesh, parallel.shardings["weight"])
+    assert_close(loss, ref, what="loss")
+    assert_close(grad_full, serial.weight.grad, what="tied weight grad")
+
+
+def test_cross_entropy_refuses_bad_targets(mesh):
+    logits = scatter(torch.zeros(2 * mesh.depth * mesh.q, SEQ, 6 * mesh.q), mesh)
+    target = torch.zeros(2 * mesh.depth * mesh.q, SEQ, dtype=torch.long)
+    with count_comm() as counter:
+        with pytest.raises(ValueError, match=r"target of shape \(.*\) does not match logits"):
+            cross_entropy(logits, scatter_batch(target, mesh)[:, :-1], mesh)
+    assert counter.count() == 0
+    target[-1, -1] = 6 * mesh.q  # one bad target in the last batch block only
+    with pytest.raises(ValueError, match=r"target class is outside \[0, "):
+        cross_entropy(logits, scatter_batch(target, mesh), mesh)
+
+
+@pytest.mark.parametrize("norm_first", [True, False], ids=["prenorm", "postnorm"])
+def test_transformer_block_matches_torch(mesh, norm_first):
+    torch.manual_seed(0)
+    serial = nn.TransformerEncoderLayer(
+        E, HEADS, 4 * E, dropout=0.0, activation="gelu", batch_first=True, norm_first=norm_first
+    )
+    parallel = TransformerBlock2D.from_serial(serial, mesh)
+    assert list(serial_state_dict(parallel)) == list(serial.state_dict())
+    causal = nn.Transformer.generate_square_subsequent_mask(SEQ)
+
+    class Causal(nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            return self.layer(x, src_mask=causal, is_causal=True)
+
+    check_against_serial(Causal(serial), Causal(parallel), _x(mesh), mesh)
