@@ -281,3 +281,18 @@ def test_transformer_block_matches_torch(mesh, norm_first):
             return self.layer(x, src_mask=causal, is_causal=True)
 
     check_against_serial(Causal(serial), Causal(parallel), _x(mesh), mesh)
+
+
+def test_transformer_block_in_bf16(mesh):
+    torch.manual_seed(0)
+    serial = nn.TransformerEncoderLayer(
+        E, HEADS, 4 * E, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+    )
+    parallel = TransformerBlock2D.from_serial(serial, mesh).to(torch.bfloat16)
+    x = _x(mesh)
+    y = gather(parallel(scatter(x.to(torch.bfloat16), mesh)), mesh)
+    assert y.dtype == torch.bfloat16
+    assert_close(y.float(), serial(x), tol=3e-2, what="bf16 block output")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_auto = gather(TransformerBlock2D.from_serial(serial, mesh)(scatter(x, mesh)), mesh)
+    assert_close(y_auto.float(), serial(x), tol=3e-2, what="autocast block output")

@@ -1,0 +1,1 @@
+"""Benchmarks for optimus2d: run ``python -m benchmarks --help`` under mpiexec or torchrun."""

@@ -1,0 +1,33 @@
+"""python -m benchmarks SUBCOMMAND [options], under mpiexec -n N or torchrun (N = depth·q²)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+import optimus2d
+from benchmarks import memory
+
+SUBCOMMANDS = {"memory": memory}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--depth", type=int, default=1)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module in SUBCOMMANDS.items():
+        module.add_arguments(sub.add_parser(name, help=module.__doc__.splitlines()[0]))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    world = optimus2d.init()
+    mesh = optimus2d.Mesh(math.isqrt(world.size // args.depth), args.depth)
+    module = SUBCOMMANDS[args.command]
+    result = module.run(args, world, mesh)
+    if world.rank == 0:
+        print(f"wrote {module.save(result, mesh, args.command)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The examples train under mpiexec and torchrun, their loss curves equal to their serial twins'."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_launch import BIN, _clean_env
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+pytestmark = pytest.mark.slow
+
+
+def _run(launcher: list[str], script: str, *args: str) -> str:
+    python = [] if "torchrun" in launcher[0] else [sys.executable]  # torchrun starts python itself
+    cmd = [*launcher, *python, str(EXAMPLES / script), *args]
+    out = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_gpt_trains_like_its_serial_twin_on_a_2x2_mesh():
+    out = _run([str(BIN / "mpiexec"), "-n", "4"], "train_gpt.py", "--check", "--steps", "20")
+    assert "check: largest relative loss difference from the serial twin over 20 steps" in out
+    assert "tokens/s" in out
+
+
+def test_gpt_under_torchrun_on_a_2x2x2_mesh():
+    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "8"]
+    out = _run(torchrun, "train_gpt.py", "--check", "--steps", "3", "--depth", "2")
+    assert "check: largest relative loss difference from the serial twin over 3 steps" in out
+
+
+def test_vit_trains_like_its_serial_twin_on_a_3x3_mesh():
+    cmd = ["--check", "--steps", "5", "--batch", "9", "--n_head", "6"]
+    out = _run([str(BIN / "mpiexec"), "-n", "9"], "train_vit.py", *cmd)
+    assert "check: largest relative loss difference from the serial twin over 5 steps" in out
+
+
+def test_mlp_demo_runs():
+    out = _run([str(BIN / "mpiexec"), "-n", "4"], "train_mlp.py", "--steps", "3")
+    assert "max |param 2D - param serial|" in out

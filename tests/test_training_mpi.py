@@ -1,0 +1,94 @@
+"""Gradient clipping, dropout seeding, activation checkpointing and saved-activation memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close, assert_state_close
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from optimus2d import Dropout2D, TransformerBlock2D, clip_grad_norm_, gather, scatter, serial_state_dict
+from optimus2d.memory import saved_activation_bytes
+
+pytestmark = pytest.mark.mpi
+
+E, HEADS, SEQ = 12, 6, 5
+
+
+def _serial_block(dropout=0.0, d_model=E, heads=HEADS, ffn=4 * E):
+    torch.manual_seed(0)
+    return nn.TransformerEncoderLayer(
+        d_model, heads, ffn, dropout=dropout, activation="gelu", batch_first=True, norm_first=True
+    )
+
+
+def test_clip_grad_norm_is_the_serial_norm(mesh):
+    serial = _serial_block()
+    parallel = TransformerBlock2D.from_serial(serial, mesh)
+    torch.manual_seed(1)
+    x = torch.randn(2 * mesh.depth * mesh.q, SEQ, E)
+    serial(x).square().sum().backward()
+    parallel(scatter(x, mesh)).square().sum().backward()
+    norm_ref = torch.nn.utils.clip_grad_norm_(serial.parameters(), max_norm=0.5)
+    norm = clip_grad_norm_(parallel.parameters(), max_norm=0.5, mesh=mesh)
+    inf_ref = max(p.grad.abs().max() for p in serial.parameters())  # after clipping, both sides
+    inf = clip_grad_norm_(parallel.parameters(), max_norm=1e9, mesh=mesh, norm_type=float("inf"))
+    torch.optim.SGD(serial.parameters(), lr=1.0).step()
+    torch.optim.SGD(parallel.parameters(), lr=1.0).step()
+    state = serial_state_dict(parallel)
+    assert norm_ref > 0.5  # clipping did happen
+    assert_close(norm, norm_ref, what="total norm")
+    assert_close(inf, inf_ref, what="inf norm")
+    assert_state_close(state, serial.state_dict())
+
+
+def test_dropout_masks_differ_between_shards_and_repeat_for_a_seed(mesh):
+    drop = Dropout2D(0.5, mesh=mesh)
+    ones = torch.ones(2 * mesh.depth * mesh.q, 8, 4 * mesh.q)
+
+    def mask(seed):
+        torch.manual_seed(seed)
+        return gather(drop(scatter(ones, mesh)), mesh)
+
+    first, again, other = mask(7), mask(7), mask(8)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    assert set(first.unique().tolist()) == {0.0, 2.0}
+    if mesh.size > 1:  # two shards of the tensor: different masks
+        b, h = ones.shape[0] // (mesh.depth * mesh.q), 4
+        shards = [first[r * b : (r + 1) * b, :, :h] for r in range(mesh.depth * mesh.q)]
+        shards += [first[:b, :, c * h : (c + 1) * h] for c in range(1, mesh.q)]
+        assert len({tuple(s.flatten().tolist()) for s in shards}) == len(shards)
+
+
+def test_activation_checkpointing_replays_collectives_and_dropout(mesh):
+    parallel = TransformerBlock2D.from_serial(_serial_block(dropout=0.2), mesh)
+    torch.manual_seed(1)
+    x = scatter(torch.randn(2 * mesh.depth * mesh.q, SEQ, E), mesh)
+
+    def grads(use_checkpoint):
+        parallel.zero_grad()
+        torch.manual_seed(11)
+        xi = x.clone().requires_grad_()
+        y = checkpoint(parallel, xi, use_reentrant=False) if use_checkpoint else parallel(xi)
+        y.square().sum().backward()
+        return [xi.grad] + [p.grad.clone() for p in parallel.parameters()]
+
+    plain, recomputed = grads(False), grads(True)
+    for a, b in zip(plain, recomputed, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_saved_activations_per_rank_are_a_quarter_of_serial(mesh):
+    if (mesh.q, mesh.depth) != (2, 1):
+        pytest.skip("the bound is stated for the 2×2 mesh")
+    serial = _serial_block(d_model=64, heads=4, ffn=256)
+    parallel = TransformerBlock2D.from_serial(serial, mesh)
+    torch.manual_seed(1)
+    x = torch.randn(8, 16, 64, requires_grad=True)
+    serial_bytes = saved_activation_bytes(serial, x)
+    local_bytes = saved_activation_bytes(parallel, scatter(x, mesh).detach().requires_grad_())
+    ratio = local_bytes / (serial_bytes / 4)
+    print(f"\nsaved activations: serial {serial_bytes} B, per rank {local_bytes} B = {ratio:.3f} × serial/4")
+    assert ratio <= 1.25
