@@ -51,16 +51,29 @@ def test_rmsnorm_matches_torch(mesh):
     check_against_serial(serial, RMSNorm2D.from_serial(serial, mesh), _x(mesh), mesh)
 
 
-def test_norm_sends_one_all_reduce_each_way(mesh):
+def test_norm_sends_one_collective_each_way(mesh):
     norm = LayerNorm2D(E, mesh=mesh)
     x = scatter(_x(mesh), mesh).requires_grad_()
     with count_comm() as counter:
         norm(x).sum().backward()
     rows = x.shape[0] * x.shape[1]
-    row_reduces = [r for r in counter.records if r.axis == "row"]
-    if mesh.q > 1:
-        assert [r.numel for r in row_reduces] == [2 * rows, 2 * rows]
-    assert len(row_reduces) == (2 if mesh.q > 1 else 0)
+    row_ops = [(r.kind, r.numel) for r in counter.records if r.axis == "row"]
+    expected = [("all_gather", 2 * rows * mesh.q), ("all_reduce", 2 * rows)] if mesh.q > 1 else []
+    assert row_ops == expected
+
+
+@pytest.mark.parametrize("offset", [30.0, 300.0])
+def test_layernorm_keeps_precision_with_a_large_mean(mesh, offset):
+    torch.manual_seed(0)
+    serial = nn.LayerNorm(E)
+    check_against_serial(serial, LayerNorm2D.from_serial(serial, mesh), _x(mesh) + offset, mesh, tol=1e-4)
+
+
+def test_layernorm_in_float64(mesh):
+    serial = nn.LayerNorm(E).double()
+    check_against_serial(
+        serial, LayerNorm2D.from_serial(serial, mesh), _x(mesh, dtype=torch.float64) * 5, mesh, tol=1e-12
+    )
 
 
 class SelfAttention(nn.Module):
@@ -145,9 +158,14 @@ def test_grouped_query_attention_matches_sdpa(mesh):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return F.linear(out.transpose(1, 2).reshape(b, SEQ, E), state["out_proj.weight"], state["out_proj.bias"])
 
-    xl = scatter(x, mesh)
-    out = gather(parallel(xl, xl, xl, need_weights=False, is_causal=True)[0], mesh)
-    assert_close(out, reference(x), what="GQA output")
+    x_ref, x_full = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref = reference(x_ref)
+    ref.square().sum().backward()
+    xl = scatter(x_full, mesh)
+    out = parallel(xl, xl, xl, need_weights=False, is_causal=True)[0]
+    out.square().sum().backward()
+    assert_close(gather(out.detach(), mesh), ref, what="GQA output")
+    assert_close(x_full.grad, x_ref.grad, what="GQA input grad")
 
 
 def test_attention_refuses_bad_input(mesh):
@@ -258,8 +276,9 @@ def test_cross_entropy_refuses_bad_targets(mesh):
             cross_entropy(logits, scatter_batch(target, mesh)[:, :-1], mesh)
     assert counter.count() == 0
     target[-1, -1] = 6 * mesh.q  # one bad target in the last batch block only
-    with pytest.raises(ValueError, match=r"target class is outside \[0, "):
-        cross_entropy(logits, scatter_batch(target, mesh), mesh)
+    for reduction in ("mean", "none"):  # raised on every rank, not only where the target is
+        with pytest.raises(ValueError, match=r"target class is outside \[0, "):
+            cross_entropy(logits, scatter_batch(target, mesh), mesh, reduction=reduction)
 
 
 @pytest.mark.parametrize("norm_first", [True, False], ids=["prenorm", "postnorm"])
@@ -296,3 +315,81 @@ def test_transformer_block_in_bf16(mesh):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y_auto = gather(TransformerBlock2D.from_serial(serial, mesh)(scatter(x, mesh)), mesh)
     assert_close(y_auto.float(), serial(x), tol=3e-2, what="autocast block output")
+
+
+def test_cross_entropy_with_masked_logits(mesh):
+    """A real −inf logit (a banned token) in the middle of the vocabulary, as F.cross_entropy sees it."""
+    vocab = 4 * mesh.q
+    torch.manual_seed(0)
+    b = 2 * mesh.depth * mesh.q
+    logits = torch.randn(b, SEQ, vocab)
+    logits[..., 1] = float("-inf")
+    target = torch.randint(2, vocab, (b, SEQ))
+    target[0, 0] = vocab - 1
+    full = logits.clone().requires_grad_()
+    ref_logits = logits.clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits.view(-1, vocab), target.view(-1))
+    ref.backward()
+    loss = cross_entropy(scatter(full, mesh), scatter_batch(target, mesh), mesh)
+    loss.backward()
+    assert_close(loss, ref, what="loss")
+    assert_close(full.grad, ref_logits.grad, what="logits grad")
+
+
+def test_embedding_whose_last_block_is_all_padding(mesh):
+    vocab = 4  # on q=3: blocks [0, 1], [2, 3], [pad, pad]
+    torch.manual_seed(0)
+    serial = nn.Embedding(vocab, E)
+    parallel = Embedding2D.from_serial(serial, mesh)
+    x, b = _x(mesh), 2 * mesh.depth * mesh.q
+    ids = torch.randint(0, vocab, (b, SEQ))
+    y = gather(parallel(scatter_batch(ids, mesh)), mesh)
+    target = torch.randint(0, vocab, (b, SEQ))
+    ref = F.cross_entropy((x @ serial.weight.t()).view(-1, vocab), target.view(-1), label_smoothing=0.2)
+    loss = cross_entropy(parallel.attend(scatter(x, mesh)), scatter_batch(target, mesh), mesh, label_smoothing=0.2)
+    assert_close(y, serial(ids), what="lookup")
+    assert_close(loss, ref, what="loss")
+
+
+@pytest.mark.parametrize("kind", ["kv_same", "all_different"])
+def test_cross_attention_matches_torch(mesh, kind):
+    serial = _serial_mha()
+    parallel = MultiheadAttention2D.from_serial(serial, mesh)
+    x, memory, other = _x(mesh, seed=1), _x(mesh, seed=2), _x(mesh, seed=3)
+    b = x.shape[0]
+    padding = torch.zeros(b, SEQ, dtype=torch.bool)
+    padding[1::2, :1] = True
+    leaves = [t.clone().requires_grad_() for t in (x, memory, other)]
+    value_ref = leaves[1] if kind == "kv_same" else leaves[2]
+    out_ref = serial(leaves[0], leaves[1], value_ref, key_padding_mask=padding, need_weights=False)[0]
+    torch.manual_seed(9)
+    probe = torch.randn_like(out_ref)
+    (out_ref * probe).sum().backward()
+    full = [t.clone().requires_grad_() for t in (x, memory, other)]
+    q_l, k_l, o_l = (scatter(t, mesh) for t in full)
+    v_l = k_l if kind == "kv_same" else o_l
+    out = parallel(q_l, k_l, v_l, key_padding_mask=padding, need_weights=False)[0]
+    (out * scatter(probe, mesh)).sum().backward()
+    assert_close(gather(out.detach(), mesh), out_ref, what="output")
+    for got, want, name in zip(full, leaves, ("query", "key", "value"), strict=True):
+        if want.grad is not None:
+            assert_close(got.grad, want.grad, what=f"{name} grad")
+
+
+def test_attention_weights_backward(mesh):
+    serial = _serial_mha()
+    parallel = MultiheadAttention2D.from_serial(serial, mesh)
+    x = _x(mesh)
+    x_ref, x_full = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_ref, weights_ref = serial(x_ref, x_ref, x_ref, need_weights=True)
+    torch.manual_seed(8)
+    probe_w, probe_o = torch.randn_like(weights_ref), torch.randn_like(out_ref)
+    ((weights_ref * probe_w).sum() + (out_ref * probe_o).sum()).backward()
+    xl = scatter(x_full, mesh)
+    out, weights = parallel(xl, xl, xl, need_weights=True)
+    ((weights * scatter_batch(probe_w, mesh)).sum() + (out * scatter(probe_o, mesh)).sum()).backward()
+    assert_close(x_full.grad, x_ref.grad, what="input grad through weights and output")
+    # per-head weights: this rank's heads of its batch block
+    _, per_head = parallel(xl, xl, xl, need_weights=True, average_attn_weights=False)
+    heads = HEADS // mesh.q
+    assert per_head.shape == (xl.shape[0], heads, SEQ, SEQ)

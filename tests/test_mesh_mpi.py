@@ -188,3 +188,26 @@ def test_serial_state_dict_round_trip(mesh):
     with pytest.raises(ValueError, match=r"missing keys \['0.bias'\]"):
         load_serial_state_dict(parallel, {k: v for k, v in serial.state_dict().items() if k != "0.bias"})
     assert all(torch.equal(p, b) for p, b in zip(parallel.parameters(), before, strict=True))
+
+
+def test_mesh_with_permuted_ranks(world, mesh_shape):
+    q, d = mesh_shape
+    mesh = Mesh(q, d, ranks=list(reversed(range(world.size))))  # rank p-1 at (0, 0, 0)
+    assert mesh.rank_at(0, 0, 0) == world.size - 1
+    torch.manual_seed(0)
+    serial = torch.nn.Linear(6 * q, 4 * q)
+    layer = Linear2D.from_serial(serial, mesh)
+    x = torch.randn(2 * d * q, 3, 6 * q)
+    y = gather(layer(scatter(x, mesh)), mesh)
+    assert_close(y, serial(x), what="output on a permuted mesh")
+
+
+def test_reduce_grad_does_not_alias_a_sibling_gradient(mesh):
+    """y = h + p with p replicated: p's all-reduced gradient must not leak into h's branch."""
+    from optimus2d.comm import reduce_grad
+
+    h = torch.ones(3, 4, requires_grad=True)
+    p = torch.zeros(3, 4, requires_grad=True)
+    (h + reduce_grad(p, mesh, ("row", "col", "depth"))).sum().backward()
+    assert torch.equal(h.grad, torch.ones(3, 4))
+    assert torch.equal(p.grad, torch.full((3, 4), float(mesh.size)))

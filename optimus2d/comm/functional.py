@@ -46,7 +46,8 @@ class _ReduceGrad(Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
+        # a copy: autograd may hand the same gradient tensor to a sibling branch (y = h + p)
+        grad = grad.clone(memory_format=torch.contiguous_format)
         for axis in ctx.axes:
             P.all_reduce(grad, ctx.mesh, axis)
         return grad, None, None

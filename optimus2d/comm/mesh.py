@@ -135,8 +135,9 @@ class Mesh:
                     continue
                 if axis == "mesh" and whole_world and list(members) == list(range(self.size)):
                     group = dist.group.WORLD
-                else:  # collective: every rank creates every group, in the same order
-                    group = dist.new_group(members)
+                else:  # collective: every rank creates every group, in the same order; group
+                    # ranks follow mesh order (not sorted), so roots and gathers follow the mesh
+                    group = dist.new_group(members, sort_ranks=False)
                 if self.rank in members:
                     self._groups[axis] = group
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optimus2d.comm import sum_across
+from optimus2d.comm import all_reduce
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
 from optimus2d.layers.base import ShardedModule
@@ -162,7 +162,8 @@ class MultiheadAttention2D(ShardedModule):
         out = out.transpose(1, 2).reshape(b, tgt_len, heads * hd)
         out = self.out_proj(out)
         if weights is not None and average_attn_weights:
-            weights = sum_across(weights.sum(1), mesh, ("row",)) / self.num_heads
+            # replicated over the row and used alike there: backward is the identity
+            weights = all_reduce(weights.sum(1), mesh, ("row",)) / self.num_heads
         return out, weights
 
     def _project(self, query, key, value):

@@ -20,14 +20,16 @@ def cross_entropy(
     """``F.cross_entropy`` of the full logits, computed from this rank's block.
 
     logits_local: ``[b/(d·q), ..., V/q]``, vocabulary block j (this rank's row index), e.g. from a
-    ``Linear2D`` head or ``Embedding2D.attend``; columns whose logit is −inf (padded vocabulary)
-    take no part, so the vocabulary size is the number of finite columns.
+    ``Linear2D`` head or ``Embedding2D.attend``. Logits of −inf (the padded vocabulary columns of
+    ``attend``) take no part: exp(−inf) = 0, and label smoothing averages over the finite logits
+    of each row, so padding is invisible to the loss.
     target_local: ``[b/(d·q), ...]`` class indices (``optimus2d.scatter_batch``).
 
     Returns, on every rank, the global loss (``"mean"``: over the targets that are not
     ``ignore_index``; ``"sum"``) or this rank's block ``[b/(d·q), ...]`` of the per-target losses
     (``"none"``). Sends: a max and a sum all-reduce over the row (3 values a target), and for
-    "mean"/"sum" one all-reduce of 2 values over col and depth; backward sends nothing.
+    "mean"/"sum" one all-reduce of 3 values over col and depth ("none": of 1); backward sends
+    nothing.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction={reduction!r} is not 'mean', 'sum' or 'none'")
@@ -43,6 +45,7 @@ def cross_entropy(
 
     logits = logits_local.float()
     per_rank = logits.shape[-1]
+    vocab = per_rank * mesh.q
     start = mesh.index("row") * per_rank
     finite = torch.isfinite(logits)
 
@@ -52,33 +55,32 @@ def cross_entropy(
     valid = target_local != ignore_index
     in_block = valid & (target_local >= start) & (target_local < start + per_rank)
     local_target = torch.where(in_block, target_local - start, 0).unsqueeze(-1)
-    picked = shifted.gather(-1, local_target).squeeze(-1) * in_block
+    picked = torch.where(in_block, shifted.gather(-1, local_target).squeeze(-1), 0.0)
     sums = [
         shifted.exp().sum(-1),  # Σ exp over this block
         picked,  # the target's logit, if it is in this block
-        torch.where(finite, shifted, 0.0).sum(-1),  # Σ logits, for label smoothing
-        finite.sum(-1).to(logits.dtype),  # how many real classes
-        (valid & ((target_local < 0) | (target_local >= start + per_rank * mesh.q))).to(logits.dtype),
+        torch.where(finite, shifted, 0.0).sum(-1),  # Σ finite logits, for label smoothing
+        finite.sum(-1).to(logits.dtype),  # how many finite logits (padded columns are −inf)
     ]
     totals = all_reduce(torch.stack(sums, -1), mesh, ("row",))
-    sum_exp, target_logit, sum_logits, classes, out_of_range = totals.unbind(-1)
-    # A bad target is reported on every rank at once (the flag rides on the last all-reduce), so no
-    # rank raises while the others wait in a collective.
-    bad = ((out_of_range > 0) | ((target_local >= classes.long()) & valid)).any().to(logits.dtype)
+    sum_exp, target_logit, sum_logits, classes = totals.unbind(-1)
+    # Targets are the same across the row; a bad one is reported on every rank at once (the
+    # flag rides on an all-reduce over col and depth), so no rank raises while others wait.
+    bad = (valid & ((target_local < 0) | (target_local >= vocab))).any().to(logits.dtype)
     log_z = sum_exp.log()
     nll = log_z - target_logit
     loss = (1 - label_smoothing) * nll + label_smoothing * (log_z - sum_logits / classes)
-    loss = loss * valid
+    loss = torch.where(valid, loss, 0.0)
     if reduction == "none":
-        _raise_if(bad, classes, mesh)
+        flag = all_reduce(bad.reshape(1), mesh, ("col", "depth"))
+        _raise_if(flag[0], vocab, mesh)
         return loss.to(logits_local.dtype)
     total = all_reduce(torch.stack([loss.sum(), valid.sum().to(loss.dtype), bad]), mesh, ("col", "depth"))
-    _raise_if(total[2], classes, mesh)
+    _raise_if(total[2], vocab, mesh)
     result = total[0] / total[1] if reduction == "mean" else total[0]
     return result.to(logits_local.dtype)
 
 
-def _raise_if(bad: torch.Tensor, classes: torch.Tensor, mesh: Mesh) -> None:
+def _raise_if(bad: torch.Tensor, vocab: int, mesh: Mesh) -> None:
     if bool(bad > 0):
-        n = int(classes.reshape(-1)[0]) if classes.numel() else 0
-        raise ValueError(f"cross_entropy: a target class is outside [0, {n}) ({mesh})")
+        raise ValueError(f"cross_entropy: a target class is outside [0, {vocab}) ({mesh})")

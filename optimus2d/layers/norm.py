@@ -15,35 +15,44 @@ from optimus2d.comm.sharding import Sharding
 from optimus2d.layers.base import ShardedModule
 
 
+def _dtype(norm: nn.Module) -> torch.dtype | None:
+    return norm.weight.dtype if getattr(norm, "weight", None) is not None else None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 class _Norm2D(Function):
     """y = x̂·w + b with x̂ = (x − μ)·r (LayerNorm) or x·r (RMSNorm), over the full hidden size.
 
-    forward: one all-reduce over the row of [Σx, Σx²] (RMS: [Σx²]); backward: one all-reduce over
-    the row of [Σg, Σg·x̂] (RMS: [Σg·x̂]), g = dy·w. Saves x and the per-row statistics only.
+    forward, LayerNorm: one all-gather over the row of each block's [mean, M2] per row, combined
+    as Chan et al. do (no cancellation when the mean is large); RMSNorm: one all-reduce of Σx².
+    backward: one all-reduce over the row of [Σg, Σg·x̂] (RMS: [Σg·x̂]), g = dy·w.
+    Saves x and two numbers a row. Computes in fp32 (fp64 for fp64 inputs).
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, mesh: Mesh, hidden: int, eps: float, rms: bool):
-        xf = x.float()
-        sums = (
-            [xf.square().sum(-1, keepdim=True)]
-            if rms
-            else [xf.sum(-1, keepdim=True), xf.square().sum(-1, keepdim=True)]
-        )
-        stats = torch.cat(sums, -1)
-        P.all_reduce(stats, mesh, "row")
+        xf = x.to(_compute_dtype(x))
         if rms:
-            mean = torch.zeros_like(stats[..., :1])
-            var = stats[..., :1] / hidden
+            sum_sq = xf.square().sum(-1, keepdim=True)
+            P.all_reduce(sum_sq, mesh, "row")
+            mean, var = torch.zeros_like(sum_sq), sum_sq / hidden
         else:
-            mean = stats[..., :1] / hidden
-            var = (stats[..., 1:] / hidden - mean.square()).clamp_min(0)
+            local_mean = xf.mean(-1, keepdim=True)
+            local_m2 = (xf - local_mean).square().sum(-1, keepdim=True)
+            blocks = P.all_gather(torch.stack([local_mean, local_m2], -1), mesh, "row", -2)  # [..., q, 2]
+            means, m2s = blocks[..., 0], blocks[..., 1]  # [..., q]
+            mean = means.mean(-1, keepdim=True)
+            m2 = m2s.sum(-1, keepdim=True) + x.shape[-1] * (means - mean).square().sum(-1, keepdim=True)
+            var = m2 / hidden
         rstd = torch.rsqrt(var + eps)
         y = (xf - mean) * rstd
         if weight is not None:
-            y = y * weight.float()
+            y = y * weight.to(xf.dtype)
         if bias is not None:
-            y = y + bias.float()
+            y = y + bias.to(xf.dtype)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.mesh, ctx.hidden, ctx.rms, ctx.has_bias = mesh, hidden, rms, bias is not None
         return y.to(x.dtype)
@@ -51,20 +60,16 @@ class _Norm2D(Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, weight, mean, rstd = ctx.saved_tensors
-        x_hat = (x.float() - mean) * rstd
-        dy = grad_y.float()
-        g = dy * weight.float() if weight is not None else dy
+        x_hat = (x.to(mean.dtype) - mean) * rstd
+        dy = grad_y.to(mean.dtype)
+        g = dy * weight.to(mean.dtype) if weight is not None else dy
         lead = tuple(range(x.dim() - 1))
         grad_w = (dy * x_hat).sum(lead).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         grad_b = dy.sum(lead).to(grad_y.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         grad_x = None
         if ctx.needs_input_grad[0]:
-            sums = (
-                [(g * x_hat).sum(-1, keepdim=True)]
-                if ctx.rms
-                else [g.sum(-1, keepdim=True), (g * x_hat).sum(-1, keepdim=True)]
-            )
-            stats = torch.cat(sums, -1)
+            gx = (g * x_hat).sum(-1, keepdim=True)
+            stats = gx if ctx.rms else torch.cat([g.sum(-1, keepdim=True), gx], -1)
             P.all_reduce(stats, ctx.mesh, "row")
             means = stats / ctx.hidden
             grad_x = g - x_hat * means[..., -1:]
@@ -156,7 +161,13 @@ class LayerNorm2D(_Norm2DBase):
         if not isinstance(norm, nn.LayerNorm):
             raise TypeError(f"LayerNorm2D.from_serial expects nn.LayerNorm, got {type(norm).__name__}")
         module = cls(
-            norm.normalized_shape, norm.eps, norm.elementwise_affine, norm.bias is not None, mesh=mesh, device="meta"
+            norm.normalized_shape,
+            norm.eps,
+            norm.elementwise_affine,
+            norm.bias is not None,
+            mesh=mesh,
+            device="meta",
+            dtype=_dtype(norm),
         )
         module._from_serial(norm)
         return module
@@ -189,6 +200,8 @@ class RMSNorm2D(_Norm2DBase):
     def from_serial(cls, norm: nn.RMSNorm, mesh: Mesh) -> RMSNorm2D:
         if not isinstance(norm, nn.RMSNorm):
             raise TypeError(f"RMSNorm2D.from_serial expects nn.RMSNorm, got {type(norm).__name__}")
-        module = cls(norm.normalized_shape, norm.eps, norm.elementwise_affine, mesh=mesh, device="meta")
+        module = cls(
+            norm.normalized_shape, norm.eps, norm.elementwise_affine, mesh=mesh, device="meta", dtype=_dtype(norm)
+        )
         module._from_serial(norm)
         return module
