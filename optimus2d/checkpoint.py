@@ -1,0 +1,368 @@
+"""Checkpoints that reshard: written on one mesh, read on any other or in a single process.
+
+Built on ``torch.distributed.checkpoint`` (DCP). Every tensor is stored under its *serial* key
+and shape, as a DTensor view of this rank's block (padding removed), so every rank writes only
+its own blocks (replicas are written once) and DCP reassembles any other layout on load::
+
+    model/<serial key>                 a parameter (fused q/k/v: one entry per part, "#0", "#1", ...)
+    optim/<serial key>/<state name>    optimizer state (exp_avg, exp_avg_sq, step, ...)
+    meta                               JSON: optimizer class and hyper-parameters
+
+``load`` checks the whole checkpoint against the model (keys, shapes, optimizer class) before
+touching it, and reads into fresh tensors: on any error the model and optimizer are unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.sharding import Sharding
+from optimus2d.layers.base import ShardedModule
+from optimus2d.serial import _owners
+
+_MESH_DIMS = {"depth": 0, "col": 1, "row": 2}  # DeviceMesh (depth, i, j): "col" varies i, "row" varies j
+
+
+@dataclass
+class _Entry:
+    key: str  # serial state_dict key
+    tensor: torch.Tensor  # this rank's block (a parameter or buffer)
+    sharding: Sharding | None  # None: replicated (plain torch)
+    mesh: Mesh | None
+
+
+def _entries(model: nn.Module) -> list[_Entry]:
+    owners, out = _owners(model), []
+    for key in model.state_dict():
+        owner, name = owners[key]
+        tensor = getattr(owner, name)
+        if isinstance(owner, ShardedModule):
+            out.append(_Entry(key, tensor, owner.shardings.get(name), owner.mesh))
+        else:
+            out.append(_Entry(key, tensor, None, None))
+    return out
+
+
+def _model_mesh(entries: list[_Entry]) -> Mesh | None:
+    meshes = {id(e.mesh): e.mesh for e in entries if e.mesh is not None}
+    if len(meshes) > 1:
+        raise ValueError("optimus2d.checkpoint: the model's modules live on more than one Mesh")
+    return next(iter(meshes.values()), None)
+
+
+def _parts(sharding: Sharding | None) -> list[Sharding | None]:
+    if sharding is None:
+        return [None]
+    return sharding._part_shardings() if sharding.parts else [sharding]
+
+
+def _suffixes(sharding: Sharding | None) -> list[str]:
+    return [f"#{n}" for n in range(len(sharding.parts))] if sharding is not None and sharding.parts else [""]
+
+
+def _block_index(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    index = 0
+    for axis in axes:
+        index = index * mesh.axis_size(axis) + mesh.index(axis)
+    return index
+
+
+def _stored_views(local: torch.Tensor, sharding: Sharding | None, mesh: Mesh | None, device_mesh) -> list[torch.Tensor]:
+    """What goes into the DCP state dict for one tensor: DTensors (or plain full tensors)."""
+    parts = _parts(sharding)
+    if sharding is None or mesh is None or mesh.size == 1:
+        pieces = local.split([p.full_shape[0] for p in parts]) if sharding is not None and sharding.parts else [local]
+        if sharding is not None:  # a 1-rank mesh: the block is the padded full tensor
+            pieces = [piece[tuple(slice(0, n) for n in p.full_shape)] for piece, p in zip(pieces, parts, strict=True)]
+        return list(pieces)
+    pieces = local.split([p.local_shape(mesh)[0] for p in parts]) if sharding.parts else [local]
+    views = []
+    for piece, part in zip(pieces, parts, strict=True):
+        valid = piece
+        for d, axes in enumerate(part.dims):
+            per = piece.shape[d]
+            start = _block_index(mesh, axes) * per
+            valid = valid.narrow(d, 0, max(0, min(per, part.full_shape[d] - start)))
+        placements = [Replicate(), Replicate(), Replicate()]
+        for d, axes in enumerate(part.dims):
+            for axis in axes:
+                placements[_MESH_DIMS[axis]] = Shard(d)
+        full = torch.empty(part.full_shape, device="meta")
+        views.append(
+            DTensor.from_local(
+                valid.contiguous(), device_mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+            )
+        )
+    return views
+
+
+def _device_mesh(mesh: Mesh | None):
+    if mesh is None or mesh.size == 1:
+        return None
+    ranks = torch.tensor(mesh.ranks).view(mesh.depth, mesh.q, mesh.q)
+    return DeviceMesh(mesh.device.type, ranks, mesh_dim_names=("depth", "col", "row"), _init_backend=False)
+
+
+def _process_group(mesh: Mesh | None):
+    """(process_group, no_dist) for DCP."""
+    if not dist.is_initialized():
+        return None, True
+    if mesh is None:
+        return None, dist.get_world_size() == 1
+    if mesh.size == 1:
+        return None, True
+    return mesh.group("mesh"), False
+
+
+def _optimizer_tensors(optimizer, entries: list[_Entry]) -> dict[str, tuple[torch.Tensor, _Entry | None]]:
+    by_param = {id(e.tensor): e for e in entries}
+    out = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in by_param:
+                raise ValueError("optimus2d.checkpoint: the optimizer holds a parameter that is not in the model")
+            entry = by_param[id(p)]
+            for name, value in optimizer.state.get(p, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"optimus2d.checkpoint: optimizer state {name!r} is not a tensor")
+                like_param = value.shape == p.shape and value.dim() > 0
+                out[f"optim/{entry.key}/{name}"] = (value, entry if like_param else None)
+    return out
+
+
+def _meta(optimizer, entries: list[_Entry]) -> dict:
+    by_param = {id(e.tensor): e.key for e in entries}
+    groups = [
+        {"params": [by_param[id(p)] for p in g["params"]], **{k: v for k, v in g.items() if k != "params"}}
+        for g in (optimizer.param_groups if optimizer is not None else [])
+    ]
+    return {
+        "format": 1,
+        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        "param_groups": groups,
+    }
+
+
+def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Write ``model`` (and ``optimizer``) to the directory ``path``; collective over the model's mesh.
+
+    Each rank writes its own blocks; nothing is gathered to one rank.
+    """
+    entries = _entries(model)
+    mesh = _model_mesh(entries)
+    device_mesh = _device_mesh(mesh)
+    state: dict[str, object] = {}
+    for e in entries:
+        for suffix, view in zip(
+            _suffixes(e.sharding), _stored_views(e.tensor.detach(), e.sharding, e.mesh, device_mesh), strict=True
+        ):
+            state[f"model/{e.key}{suffix}"] = view
+    if optimizer is not None:
+        for key, (value, entry) in _optimizer_tensors(optimizer, entries).items():
+            sharding = entry.sharding if entry is not None else None
+            views = _stored_views(value.detach(), sharding, entry.mesh if entry else None, device_mesh)
+            for suffix, view in zip(_suffixes(sharding), views, strict=True):
+                state[f"{key}{suffix}"] = view
+    state["meta"] = torch.tensor(list(json.dumps(_meta(optimizer, entries)).encode()), dtype=torch.uint8)
+    group, no_dist = _process_group(mesh)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.save(state, checkpoint_id=os.fspath(path), process_group=group, no_dist=no_dist)
+
+
+def _read_metadata(path: str | os.PathLike):
+    try:
+        return FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
+    except Exception as err:
+        raise ValueError(f"optimus2d.checkpoint: no readable checkpoint at {os.fspath(path)!r} ({err})") from err
+
+
+def _read_meta(path, metadata) -> dict:
+    if "meta" not in metadata:
+        raise ValueError(f"optimus2d.checkpoint: {os.fspath(path)!r} was not written by optimus2d.checkpoint.save")
+    buf = torch.empty(metadata["meta"].size, dtype=torch.uint8)
+    _dcp_load({"meta": buf}, path, None, True)
+    return json.loads(bytes(buf.tolist()).decode())
+
+
+def _dcp_load(state: dict, path, group, no_dist: bool) -> None:
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process")
+            dcp.load(state, checkpoint_id=os.fspath(path), process_group=group, no_dist=no_dist)
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RuntimeError(f"optimus2d.checkpoint: could not read {os.fspath(path)!r}: {first}") from err
+
+
+def read(path: str | os.PathLike) -> dict:
+    """The whole checkpoint as plain full tensors, in this process alone (no communication).
+
+    Returns ``{"model": serial state_dict, "optimizer": {serial key: {state: tensor}}, "meta": {...}}``;
+    ``read(path)["model"]`` loads into the serial ``torch.nn`` model with ``load_state_dict``.
+    """
+    metadata = _read_metadata(path)
+    flat = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in metadata.items()
+        if isinstance(m, TensorStorageMetadata) and k != "meta"
+    }
+    _dcp_load(flat, path, None, True)
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for key, tensor in flat.items():
+        base, _, part = key.partition("#")
+        parts.setdefault(base, {})[int(part) if part else 0] = tensor
+    joined = {base: torch.cat([p[n] for n in sorted(p)]) if len(p) > 1 else p[0] for base, p in parts.items()}
+    model = {k[len("model/") :]: v for k, v in joined.items() if k.startswith("model/")}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in joined.items():
+        if key.startswith("optim/"):
+            pkey, _, state_name = key[len("optim/") :].rpartition("/")
+            optim.setdefault(pkey, {})[state_name] = value
+    return {"model": model, "optimizer": optim, "meta": _read_meta(path, metadata)}
+
+
+def load(
+    path: str | os.PathLike, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, torch.Tensor] | None:
+    """Read a checkpoint into ``model`` (and ``optimizer``) on whatever mesh they live on.
+
+    Collective over the model's mesh. With no model, returns the serial ``state_dict`` (see
+    ``read``). Raises ``ValueError`` if the checkpoint does not fit (other keys or shapes, another
+    optimizer) and ``RuntimeError`` if a shard file is missing or truncated; in both cases nothing
+    is changed.
+    """
+    if model is None:
+        return read(path)["model"]
+    metadata = _read_metadata(path)
+    meta = _read_meta(path, metadata)
+    entries = _entries(model)
+    mesh = _model_mesh(entries)
+    device_mesh = _device_mesh(mesh)
+
+    targets: list[tuple[torch.Tensor, torch.Tensor, Sharding | None, Mesh | None]] = []  # (dest, buffer, ...)
+    expected: dict[str, tuple[int, ...]] = {}
+    for e in entries:
+        for suffix, part in zip(_suffixes(e.sharding), _parts(e.sharding), strict=True):
+            expected[f"model/{e.key}{suffix}"] = part.full_shape if part is not None else tuple(e.tensor.shape)
+        targets.append((e.tensor, torch.zeros_like(e.tensor), e.sharding, e.mesh))
+    optim_targets = []
+    if optimizer is not None:
+        if meta["optimizer"] != type(optimizer).__name__:
+            raise ValueError(
+                f"optimus2d.checkpoint: {os.fspath(path)!r} holds {meta['optimizer'] or 'no'} optimizer state, "
+                f"not {type(optimizer).__name__}"
+            )
+        optim_targets = _optimizer_targets(optimizer, entries, metadata, expected)
+    _check_fits(path, metadata, expected)
+
+    state: dict[str, torch.Tensor] = {}
+    views: list[tuple[torch.Tensor, list[torch.Tensor], Sharding | None, Mesh | None]] = []
+    for e, (_, buffer, sharding, m) in zip(entries, targets, strict=True):
+        vs = _stored_views(buffer, sharding, m, device_mesh)
+        for suffix, v in zip(_suffixes(sharding), vs, strict=True):
+            state[f"model/{e.key}{suffix}"] = v
+        views.append((buffer, vs, sharding, m))
+    for key, buffer, sharding, m in optim_targets:
+        vs = _stored_views(buffer, sharding, m, device_mesh)
+        for suffix, v in zip(_suffixes(sharding), vs, strict=True):
+            state[f"{key}{suffix}"] = v
+        views.append((buffer, vs, sharding, m))
+    group, no_dist = _process_group(mesh)
+    _dcp_load(state, path, group, no_dist)
+
+    for buffer, vs, sharding, m in views:  # DCP filled the views: write them back into the blocks
+        _write_back(buffer, vs, sharding, m)
+    with torch.no_grad():
+        for tensor, buffer, _, _ in targets:
+            tensor.copy_(buffer)
+    if optimizer is not None:
+        _install_optimizer_state(optimizer, entries, optim_targets, meta)
+    return None
+
+
+def _optimizer_targets(optimizer, entries, metadata, expected) -> list:
+    by_param = {id(e.tensor): e for e in entries}
+    targets = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = by_param.get(id(p))
+            if entry is None:
+                raise ValueError("optimus2d.checkpoint: the optimizer holds a parameter that is not in the model")
+            prefix = f"optim/{entry.key}/"
+            names = sorted({k[len(prefix) :].partition("#")[0] for k in metadata if k.startswith(prefix)})
+            serial_shape = entry.sharding.full_shape if entry.sharding is not None else tuple(p.shape)
+            for name in names:
+                split = f"{prefix}{name}#0" in metadata
+                first = metadata[f"{prefix}{name}#0"] if split else metadata[f"{prefix}{name}"]
+                dtype = first.properties.dtype
+                if split or tuple(first.size) == serial_shape:  # laid out like the parameter
+                    for suffix, part in zip(_suffixes(entry.sharding), _parts(entry.sharding), strict=True):
+                        expected[f"{prefix}{name}{suffix}"] = part.full_shape if part is not None else tuple(p.shape)
+                    buffer = torch.zeros(p.shape, dtype=dtype, device=p.device)
+                    targets.append((f"{prefix}{name}", buffer, entry.sharding, entry.mesh))
+                else:  # a scalar such as Adam's step
+                    expected[f"{prefix}{name}"] = tuple(first.size)
+                    buffer = torch.zeros(tuple(first.size), dtype=dtype, device=p.device)
+                    targets.append((f"{prefix}{name}", buffer, None, None))
+    return targets
+
+
+def _check_fits(path, metadata, expected: dict[str, tuple[int, ...]]) -> None:
+    stored = {k: tuple(m.size) for k, m in metadata.items() if k.startswith("model/")}
+    wanted = {k: v for k, v in expected.items() if k.startswith("model/")}
+    missing = sorted(set(wanted) - set(stored))
+    unexpected = sorted(set(stored) - set(wanted))
+    shapes = sorted(
+        f"{k}: checkpoint {stored[k]}, model {wanted[k]}"
+        for k in set(stored) & set(wanted)
+        if stored[k] != tuple(wanted[k])
+    )
+    optim_missing = sorted(k for k in expected if k.startswith("optim/") and k not in metadata)
+    if missing or unexpected or shapes or optim_missing:
+        raise ValueError(
+            f"optimus2d.checkpoint: {os.fspath(path)!r} does not fit this model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, shapes {shapes[:5]}, optimizer state missing {optim_missing[:5]}"
+        )
+
+
+def _write_back(buffer: torch.Tensor, views: list[torch.Tensor], sharding: Sharding | None, mesh: Mesh | None) -> None:
+    locals_ = [v.to_local() if isinstance(v, DTensor) else v for v in views]
+    parts = _parts(sharding)
+    if sharding is None:
+        buffer.copy_(locals_[0])
+        return
+    sizes = (
+        [p.full_shape[0] for p in parts]
+        if (mesh is None or mesh.size == 1)
+        else [p.local_shape(mesh)[0] for p in parts]
+    )
+    pieces = buffer.split(sizes) if sharding.parts else [buffer]
+    for piece, local in zip(pieces, locals_, strict=True):
+        piece[tuple(slice(0, n) for n in local.shape)].copy_(local)
+
+
+def _install_optimizer_state(optimizer, entries, optim_targets, meta) -> None:
+    by_key = {e.key: e.tensor for e in entries}
+    for key, buffer, _, _ in optim_targets:
+        pkey, _, name = key[len("optim/") :].rpartition("/")
+        optimizer.state[by_key[pkey]][name] = buffer
+    saved_groups = meta.get("param_groups", [])
+    for group, saved in zip(optimizer.param_groups, saved_groups, strict=False):
+        for k, v in saved.items():
+            if k != "params" and k in group:
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v

@@ -1,0 +1,181 @@
+"""Checkpoints move between meshes (2×2 ⇄ 3×3 ⇄ 2×2×2 ⇄ one process) with nothing lost."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import optimus2d
+from optimus2d import checkpoint, scatter, scatter_batch, serial_state_dict
+
+pytestmark = pytest.mark.mpi
+
+E, HEADS, VOCAB, SEQ = 12, 6, 13, 5
+SHAPES = [(1, 1), (2, 1), (1, 4), (2, 2), (3, 1)]  # (q, depth) on the first depth·q² ranks
+_meshes: dict = {}
+
+
+class Tiny(nn.Module):
+    """Embedding (padded vocabulary), a transformer block (fused q/k/v), a final norm."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(VOCAB, E)
+        self.block = nn.TransformerEncoderLayer(E, HEADS, 2 * E, 0.0, "gelu", batch_first=True, norm_first=True)
+        self.norm = nn.LayerNorm(E)
+
+
+def _parallel(seed: int, mesh):
+    serial = Tiny(seed)
+    model = nn.Module()
+    model.emb = optimus2d.Embedding2D.from_serial(serial.emb, mesh)
+    model.block = optimus2d.TransformerBlock2D.from_serial(serial.block, mesh)
+    model.norm = optimus2d.LayerNorm2D.from_serial(serial.norm, mesh)
+    return model
+
+
+def _loss(model, mesh, step: int):
+    torch.manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (12, SEQ))  # 12 divides by every depth·q here
+    x = model.norm(model.block(model.emb(scatter_batch(ids, mesh))))
+    return optimus2d.cross_entropy(model.emb.attend(x), scatter_batch(ids, mesh), mesh)
+
+
+def _train(model, optimizer, mesh, steps):
+    losses = []
+    for step in steps:
+        optimizer.zero_grad()
+        loss = _loss(model, mesh, step)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _mesh(world, shape):
+    q, d = shape
+    if shape not in _meshes:
+        _meshes[shape] = optimus2d.Mesh(q, d, ranks=range(d * q * q))
+    return _meshes[shape]
+
+
+def _shared_dir(world) -> str:
+    path = [tempfile.mkdtemp(prefix="optimus2d-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def _pairs(world):
+    shapes = [s for s in SHAPES if s[1] * s[0] ** 2 <= world.size]
+    return [(a, b) for a, b in itertools.product(shapes, shapes) if a != b] or [(shapes[0], shapes[0])]
+
+
+def test_checkpoint_moves_between_every_pair_of_meshes(world):
+    meshes = {s: _mesh(world, s) for s in SHAPES if s[1] * s[0] ** 2 <= world.size}
+    root = _shared_dir(world)
+    me = dist.get_rank()
+    for n, (a, b) in enumerate(_pairs(world)):
+        path = os.path.join(root, f"pair{n}")
+        mesh_a, mesh_b = meshes[a], meshes[b]
+        losses_a = None
+        if mesh_a.coord is not None:
+            model = _parallel(0, mesh_a)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            _train(model, opt, mesh_a, range(2))
+            before = serial_state_dict(model)
+            checkpoint.save(path, model, opt)
+            losses_a = _train(model, opt, mesh_a, range(2, 4))  # the uninterrupted run goes on
+        dist.barrier()
+        saved = checkpoint.read(path)  # in this process alone: plain tensors, serial keys
+        if mesh_a.coord is not None:
+            assert set(saved["model"]) == set(before)
+            for key, value in before.items():
+                assert torch.equal(saved["model"][key], value), key
+        shared = [losses_a]
+        dist.broadcast_object_list(shared, src=0)  # rank 0 is in every mesh
+        if mesh_b.coord is not None:
+            model = _parallel(1, mesh_b)  # other weights: the load must replace them all
+            opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+            checkpoint.load(path, model, opt)
+            state = serial_state_dict(model)
+            assert opt.param_groups[0]["lr"] == 1e-2
+            again = os.path.join(root, f"pair{n}-again")
+            checkpoint.save(again, model, opt)
+            losses_b = _train(model, opt, mesh_b, range(2, 4))
+            if mesh_b.index("mesh") == 0:
+                resaved = checkpoint.read(again)
+                for key, value in saved["model"].items():
+                    assert torch.equal(state[key], value), f"{a}→{b}: {key}"
+                for pkey, states in saved["optimizer"].items():
+                    for name, value in states.items():
+                        assert torch.equal(resaved["optimizer"][pkey][name], value), f"{a}→{b}: {pkey}/{name}"
+            for got, want in zip(losses_b, shared[0], strict=True):
+                assert abs(got - want) <= 1e-5 * abs(want), f"{a}→{b}: losses {losses_b} vs {shared[0]}"
+        dist.barrier()
+        assert me >= 0
+
+
+def test_serial_read_loads_into_torch_nn(world):
+    mesh = _mesh(world, (1, 1) if world.size < 4 else (2, 1))
+    root = _shared_dir(world)
+    path = os.path.join(root, "plain")
+    if mesh.coord is not None:
+        checkpoint.save(path, _parallel(3, mesh))
+    dist.barrier()
+    serial = Tiny(99)
+    plain = checkpoint.load(path)
+    serial.emb.load_state_dict({"weight": plain["emb.weight"]})
+    serial.block.load_state_dict({k[len("block.") :]: v for k, v in plain.items() if k.startswith("block.")})
+    assert torch.equal(serial.emb.weight, Tiny(3).emb.weight)
+    assert torch.equal(serial.block.self_attn.in_proj_weight, Tiny(3).block.self_attn.in_proj_weight)
+
+
+def test_a_checkpoint_that_does_not_fit_changes_nothing(world):
+    mesh = _mesh(world, (1, 1) if world.size < 4 else (2, 1))
+    root = _shared_dir(world)
+    path = os.path.join(root, "model")
+    if mesh.coord is None:
+        dist.barrier()
+        return
+    model = _parallel(0, mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt, mesh, range(1))
+    checkpoint.save(path, model, opt)
+
+    other = _parallel(5, mesh)
+    before = [p.clone() for p in other.parameters()]
+    other.extra = optimus2d.Linear2D(E, E, mesh=mesh)  # another architecture
+    with pytest.raises(
+        ValueError, match=r"does not fit this model: missing \['model/extra.bias', 'model/extra.weight'\]"
+    ):
+        checkpoint.load(path, other)
+    del other.extra
+    with pytest.raises(ValueError, match="holds AdamW optimizer state, not SGD"):
+        checkpoint.load(path, other, torch.optim.SGD(other.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="no readable checkpoint"):
+        checkpoint.load(os.path.join(root, "nowhere"), other)
+    dist.barrier(group=mesh.group("mesh")) if mesh.size > 1 else None
+    if mesh.index("mesh") == 0:  # truncate one shard file
+        shard = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]
+        with open(os.path.join(path, shard), "r+b") as f:
+            f.truncate(16)
+    dist.barrier(group=mesh.group("mesh")) if mesh.size > 1 else None
+    with pytest.raises(RuntimeError, match="could not read"):
+        checkpoint.load(path, other)
+    for p, b in zip(other.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+    dist.barrier()
+
+
+def test_single_rank_scatter_is_plain(world):
+    mesh = _mesh(world, (1, 1))
+    if mesh.coord is not None:
+        x = torch.randn(2, 3, 4)
+        assert torch.equal(scatter(x, mesh), x)
