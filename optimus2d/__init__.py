@@ -4,6 +4,7 @@ Parameters *and* activations are split over a q×q mesh of ranks (``depth`` of t
 2.5D); matrix products run as SUMMA. See docs/DESIGN.md for which block every rank holds.
 """
 
+from optimus2d import checkpoint
 from optimus2d.comm import Mesh, count_comm, gather, scatter, scatter_batch
 from optimus2d.launch import World, init, shutdown
 from optimus2d.layers import (
@@ -17,6 +18,7 @@ from optimus2d.layers import (
     TransformerBlock2D,
     cross_entropy,
 )
+from optimus2d.parallelize import parallelize, register_converter
 from optimus2d.random import shard_rng
 from optimus2d.serial import load_serial_state_dict, serial_state_dict
 from optimus2d.training import clip_grad_norm_
@@ -35,12 +37,15 @@ __all__ = [
     "TransformerBlock2D",
     "World",
     "__version__",
+    "checkpoint",
     "clip_grad_norm_",
     "count_comm",
     "cross_entropy",
     "gather",
     "init",
     "load_serial_state_dict",
+    "parallelize",
+    "register_converter",
     "scatter",
     "scatter_batch",
     "serial_state_dict",

@@ -96,3 +96,95 @@ class TransformerBlock2D(nn.Module):
 
     def _ff_block(self, x):
         return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+
+
+class TransformerDecoderBlock2D(nn.Module):
+    """``nn.TransformerDecoderLayer(batch_first=True)`` on the mesh: self-attention, cross-attention
+    over ``memory``, feed-forward; pre- or post-norm. Submodules carry the torch names.
+
+    ``tgt`` ``[b/(d·q), t, d_model/q]`` and ``memory`` ``[b/(d·q), s, d_model/q]`` → like ``tgt``.
+    """
+
+    @classmethod
+    def from_serial(cls, layer: nn.TransformerDecoderLayer, mesh: Mesh) -> TransformerDecoderBlock2D:
+        if not isinstance(layer, nn.TransformerDecoderLayer):
+            raise TypeError(
+                f"TransformerDecoderBlock2D.from_serial expects nn.TransformerDecoderLayer, got {type(layer).__name__}"
+            )
+        module = cls()
+        module.self_attn = MultiheadAttention2D.from_serial(layer.self_attn, mesh)
+        module.multihead_attn = MultiheadAttention2D.from_serial(layer.multihead_attn, mesh)
+        module.linear1 = Linear2D.from_serial(layer.linear1, mesh)
+        module.dropout = Dropout2D(layer.dropout.p, mesh=mesh)
+        module.linear2 = Linear2D.from_serial(layer.linear2, mesh)
+        module.norm_first = layer.norm_first
+        for n in (1, 2, 3):
+            setattr(module, f"norm{n}", LayerNorm2D.from_serial(getattr(layer, f"norm{n}"), mesh))
+            setattr(module, f"dropout{n}", Dropout2D(getattr(layer, f"dropout{n}").p, mesh=mesh))
+        module.activation = layer.activation
+        return module
+
+    def forward(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor,
+        tgt_mask: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+        tgt_key_padding_mask: torch.Tensor | None = None,
+        memory_key_padding_mask: torch.Tensor | None = None,
+        tgt_is_causal: bool = False,
+        memory_is_causal: bool = False,
+    ) -> torch.Tensor:
+        x = tgt
+        sa = (tgt_mask, tgt_key_padding_mask, tgt_is_causal)
+        ca = (memory_mask, memory_key_padding_mask, memory_is_causal)
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), *sa)
+            x = x + self._mha_block(self.norm2(x), memory, *ca)
+            return x + self._ff_block(self.norm3(x))
+        x = self.norm1(x + self._sa_block(x, *sa))
+        x = self.norm2(x + self._mha_block(x, memory, *ca))
+        return self.norm3(x + self._ff_block(x))
+
+    def _sa_block(self, x, attn_mask, key_padding_mask, is_causal):
+        out = self.self_attn(
+            x, x, x, attn_mask=attn_mask, key_padding_mask=key_padding_mask, need_weights=False, is_causal=is_causal
+        )[0]
+        return self.dropout1(out)
+
+    def _mha_block(self, x, memory, attn_mask, key_padding_mask, is_causal):
+        out = self.multihead_attn(
+            x, memory, memory, attn_mask=attn_mask, key_padding_mask=key_padding_mask, need_weights=False,
+            is_causal=is_causal,
+        )[0]  # fmt: skip
+        return self.dropout2(out)
+
+    def _ff_block(self, x):
+        return self.dropout3(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+
+
+class TransformerStack2D(nn.Module):
+    """``nn.TransformerEncoder``/``nn.TransformerDecoder`` on the mesh: ``layers`` then ``norm``.
+
+    Calls each layer as torch does (``mask``/``src_key_padding_mask``/``is_causal`` for an encoder;
+    the decoder's arguments passed through). torch's nested-tensor fast path does not apply.
+    """
+
+    def __init__(self, layers: nn.ModuleList, norm: nn.Module | None) -> None:
+        super().__init__()
+        self.layers, self.norm = layers, norm
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        kwargs = _encoder_kwargs(kwargs)
+        for layer in self.layers:
+            x = layer(x, *args, **kwargs)
+        return self.norm(x) if self.norm is not None else x
+
+
+def _encoder_kwargs(kwargs: dict) -> dict:
+    """nn.TransformerEncoder's names → nn.TransformerEncoderLayer's (mask → src_mask, ...)."""
+    renamed = {"mask": "src_mask"}
+    out = {renamed.get(k, k): v for k, v in kwargs.items()}
+    if out.get("is_causal") is None:
+        out.pop("is_causal", None)
+    return out

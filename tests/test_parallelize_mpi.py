@@ -1,0 +1,104 @@
+"""parallelize(): users' unmodified torch models on the mesh, equal to their serial selves."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_close, check_against_serial
+from torch import nn
+
+import optimus2d
+from optimus2d import gather, parallelize, scatter, serial_state_dict
+from optimus2d.parallelize import _CONVERTERS
+
+pytestmark = pytest.mark.mpi
+
+E, HEADS, SEQ = 12, 6, 5
+
+
+class UserModel(nn.Module):
+    """What a user already has: a projection, a torch TransformerEncoder stack, a head."""
+
+    def __init__(self, norm_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(6, E)
+        layer = nn.TransformerEncoderLayer(E, HEADS, 2 * E, dropout=0.0, batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(E), enable_nested_tensor=False)
+        self.head = nn.Sequential(nn.GELU(), nn.Linear(E, 6))
+
+    def forward(self, x):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.head(self.encoder(self.embed(x), mask=mask, is_causal=True))
+
+
+def _x(mesh, features, seed=1):
+    torch.manual_seed(seed)
+    return torch.randn(2 * mesh.depth * mesh.q, SEQ, features)
+
+
+@pytest.mark.parametrize("norm_first", [True, False], ids=["prenorm", "postnorm"])
+def test_transformer_encoder_stack_matches_serial(mesh, norm_first):
+    serial = UserModel(norm_first)
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    assert isinstance(parallel.encoder.layers[0].self_attn, optimus2d.MultiheadAttention2D)
+    assert list(serial_state_dict(parallel)) == list(serial.state_dict())
+    check_against_serial(serial, parallel, _x(mesh, 6), mesh)
+
+
+def test_transformer_decoder_layer_matches_serial(mesh):
+    torch.manual_seed(0)
+    serial = nn.TransformerDecoderLayer(E, HEADS, 2 * E, dropout=0.0, batch_first=True)
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    tgt, memory = _x(mesh, E, seed=1), _x(mesh, E, seed=2)
+    causal = nn.Transformer.generate_square_subsequent_mask(SEQ)
+    tgt_ref, mem_ref = tgt.clone().requires_grad_(), memory.clone().requires_grad_()
+    out_ref = serial(tgt_ref, mem_ref, tgt_mask=causal, tgt_is_causal=True)
+    probe = torch.randn_like(out_ref)  # not Σ out²: a LayerNorm output's squared sum barely depends on x
+    (out_ref * probe).sum().backward()
+    tgt_full, mem_full = tgt.clone().requires_grad_(), memory.clone().requires_grad_()
+    out = parallel(scatter(tgt_full, mesh), scatter(mem_full, mesh), tgt_mask=causal, tgt_is_causal=True)
+    (out * scatter(probe, mesh)).sum().backward()
+    assert_close(gather(out.detach(), mesh), out_ref, what="decoder output")
+    assert_close(tgt_full.grad, tgt_ref.grad, what="tgt grad")
+    assert_close(mem_full.grad, mem_ref.grad, what="memory grad")
+
+
+class ScaleNorm(nn.Module):
+    """A hand-written norm: it reads the whole hidden dim, so it must not run on a block."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def test_a_module_without_converter_is_refused_by_path(mesh):
+    model = nn.Sequential(nn.Linear(E, E), nn.ModuleDict({"norm": ScaleNorm(E)}))
+    with pytest.raises(TypeError, match=r"parallelize: 1\.norm \(ScaleNorm\) holds weight and has no converter"):
+        parallelize(copy.deepcopy(model), mesh)
+    with pytest.raises(TypeError, match=r"0 \(Softmax\) is not known to act element by element"):
+        parallelize(nn.Sequential(nn.Softmax(-1)), mesh)
+
+
+def test_register_converter_for_a_user_module(mesh):
+    @optimus2d.register_converter(ScaleNorm)
+    def _(norm, mesh):
+        rms = nn.RMSNorm(norm.weight.shape[0], eps=1e-6)
+        rms.weight = norm.weight
+        parallel = optimus2d.RMSNorm2D.from_serial(rms, mesh)
+        return parallel
+
+    try:
+        torch.manual_seed(0)
+        serial = nn.Sequential(nn.Linear(E, E), ScaleNorm(E))
+        with torch.no_grad():
+            serial[1].weight.uniform_(0.5, 1.5)
+        parallel = parallelize(copy.deepcopy(serial), mesh)
+        check_against_serial(serial, parallel, _x(mesh, E), mesh)
+    finally:
+        _CONVERTERS.pop(ScaleNorm)
