@@ -13,5 +13,6 @@ setup(
     extras_require={
         "mpi": ["mpi4py>=4", "mpich"],
         "test": ["pytest>=8", "pytest-mpi", "pytest-timeout", "ruff"],
+        "families": ["transformers>=4.50"],  # converters for Hugging Face models (optional)
     },
 )

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from optimus2d import families
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers import (
     Dropout2D,
@@ -111,6 +112,8 @@ def _convert(module: nn.Module, mesh: Mesh, path: str) -> nn.Module:
     if isinstance(module, (ShardedModule, Dropout2D)):
         return module
     converter = converter_for(module)
+    if converter is None and families.register_for(module):  # e.g. the first transformers module met
+        converter = converter_for(module)
     if converter is not None:
         return converter(module, mesh)
     if isinstance(module, ELEMENTWISE):

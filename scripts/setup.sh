@@ -6,10 +6,10 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv
 fi
-if ! .venv/bin/python -c "import optimus2d, mpi4py, pytest_mpi, pytest_timeout, einops, ruff" 2>/dev/null \
+if ! .venv/bin/python -c "import optimus2d, mpi4py, pytest_mpi, pytest_timeout, einops, ruff, transformers" 2>/dev/null \
    || [ ! -x .venv/bin/mpiexec ]; then
   echo "setting up .venv (about a minute)..."
-  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,mpi]' 2>&1 \
+  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,mpi,families]' 2>&1 \
     | grep -v "is ignored: it is neither a file nor a directory" || true
 fi
 .venv/bin/python -c "import optimus2d, mpi4py"

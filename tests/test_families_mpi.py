@@ -1,0 +1,58 @@
+"""Hugging Face LLaMA, built from a small random config (no download), on the mesh."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close
+
+import optimus2d
+from optimus2d import gather, parallelize, scatter_batch, serial_state_dict
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.mpi
+
+
+def _tiny_llama(mesh):
+    heads, kv_heads = (6, 3) if mesh.q == 3 else (4, 2)  # grouped-query attention, heads divisible by q
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=32,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_llama_logits_and_one_training_step(mesh):
+    serial = _tiny_llama(mesh)
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    assert isinstance(parallel.model.layers[0].self_attn.q_proj, optimus2d.Linear2D)
+    assert isinstance(parallel.model.norm, optimus2d.RMSNorm2D)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (2 * mesh.depth * mesh.q, 9))
+
+    logits_ref = serial(input_ids=ids, use_cache=False).logits
+    loss_ref = F.cross_entropy(logits_ref[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss_ref.backward()
+    torch.optim.SGD(serial.parameters(), lr=0.5).step()
+
+    logits = parallel(input_ids=scatter_batch(ids, mesh), use_cache=False).logits  # [b/(d·q), s, V/q]
+    loss = optimus2d.cross_entropy(logits[:, :-1], scatter_batch(ids, mesh)[:, 1:], mesh)
+    loss.backward()
+    torch.optim.SGD(parallel.parameters(), lr=0.5).step()
+    state = serial_state_dict(parallel)
+
+    assert_close(gather(logits.detach(), mesh), logits_ref, 1e-4, "logits")
+    assert_close(loss, loss_ref, 1e-5, "loss")
+    assert set(state) == set(serial.state_dict())
+    for key, value in serial.state_dict().items():
+        assert_close(state[key], value, 1e-4, key)
