@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
+from pathlib import Path
 
 import torch
 
 import optimus2d
-from benchmarks import memory
+from benchmarks import memory, mlp
 
-SUBCOMMANDS = {"memory": memory}
+SUBCOMMANDS = {"memory": memory, "mlp": mlp}
+RESULTS = Path(__file__).parent / "results"
 
 
 def main() -> None:
@@ -26,7 +29,9 @@ def main() -> None:
     module = SUBCOMMANDS[args.command]
     result = module.run(args, world, mesh)
     if world.rank == 0:
-        print(f"wrote {module.save(result, mesh, args.command)}")
+        path = RESULTS / f"{args.command}-p{world.size}-q{mesh.q}d{mesh.depth}.json"
+        path.write_text(json.dumps(result, indent=2))
+        print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,6 @@ mpiexec -n 4 python -m benchmarks memory
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -71,9 +69,3 @@ def _twin(serial: nn.Module, mesh: optimus2d.Mesh) -> nn.Module:
     if isinstance(serial, nn.TransformerEncoderLayer):
         return optimus2d.TransformerBlock2D.from_serial(serial, mesh)
     return nn.Sequential(*(_twin(m, mesh) if isinstance(m, nn.Linear) else m for m in serial))
-
-
-def save(result: dict, mesh: optimus2d.Mesh, name: str) -> Path:
-    path = Path(__file__).parent / "results" / f"{name}-q{mesh.q}d{mesh.depth}.json"
-    path.write_text(json.dumps(result, indent=2))
-    return path

@@ -10,6 +10,7 @@ from torch import nn
 
 import optimus2d
 from optimus2d import Linear2D, count_comm, gather, scatter, serial_state_dict
+from optimus2d.cost import linear_2d_elements
 
 pytestmark = pytest.mark.mpi
 
@@ -109,20 +110,8 @@ def serial_state_dict_grad(layer: Linear2D) -> torch.Tensor:
     return optimus2d.comm.unshard(layer.weight.grad, layer.mesh, layer.shardings["weight"])
 
 
-def _linear_elements(mesh, rows, fin, fout, *, dx=True, dw=True, bias=True):
-    """Elements each rank sends for Linear2D fwd+bwd, by the SUMMA schedule (see docs/DESIGN.md)."""
-    q, d = mesh.q, mesh.depth
-    act = rows * min(fin, fout) // (d * q)  # the activation panel of the cheaper SUMMA form
-    block = fin * fout // (q * q)
-    total = 0
-    if q > 1:
-        total += q * (act // q + block)  # forward: q steps of an activation and a weight block
-        total += q * (act // q + block) if dx else 0  # dX
-        total += q * (act // q + block) if dw else 0  # dW
-        total += fout // q if bias and dw and q > 1 else 0  # bias grad over col
-    if d > 1 and dw:
-        total += block + (fout // q if bias else 0)  # weight and bias grads over depth
-    return total
+def _linear_elements(mesh, rows, fin, fout, **kw):
+    return linear_2d_elements(rows, fin, fout, mesh.q, mesh.depth, **kw)
 
 
 @pytest.mark.parametrize("features", [(12, 30), (30, 12)], ids=["up", "down"])
