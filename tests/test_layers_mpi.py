@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, check_against_serial
+from helpers import assert_close, check_against_serial, step_both
 from torch import nn
 
 from optimus2d import (
+    MLP2D,
     Embedding2D,
     LayerNorm2D,
     MultiheadAttention2D,
@@ -393,3 +394,28 @@ def test_attention_weights_backward(mesh):
     _, per_head = parallel(xl, xl, xl, need_weights=True, average_attn_weights=False)
     heads = HEADS // mesh.q
     assert per_head.shape == (xl.shape[0], heads, SEQ, SEQ)
+
+
+def test_mlp2d_matches_torch_sequential(mesh):
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(E, 4 * E), nn.GELU(), nn.Linear(4 * E, E))
+    parallel = MLP2D.from_serial(serial, mesh)
+    assert parallel.fc1.summa == "ab" and parallel.fc2.summa == "abt"
+    y, y_ref, dx, dx_ref = step_both(serial, parallel, _x(mesh), mesh)
+    state = serial_state_dict(parallel)
+    assert_close(y, y_ref, what="output")
+    assert_close(dx, dx_ref, what="input grad")
+    assert_close(state["fc1.weight"], serial[0].weight, what="fc1 weight")
+    assert_close(state["fc2.weight"], serial[2].weight, what="fc2 weight")
+    assert_close(state["fc2.bias"], serial[2].bias, what="fc2 bias")
+
+
+def test_norm_refuses_hidden_not_divisible_by_q(mesh):
+    if mesh.q == 1:
+        pytest.skip("every size divides by 1")
+    with pytest.raises(ValueError, match=rf"LayerNorm2D: hidden size {E + 1} is not divisible by q={mesh.q}"):
+        LayerNorm2D(E + 1, mesh=mesh)
+    with pytest.raises(ValueError, match=rf"RMSNorm2D: hidden size {E + 1} is not divisible by q={mesh.q}"):
+        RMSNorm2D(E + 1, mesh=mesh)
+    with pytest.raises(ValueError, match=rf"embedding_dim={E + 1} is not divisible by q={mesh.q}"):
+        Embedding2D(10, E + 1, mesh=mesh)

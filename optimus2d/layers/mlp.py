@@ -49,5 +49,23 @@ class MLP2D(nn.Module):
         self.activation = activation_fn(activation)
         self.dropout = Dropout2D(dropout, mesh=mesh)
 
+    @classmethod
+    def from_serial(cls, mlp: nn.Sequential, mesh: Mesh) -> MLP2D:
+        """From ``nn.Sequential(nn.Linear(h, ffn), activation, nn.Linear(ffn, h)[, nn.Dropout])``."""
+        layers = list(mlp) if isinstance(mlp, nn.Sequential) else []
+        shape_ok = len(layers) in (3, 4) and isinstance(layers[0], nn.Linear) and isinstance(layers[2], nn.Linear)
+        if not shape_ok or (len(layers) == 4 and not isinstance(layers[3], nn.Dropout)):
+            raise TypeError(
+                "MLP2D.from_serial expects nn.Sequential(nn.Linear, activation, nn.Linear[, nn.Dropout]), "
+                f"got {type(mlp).__name__}"
+            )
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.fc1 = Linear2D.from_serial(layers[0], mesh)
+        module.fc2 = Linear2D.from_serial(layers[2], mesh)
+        module.activation = layers[1]
+        module.dropout = Dropout2D(layers[3].p if len(layers) == 4 else 0.0, mesh=mesh)
+        return module
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.fc2(self.activation(self.fc1(x))))
