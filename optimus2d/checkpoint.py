@@ -74,6 +74,12 @@ def _suffixes(sharding: Sharding | None) -> list[str]:
     return [f"#{n}" for n in range(len(sharding.parts))] if sharding is not None and sharding.parts else [""]
 
 
+def _split_parts(local: torch.Tensor, sharding: Sharding | None, mesh: Mesh | None) -> list[torch.Tensor]:
+    if sharding is None or not sharding.parts:
+        return [local]
+    return list(local.split(sharding.part_sizes(mesh), sharding.parts_dim))
+
+
 def _block_index(mesh: Mesh, axes: tuple[str, ...]) -> int:
     index = 0
     for axis in axes:
@@ -85,11 +91,11 @@ def _stored_views(local: torch.Tensor, sharding: Sharding | None, mesh: Mesh | N
     """What goes into the DCP state dict for one tensor: DTensors (or plain full tensors)."""
     parts = _parts(sharding)
     if sharding is None or mesh is None or mesh.size == 1:
-        pieces = local.split([p.full_shape[0] for p in parts]) if sharding is not None and sharding.parts else [local]
+        pieces = _split_parts(local, sharding, None)
         if sharding is not None:  # a 1-rank mesh: the block is the padded full tensor
             pieces = [piece[tuple(slice(0, n) for n in p.full_shape)] for piece, p in zip(pieces, parts, strict=True)]
         return list(pieces)
-    pieces = local.split([p.local_shape(mesh)[0] for p in parts]) if sharding.parts else [local]
+    pieces = _split_parts(local, sharding, mesh)
     views = []
     for piece, part in zip(pieces, parts, strict=True):
         valid = piece
@@ -177,11 +183,23 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             views = _stored_views(value.detach(), sharding, entry.mesh if entry else None, device_mesh)
             for suffix, view in zip(_suffixes(sharding), views, strict=True):
                 state[f"{key}{suffix}"] = view
-    state["meta"] = torch.tensor(list(json.dumps(_meta(optimizer, entries)).encode()), dtype=torch.uint8)
+    meta = _meta(optimizer, entries)
+    meta["parts_dim"] = {k.partition("#")[0]: dim for k, dim in _parts_dims(entries, state).items()}
+    state["meta"] = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)
     group, no_dist = _process_group(mesh)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process")
         dcp.save(state, checkpoint_id=os.fspath(path), process_group=group, no_dist=no_dist)
+
+
+def _parts_dims(entries: list[_Entry], state: dict) -> dict[str, int]:
+    """For every stored key that is one part of a fused tensor: the dim the parts concatenate on."""
+    dims = {f"model/{e.key}": e.sharding.parts_dim for e in entries if e.sharding is not None and e.sharding.parts}
+    for key in state:  # optimizer state of a fused parameter: optim/<param key>/<name>#n
+        base = key.partition("#")[0]
+        if key.startswith("optim/") and "#" in key:
+            dims[base] = dims.get(f"model/{base[len('optim/') :].rpartition('/')[0]}", 0)
+    return dims
 
 
 def _read_metadata(path: str | os.PathLike):
@@ -226,14 +244,19 @@ def read(path: str | os.PathLike) -> dict:
     for key, tensor in flat.items():
         base, _, part = key.partition("#")
         parts.setdefault(base, {})[int(part) if part else 0] = tensor
-    joined = {base: torch.cat([p[n] for n in sorted(p)]) if len(p) > 1 else p[0] for base, p in parts.items()}
+    meta = _read_meta(path, metadata)
+    part_dims = meta.get("parts_dim", {})
+    joined = {
+        base: torch.cat([p[n] for n in sorted(p)], part_dims.get(base, 0)) if len(p) > 1 else p[0]
+        for base, p in parts.items()
+    }
     model = {k[len("model/") :]: v for k, v in joined.items() if k.startswith("model/")}
     optim: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in joined.items():
         if key.startswith("optim/"):
             pkey, _, state_name = key[len("optim/") :].rpartition("/")
             optim.setdefault(pkey, {})[state_name] = value
-    return {"model": model, "optimizer": optim, "meta": _read_meta(path, metadata)}
+    return {"model": model, "optimizer": optim, "meta": meta}
 
 
 def load(
@@ -342,16 +365,10 @@ def _check_fits(path, metadata, expected: dict[str, tuple[int, ...]]) -> None:
 
 def _write_back(buffer: torch.Tensor, views: list[torch.Tensor], sharding: Sharding | None, mesh: Mesh | None) -> None:
     locals_ = [v.to_local() if isinstance(v, DTensor) else v for v in views]
-    parts = _parts(sharding)
     if sharding is None:
         buffer.copy_(locals_[0])
         return
-    sizes = (
-        [p.full_shape[0] for p in parts]
-        if (mesh is None or mesh.size == 1)
-        else [p.local_shape(mesh)[0] for p in parts]
-    )
-    pieces = buffer.split(sizes) if sharding.parts else [buffer]
+    pieces = _split_parts(buffer, sharding, None if mesh is None or mesh.size == 1 else mesh)
     for piece, local in zip(pieces, locals_, strict=True):
         piece[tuple(slice(0, n) for n in local.shape)].copy_(local)
 

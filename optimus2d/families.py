@@ -6,6 +6,11 @@ their ``nn.Linear`` children are ``Linear2D`` they run on the local heads as the
 adds what ``parallelize`` cannot infer: ``LlamaRMSNorm`` → ``RMSNorm2D``, the rotary embedding
 (a replicated table of cos/sin per position, kept as it is) and the library's element-wise
 activation modules.
+
+GPT-2 (``GPT2LMHeadModel``): ``Conv1D`` (weights stored [in, out]) → ``TransposedLinear2D``; the
+attention's fused ``c_attn`` is split per q/k/v part and its ``split_size`` set to the local width,
+so its ``.split(self.split_size)`` yields this rank's heads; the tied ``lm_head`` becomes a
+``TiedHead2D`` (in ``parallelize``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from torch import nn
 
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers import RMSNorm2D
+from optimus2d.layers.linear import TransposedLinear2D
+from optimus2d.random import Dropout2D
 
 _registered: set[str] = set()
 
@@ -44,6 +51,20 @@ def _hf_rmsnorm(norm: nn.Module, mesh: Mesh) -> nn.Module:
     return RMSNorm2D.from_serial(serial, mesh)
 
 
+def _gpt2_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
+    if getattr(attn, "is_cross_attention", False) or hasattr(attn, "q_attn"):
+        raise TypeError("parallelize: GPT-2 cross-attention (q_attn) is not supported")
+    e = attn.embed_dim
+    if attn.num_heads % mesh.q:
+        raise ValueError(f"parallelize: GPT-2 num_heads={attn.num_heads} is not divisible by q={mesh.q} ({mesh})")
+    attn.c_attn = TransposedLinear2D.from_serial(attn.c_attn, mesh, parts=(e, e, e))
+    attn.c_proj = TransposedLinear2D.from_serial(attn.c_proj, mesh)
+    attn.attn_dropout = Dropout2D(attn.attn_dropout.p, mesh=mesh)
+    attn.resid_dropout = Dropout2D(attn.resid_dropout.p, mesh=mesh)
+    attn.split_size = e // mesh.q  # forward splits the fused output by this: local q, k, v
+    return attn
+
+
 def register_transformers() -> None:
     """Register the Hugging Face converters (idempotent; needs ``transformers``)."""
     if "transformers" in _registered:
@@ -57,6 +78,10 @@ def register_transformers() -> None:
     llama = importlib.import_module("transformers.models.llama.modeling_llama")
     register_converter(llama.LlamaRMSNorm, _hf_rmsnorm)
     register_converter(llama.LlamaRotaryEmbedding, _keep)
+    pytorch_utils = importlib.import_module("transformers.pytorch_utils")
+    register_converter(pytorch_utils.Conv1D, TransposedLinear2D.from_serial)
+    gpt2 = importlib.import_module("transformers.models.gpt2.modeling_gpt2")
+    register_converter(gpt2.GPT2Attention, _gpt2_attention)
     _registered.add("transformers")
 
 

@@ -25,6 +25,7 @@ from optimus2d.layers import (
     TransformerBlock2D,
 )
 from optimus2d.layers.block import TransformerDecoderBlock2D, TransformerStack2D
+from optimus2d.layers.embedding import TiedHead2D
 
 Converter = Callable[[nn.Module, Mesh], nn.Module]
 _CONVERTERS: dict[type, Converter] = {}
@@ -69,8 +70,8 @@ def register_converter(cls: type, converter: Converter | None = None):
 
 
 def _stack(module: nn.Module, mesh: Mesh) -> nn.Module:
-    layers = nn.ModuleList(_convert(layer, mesh, f"layers.{n}") for n, layer in enumerate(module.layers))
-    norm = _convert(module.norm, mesh, "norm") if module.norm is not None else None
+    layers = nn.ModuleList(_convert(layer, mesh, f"layers.{n}", {}) for n, layer in enumerate(module.layers))
+    norm = _convert(module.norm, mesh, "norm", {}) if module.norm is not None else None
     return TransformerStack2D(layers, norm)
 
 
@@ -104,18 +105,27 @@ def parallelize(module: nn.Module, mesh: Mesh) -> nn.Module:
     this rank's blocks; ``serial_state_dict`` of it has ``module``'s keys and values.
     Raises ``TypeError`` naming the submodule's path when a part cannot be converted.
     """
-    return _convert(module, mesh, "")
+    return _convert(module, mesh, "", {})
 
 
-def _convert(module: nn.Module, mesh: Mesh, path: str) -> nn.Module:
+def _convert(module: nn.Module, mesh: Mesh, path: str, tied: dict[int, Embedding2D]) -> nn.Module:
+    """``tied`` maps the serial weight of every converted nn.Embedding to its Embedding2D, so that an
+    output head sharing that weight (a tied LM head) becomes a TiedHead2D on the same Parameter."""
     where = path or "the model itself"
     if isinstance(module, (ShardedModule, Dropout2D)):
         return module
+    if isinstance(module, nn.Linear) and id(module.weight) in tied:
+        if module.bias is not None:
+            raise TypeError(f"parallelize: {where} shares an embedding's weight but has a bias; not supported")
+        return TiedHead2D(tied[id(module.weight)])
     converter = converter_for(module)
     if converter is None and families.register_for(module):  # e.g. the first transformers module met
         converter = converter_for(module)
     if converter is not None:
-        return converter(module, mesh)
+        converted = converter(module, mesh)
+        if isinstance(module, nn.Embedding) and isinstance(converted, Embedding2D):
+            tied[id(module.weight)] = converted
+        return converted
     if isinstance(module, ELEMENTWISE):
         return module
     own = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]
@@ -133,5 +143,5 @@ def _convert(module: nn.Module, mesh: Mesh, path: str) -> nn.Module:
             f"register one with optimus2d.register_converter({name})"
         )
     for child_name, child in children:
-        setattr(module, child_name, _convert(child, mesh, f"{path}.{child_name}" if path else child_name))
+        setattr(module, child_name, _convert(child, mesh, f"{path}.{child_name}" if path else child_name, tied))
     return module

@@ -56,3 +56,37 @@ def test_llama_logits_and_one_training_step(mesh):
     assert set(state) == set(serial.state_dict())
     for key, value in serial.state_dict().items():
         assert_close(state[key], value, 1e-4, key)
+
+
+@pytest.mark.parametrize("vocab", [96, 97], ids=["vocab96", "vocab97"])  # 97: padded inside on q = 2, 3
+def test_gpt2_logits_and_one_training_step(mesh, vocab):
+    config = transformers.GPT2Config(
+        vocab_size=vocab, n_positions=32, n_embd=48, n_layer=2, n_head=6, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    serial = transformers.GPT2LMHeadModel(config)
+    assert serial.lm_head.weight is serial.transformer.wte.weight  # tied
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    assert isinstance(parallel.lm_head, optimus2d.layers.TiedHead2D)
+    assert parallel.lm_head.weight is parallel.transformer.wte.weight
+    torch.manual_seed(1)
+    ids = torch.randint(0, vocab, (2 * mesh.depth * mesh.q, 9))
+
+    logits_ref = serial(input_ids=ids, use_cache=False).logits
+    loss_ref = F.cross_entropy(logits_ref[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss_ref.backward()
+    torch.optim.SGD(serial.parameters(), lr=0.5).step()
+
+    logits = parallel(input_ids=scatter_batch(ids, mesh), use_cache=False).logits  # [b/(d·q), s, ⌈V/q⌉]
+    loss = optimus2d.cross_entropy(logits[:, :-1], scatter_batch(ids, mesh)[:, 1:], mesh)
+    loss.backward()
+    torch.optim.SGD(parallel.parameters(), lr=0.5).step()
+    state = serial_state_dict(parallel)
+
+    full = gather(logits.detach(), mesh)[..., :vocab]
+    assert_close(full, logits_ref, 1e-4, "logits")
+    assert_close(loss, loss_ref, 1e-5, "loss")
+    assert set(state) == set(serial.state_dict())
+    for key, value in serial.state_dict().items():
+        assert_close(state[key], value, 1e-4, key)

@@ -27,17 +27,28 @@ class Sharding:
     The local block of a dim split over axes of total size n has ``ceil(full / n)`` entries; a dim
     that does not divide (a vocabulary of 50257, say) is padded with zeros at its end.
 
-    ``parts``: dim 0 is a concatenation of parts of these sizes (a fused q/k/v projection), each
-    split on its own; the local block is the concatenation of the parts' blocks, so a rank holds
-    whole heads of q, k and v.
+    ``parts``: dim ``parts_dim`` is a concatenation of parts of these sizes (a fused q/k/v
+    projection), each split on its own; the local block is the concatenation of the parts'
+    blocks, so a rank holds whole heads of q, k and v.
     """
 
     dims: tuple[tuple[str, ...], ...]
     full_shape: tuple[int, ...]
     parts: tuple[int, ...] | None = None
+    parts_dim: int = 0
 
     def _part_shardings(self) -> list[Sharding]:
-        return [Sharding(self.dims, (n, *self.full_shape[1:])) for n in self.parts]
+        shape = list(self.full_shape)
+        out = []
+        for n in self.parts:
+            shape[self.parts_dim] = n
+            out.append(Sharding(self.dims, tuple(shape)))
+        return out
+
+    def part_sizes(self, mesh: Mesh | None) -> list[int]:
+        """Each part's extent along ``parts_dim`` in the local block (``mesh`` None: in the full tensor)."""
+        d = self.parts_dim
+        return [p.full_shape[d] if mesh is None else p.local_shape(mesh)[d] for p in self._part_shardings()]
 
     def splits(self, mesh: Mesh, dim: int) -> int:
         n = 1
@@ -47,8 +58,9 @@ class Sharding:
 
     def local_shape(self, mesh: Mesh) -> tuple[int, ...]:
         if self.parts:
-            shapes = [p.local_shape(mesh) for p in self._part_shardings()]
-            return (sum(s[0] for s in shapes), *shapes[0][1:])
+            shape = list(self._part_shardings()[0].local_shape(mesh))
+            shape[self.parts_dim] = sum(self.part_sizes(mesh))
+            return tuple(shape)
         return tuple(-(-size // self.splits(mesh, d)) for d, size in enumerate(self.full_shape))
 
     def replicated_axes(self, mesh: Mesh) -> tuple[str, ...]:
@@ -66,8 +78,9 @@ def shard(full: torch.Tensor, mesh: Mesh, sharding: Sharding) -> torch.Tensor:
     if tuple(full.shape) != sharding.full_shape:
         raise ValueError(f"tensor of shape {tuple(full.shape)} does not match {sharding}")
     if sharding.parts:
-        pieces = full.split(list(sharding.parts))
-        return torch.cat([shard(t, mesh, s) for t, s in zip(pieces, sharding._part_shardings(), strict=True)])
+        pieces = full.split(list(sharding.parts), sharding.parts_dim)
+        blocks = [shard(t, mesh, s) for t, s in zip(pieces, sharding._part_shardings(), strict=True)]
+        return torch.cat(blocks, sharding.parts_dim)
     local_shape = sharding.local_shape(mesh)
     pad = []
     for d in reversed(range(full.dim())):
@@ -86,8 +99,9 @@ def unshard(local: torch.Tensor, mesh: Mesh, sharding: Sharding) -> torch.Tensor
         raise ValueError(f"local block of shape {tuple(local.shape)} does not match {sharding} on {mesh}")
     if sharding.parts:
         parts = sharding._part_shardings()
-        pieces = local.split([p.local_shape(mesh)[0] for p in parts])
-        return torch.cat([unshard(t.contiguous(), mesh, p) for t, p in zip(pieces, parts, strict=True)])
+        pieces = local.split(sharding.part_sizes(mesh), sharding.parts_dim)
+        fulls = [unshard(t.contiguous(), mesh, p) for t, p in zip(pieces, parts, strict=True)]
+        return torch.cat(fulls, sharding.parts_dim)
     out = local
     for d, axes in enumerate(sharding.dims):
         for axis in reversed(axes):

@@ -3,8 +3,8 @@
 from optimus2d.layers.attention import MultiheadAttention2D
 from optimus2d.layers.base import ShardedModule
 from optimus2d.layers.block import TransformerBlock2D
-from optimus2d.layers.embedding import Embedding2D
-from optimus2d.layers.linear import Linear2D, linear_2d
+from optimus2d.layers.embedding import Embedding2D, TiedHead2D
+from optimus2d.layers.linear import Linear2D, TransposedLinear2D, linear_2d
 from optimus2d.layers.loss import cross_entropy
 from optimus2d.layers.mlp import MLP2D
 from optimus2d.layers.norm import LayerNorm2D, RMSNorm2D
@@ -19,7 +19,9 @@ __all__ = [
     "MultiheadAttention2D",
     "RMSNorm2D",
     "ShardedModule",
+    "TiedHead2D",
     "TransformerBlock2D",
+    "TransposedLinear2D",
     "cross_entropy",
     "linear_2d",
 ]

@@ -122,15 +122,41 @@ class Embedding2D(ShardedModule):
                 f"Embedding2D.attend: input of shape {tuple(x.shape)} must end in embedding_dim/q = "
                 f"{self.embedding_dim // self.mesh.q} on {self.mesh}"
             )
-        rows = x.reshape(-1, x.shape[-1])
-        logits = summa_abt(rows, self.weight.to(x.dtype), self.mesh).view(*x.shape[:-1], -1)
-        start = self.mesh.index("row") * self.vocab_per_rank  # the logits' vocab block is the row index j
-        padded = torch.arange(start, start + self.vocab_per_rank, device=x.device) >= self.num_embeddings
-        return logits.masked_fill(padded, float("-inf")) if padded.any() else logits
+        return tied_logits(x, self.weight, self.mesh, self.num_embeddings)
 
     def extra_repr(self) -> str:
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
         return f"{self.num_embeddings}, {self.embedding_dim}{pad}, local={list(self.weight.shape)}, mesh={self.mesh}"
+
+
+def tied_logits(x: torch.Tensor, weight: torch.Tensor, mesh: Mesh, num_embeddings: int) -> torch.Tensor:
+    """``x·Eᵀ`` for an ``Embedding2D`` table block ``weight`` [⌈V/q⌉, h/q]; padded columns −inf."""
+    rows = x.reshape(-1, x.shape[-1])
+    logits = summa_abt(rows, weight.to(x.dtype), mesh).view(*x.shape[:-1], -1)
+    per_rank = weight.shape[0]
+    start = mesh.index("row") * per_rank  # the logits' vocabulary block is the row index j
+    padded = torch.arange(start, start + per_rank, device=x.device) >= num_embeddings
+    return logits.masked_fill(padded, float("-inf")) if bool(padded.any()) else logits
+
+
+class TiedHead2D(ShardedModule):
+    """An output head whose weight *is* an ``Embedding2D``'s table (GPT-2's tied ``lm_head``).
+
+    Registers the same Parameter as ``weight``, so the state_dict keeps the head's key and the
+    optimizer sees one tensor; forward is ``Embedding2D.attend``.
+    """
+
+    def __init__(self, embedding: Embedding2D) -> None:
+        super().__init__()
+        self.mesh, self.num_embeddings = embedding.mesh, embedding.num_embeddings
+        self.shardings = {"weight": embedding.shardings["weight"]}
+        self.weight = embedding.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tied_logits(x, self.weight, self.mesh, self.num_embeddings)
+
+    def extra_repr(self) -> str:
+        return f"tied to an Embedding2D({self.num_embeddings}, ...)"
 
 
 def _describe(x: object) -> str:

@@ -117,6 +117,64 @@ class Linear2D(ShardedModule):
         )
 
 
+class TransposedLinear2D(ShardedModule):
+    """``y = x·W + b`` with W stored ``[in, out]`` (GPT-2's ``Conv1D``), split like ``Linear2D``'s.
+
+    On rank (k, i, j): ``weight`` ``[in/q, out/q]`` (the transpose of the block ``Linear2D`` would
+    hold), ``bias`` ``[out/q]``. ``parts``: the output is a concatenation of parts (GPT-2's fused
+    q, k, v), each split on its own so that column j holds whole heads.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        parts: tuple[int, ...] | None = None,
+        mesh: Mesh,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for name, n in (("in_features", in_features), *((f"part of {p}", p) for p in parts or (out_features,))):
+            if n % mesh.q:
+                raise ValueError(f"TransposedLinear2D: {name}={n} is not divisible by q={mesh.q} ({mesh})")
+        self.in_features, self.out_features, self.mesh = in_features, out_features, mesh
+        self.summa = "ab" if in_features <= out_features else "abt"
+        dims = (("col",), ("row",)) if self.summa == "ab" else (("row",), ("col",))
+        self.shardings = {"weight": Sharding(dims, (in_features, out_features), parts, parts_dim=1)}
+        self.weight = nn.Parameter(torch.zeros(self.shardings["weight"].local_shape(mesh), device=device, dtype=dtype))
+        if bias:
+            self.shardings["bias"] = Sharding((("row",),), (out_features,), parts)
+            self.bias = nn.Parameter(torch.zeros(out_features // mesh.q, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.tag_parameters()
+
+    @classmethod
+    def from_serial(cls, conv1d: nn.Module, mesh: Mesh, parts: tuple[int, ...] | None = None) -> TransposedLinear2D:
+        """From any module with ``weight`` ``[in, out]`` and ``bias`` ``[out]`` (transformers' Conv1D)."""
+        w, b = conv1d.weight, getattr(conv1d, "bias", None)
+        module = cls(w.shape[0], w.shape[1], b is not None, parts=parts, mesh=mesh, device=w.device, dtype=w.dtype)
+        module.load_serial_tensor("weight", w)
+        if b is not None:
+            module.load_serial_tensor("bias", b)
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local_in = self.in_features // self.mesh.q
+        if x.dim() < 2 or x.shape[-1] != local_in:
+            raise ValueError(
+                f"TransposedLinear2D(in_features={self.in_features}): input of shape {tuple(x.shape)} must be "
+                f"[rows..., in_features/q = {local_in}] on {self.mesh}"
+            )
+        return linear_2d(x, self.weight.t(), self.bias, self.mesh, self.summa)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, summa={self.summa}, mesh={self.mesh}"
+
+
 def linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mesh: Mesh, summa: str) -> torch.Tensor:
     """``F.linear`` on the mesh: x ``[rows..., in/q]``, weight ``[out/q, in/q]``, bias ``[out/q]``.
 
