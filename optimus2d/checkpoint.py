@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
-from optimus2d.layers.base import ShardedModule
+from optimus2d.layers.base import sharding_of
 from optimus2d.serial import _owners
 
 _MESH_DIMS = {"depth": 0, "col": 1, "row": 2}  # DeviceMesh (depth, i, j): "col" varies i, "row" varies j
@@ -49,11 +49,8 @@ def _entries(model: nn.Module) -> list[_Entry]:
     owners, out = _owners(model), []
     for key in model.state_dict():
         owner, name = owners[key]
-        tensor = getattr(owner, name)
-        if isinstance(owner, ShardedModule):
-            out.append(_Entry(key, tensor, owner.shardings.get(name), owner.mesh))
-        else:
-            out.append(_Entry(key, tensor, None, None))
+        sharding, mesh = sharding_of(owner, name)
+        out.append(_Entry(key, getattr(owner, name), sharding, mesh))
     return out
 
 

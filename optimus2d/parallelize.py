@@ -108,6 +108,12 @@ def parallelize(module: nn.Module, mesh: Mesh) -> nn.Module:
     return _convert(module, mesh, "", {})
 
 
+def convert_children(module: nn.Module, mesh: Mesh) -> None:
+    """Convert every child of ``module`` in place (for converters of containers with own tensors)."""
+    for name, child in module.named_children():
+        setattr(module, name, _convert(child, mesh, name, {}))
+
+
 def _convert(module: nn.Module, mesh: Mesh, path: str, tied: dict[int, Embedding2D]) -> nn.Module:
     """``tied`` maps the serial weight of every converted nn.Embedding to its Embedding2D, so that an
     output head sharing that weight (a tied LM head) becomes a TiedHead2D on the same Parameter."""

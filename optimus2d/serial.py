@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from optimus2d.layers.base import ShardedModule
+from optimus2d.layers.base import load_serial_tensor, serial_shape, serial_tensor
 
 
 def _owners(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
@@ -30,10 +30,7 @@ def serial_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in module.state_dict().items():
         owner, name = owners.get(key, (None, None))
-        if isinstance(owner, ShardedModule):
-            out[key] = owner.serial_tensor(name).clone()
-        else:
-            out[key] = value.detach().clone()
+        out[key] = serial_tensor(owner, name).clone() if owner is not None else value.detach().clone()
     return out
 
 
@@ -54,14 +51,10 @@ def load_serial_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Ten
         if key not in state_dict:
             continue
         owner, name = owners[key]
-        expected = owner.serial_shape(name) if isinstance(owner, ShardedModule) else tuple(getattr(owner, name).shape)
+        expected = serial_shape(owner, name)
         got = tuple(state_dict[key].shape)
         if got != expected:
             raise ValueError(f"load_serial_state_dict: {key} has shape {got}, the serial model's is {expected}")
         plan.append((owner, name, state_dict[key]))
     for owner, name, full in plan:
-        if isinstance(owner, ShardedModule):
-            owner.load_serial_tensor(name, full)
-        else:
-            with torch.no_grad():
-                getattr(owner, name).copy_(full)
+        load_serial_tensor(owner, name, full)

@@ -27,19 +27,41 @@ class ShardedModule(nn.Module):
 
     def load_serial_tensor(self, name: str, full: torch.Tensor) -> None:
         """Copy this rank's block of the serial tensor ``full`` into ``name`` (no communication)."""
-        local = getattr(self, name)
-        block = shard(full.detach(), self.mesh, self.shardings[name]) if name in self.shardings else full
-        with torch.no_grad():
-            local.copy_(block)
+        load_serial_tensor(self, name, full)
 
     def serial_tensor(self, name: str) -> torch.Tensor:
         """The serial tensor ``name`` on every rank (all-gathers when sharded)."""
-        local = getattr(self, name).detach()
-        if name not in self.shardings:
-            return local
-        return unshard(local.contiguous(), self.mesh, self.shardings[name])
+        return serial_tensor(self, name)
 
-    def serial_shape(self, name: str) -> tuple[int, ...]:
-        if name in self.shardings:
-            return self.shardings[name].full_shape
-        return tuple(getattr(self, name).shape)
+
+def sharding_of(module: nn.Module, name: str) -> tuple[Sharding | None, Mesh | None]:
+    """(Sharding, mesh) of ``module``'s own tensor ``name``; (None, None) when it is plain torch.
+
+    ``ShardedModule``s carry ``shardings``; a foreign module whose tensors a converter replaced by
+    blocks (timm's ViT class token, say) carries ``_optimus2d_shardings`` and ``_optimus2d_mesh``.
+    """
+    if isinstance(module, ShardedModule):
+        sharding = module.shardings.get(name)
+        return sharding, module.mesh if sharding is not None else None
+    sharding = getattr(module, "_optimus2d_shardings", {}).get(name)
+    return sharding, getattr(module, "_optimus2d_mesh", None) if sharding is not None else None
+
+
+def serial_tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """The serial tensor ``name`` of ``module`` on every rank (all-gathers its blocks)."""
+    sharding, mesh = sharding_of(module, name)
+    local = getattr(module, name).detach()
+    return unshard(local.contiguous(), mesh, sharding) if sharding is not None else local
+
+
+def load_serial_tensor(module: nn.Module, name: str, full: torch.Tensor) -> None:
+    """Copy this rank's block of the serial tensor ``full`` into ``module.name`` (no communication)."""
+    sharding, mesh = sharding_of(module, name)
+    block = shard(full.detach(), mesh, sharding) if sharding is not None else full
+    with torch.no_grad():
+        getattr(module, name).copy_(block)
+
+
+def serial_shape(module: nn.Module, name: str) -> tuple[int, ...]:
+    sharding, _ = sharding_of(module, name)
+    return sharding.full_shape if sharding is not None else tuple(getattr(module, name).shape)

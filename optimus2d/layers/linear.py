@@ -26,6 +26,9 @@ class Linear2D(ShardedModule):
     * ``summa="ab"``  (in ≤ out): weight = W[out block j, in block i]; y = summa_ab(x, Wᵀ).
     * ``summa="abt"`` (in > out): weight = W[out block i, in block j]; y = summa_abt(x, W).
 
+    ``parts`` (e.g. ``(E, E, E)`` for a fused q/k/v projection): each part of the output is split
+    on its own, so the output block j is [q block j, k block j, v block j].
+
     On a mesh with q=1 the layer is ``F.linear`` (plus the depth all-reduce of its gradients).
     """
 
@@ -38,19 +41,26 @@ class Linear2D(ShardedModule):
         mesh: Mesh,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        parts: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
-        for name, n in (("in_features", in_features), ("out_features", out_features)):
+        for name, n in (
+            ("in_features", in_features),
+            ("out_features", out_features),
+            *(("a part", p) for p in parts or ()),
+        ):
             if n % mesh.q:
                 raise ValueError(f"Linear2D: {name}={n} is not divisible by q={mesh.q} ({mesh})")
+        if parts is not None and sum(parts) != out_features:
+            raise ValueError(f"Linear2D: parts {parts} do not add up to out_features={out_features}")
         self.in_features, self.out_features, self.mesh = in_features, out_features, mesh
         self.summa = "ab" if in_features <= out_features else "abt"
         w_dims = (("row",), ("col",)) if self.summa == "ab" else (("col",), ("row",))
-        self.shardings = {"weight": Sharding(w_dims, (out_features, in_features))}
+        self.shardings = {"weight": Sharding(w_dims, (out_features, in_features), parts)}
         q = mesh.q
         self.weight = nn.Parameter(torch.empty(out_features // q, in_features // q, device=device, dtype=dtype))
         if bias:
-            self.shardings["bias"] = Sharding((("row",),), (out_features,))
+            self.shardings["bias"] = Sharding((("row",),), (out_features,), parts)
             self.bias = nn.Parameter(torch.empty(out_features // q, device=device, dtype=dtype))
         else:
             self.register_parameter("bias", None)
@@ -69,13 +79,23 @@ class Linear2D(ShardedModule):
         self._copy_from(full)
 
     @classmethod
-    def from_serial(cls, linear: nn.Linear, mesh: Mesh) -> Linear2D:
-        """This rank's blocks of ``linear``'s weight and bias (no communication)."""
+    def from_serial(cls, linear: nn.Linear, mesh: Mesh, parts: tuple[int, ...] | None = None) -> Linear2D:
+        """This rank's blocks of ``linear``'s weight and bias (no communication).
+
+        ``parts``: the output is a concatenation of parts (a fused q/k/v projection), each split
+        on its own, so that output block j holds block j of every part (whole heads).
+        """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"Linear2D.from_serial expects nn.Linear, got {type(linear).__name__}")
         w = linear.weight
         module = cls(
-            linear.in_features, linear.out_features, linear.bias is not None, mesh=mesh, device="meta", dtype=w.dtype
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            mesh=mesh,
+            device="meta",
+            dtype=w.dtype,
+            parts=parts,
         )
         module.to_empty(device=w.device)
         module.tag_parameters()
