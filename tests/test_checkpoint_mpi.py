@@ -162,10 +162,16 @@ def test_a_checkpoint_that_does_not_fit_changes_nothing(world):
     with pytest.raises(ValueError, match="no readable checkpoint"):
         checkpoint.load(os.path.join(root, "nowhere"), other)
     dist.barrier(group=mesh.group("mesh")) if mesh.size > 1 else None
+    shard = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]
     if mesh.index("mesh") == 0:  # truncate one shard file
-        shard = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]
         with open(os.path.join(path, shard), "r+b") as f:
             f.truncate(16)
+    dist.barrier(group=mesh.group("mesh")) if mesh.size > 1 else None
+    with pytest.raises(RuntimeError, match="could not read"):
+        checkpoint.load(path, other)
+    dist.barrier(group=mesh.group("mesh")) if mesh.size > 1 else None
+    if mesh.index("mesh") == 0:  # and now a shard file that is not there at all
+        os.remove(os.path.join(path, shard))
     dist.barrier(group=mesh.group("mesh")) if mesh.size > 1 else None
     with pytest.raises(RuntimeError, match="could not read"):
         checkpoint.load(path, other)
