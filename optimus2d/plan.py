@@ -1,0 +1,147 @@
+"""A cost model: per-rank communication, memory and step time of 1D, 1D+SP, 2D and 2.5D layouts.
+
+Communication is counted as ``count_comm`` counts it (elements of payload each rank takes part
+in), exactly for optimus2d's own schedule (``transformer_layer_elements`` is checked against the
+counter in the tests) and by Megatron's schedule for 1D. Time adds compute at a given flop rate
+to communication priced per collective kind (ring all-reduce moves 2(n−1)/n of its payload,
+all-gather and reduce-scatter (n−1)/n, broadcast and reduce about 1×) plus a latency per message.
+A model: the numbers rank layouts and show trends; they are not measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from optimus2d.cost import linear_2d_elements
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One pre-norm transformer layer: batch b, sequence s, hidden h, feed-forward f."""
+
+    batch: int
+    seq: int
+    hidden: int
+    ffn: int
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def flops(self) -> float:
+        """fwd+bwd matmul flops: 6 per multiply-add of qkv, out, fc1, fc2, plus attention scores."""
+        h, f, r, s = self.hidden, self.ffn, self.rows, self.seq
+        return 6.0 * r * (3 * h * h + h * h + 2 * h * f) + 12.0 * r * s * h
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """flop/s of one device, and bandwidth (bytes/s) and latency (s) of the links between them."""
+
+    flops: float
+    bandwidth: float
+    latency: float
+    bytes_per_element: int = 2
+
+
+def transformer_layer_elements(layer: Layer, q: int, depth: int = 1) -> int:
+    """Elements an optimus2d rank sends for ``TransformerBlock2D`` forward + backward (input needs grad).
+
+    Two LayerNorms (all-gather of [mean, M2] per row forward, all-reduce of 2 per row backward) and
+    four ``Linear2D``: qkv (h→3h, per part), out (h→h), fc1 (h→f), fc2 (f→h).
+    """
+    h, f, r = layer.hidden, layer.ffn, layer.rows
+    norms = 2 * (2 * r // (depth * q) * q + 2 * r // (depth * q)) if q > 1 else 0
+    linears = sum(linear_2d_elements(r, i, o, q, depth) for i, o in ((h, 3 * h), (h, h), (h, f), (f, h)))
+    return norms + linears
+
+
+def layer_comm(layer: Layer, scheme: str, p: int) -> list[tuple[str, int, float, int]]:
+    """(kind, group size, elements per rank, messages) of one layer fwd+bwd under ``scheme``."""
+    r, h, f = layer.rows, layer.hidden, layer.ffn
+    if scheme in ("1d", "1d-sp"):
+        if p == 1:
+            return []
+        if scheme == "1d":  # an all-reduce of r·h after attention and after the MLP, each way
+            return [("all_reduce", p, 4 * r * h, 4)]
+        return [("all_gather", p, 4 * r * h, 4), ("reduce_scatter", p, 4 * r * h, 4)]
+    q, depth = _mesh_shape(scheme, p)
+    out = []
+    if q > 1:
+        rows = r // (depth * q)
+        out.append(("all_gather", q, 2 * 2 * rows * q, 2))  # the norms' statistics
+        out.append(("all_reduce", q, 2 * 2 * rows, 2))
+        for i, o in ((h, 3 * h), (h, h), (h, f), (f, h)):
+            act, block = r * min(i, o) // (depth * q), i * o // (q * q)
+            out.append(("broadcast", q, 3 * q * (act // q + block), 3 * 2 * q))  # ~2 messages a step
+            out.append(("all_reduce", q, o // q, 1))  # bias over col
+    if depth > 1:
+        grads = 3 * h * h + h * h + 2 * h * f
+        out.append(("all_reduce", depth, grads // (q * q), 4))
+    return out
+
+
+def _mesh_shape(scheme: str, p: int) -> tuple[int, int]:
+    if scheme == "2d":
+        q = math.isqrt(p)
+        if q * q != p:
+            raise ValueError(f"2D needs p = q², got p={p}")
+        return q, 1
+    if scheme.startswith("2.5d"):
+        depth = int(scheme.split(":")[1]) if ":" in scheme else 2
+        q = math.isqrt(p // depth)
+        if depth * q * q != p:
+            raise ValueError(f"{scheme} needs p = depth·q², got p={p}")
+        return q, depth
+    raise ValueError(f"unknown scheme {scheme!r}: '1d', '1d-sp', '2d', '2.5d:<depth>'")
+
+
+_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n}
+_FACTOR["reduce_scatter"] = _FACTOR["all_gather"]
+
+
+def step_time(layer: Layer, scheme: str, p: int, hw: Hardware) -> dict[str, float]:
+    """Predicted seconds of one layer fwd+bwd: compute, communication and their sum."""
+    compute = layer.flops / (p * hw.flops)
+    comm = 0.0
+    for kind, n, elements, messages in layer_comm(layer, scheme, p):
+        factor = _FACTOR.get(kind, lambda n: 1.0)(n)
+        comm += factor * elements * hw.bytes_per_element / hw.bandwidth + messages * hw.latency * math.log2(max(n, 2))
+    return {"compute": compute, "comm": comm, "total": compute + comm}
+
+
+def activation_elements(layer: Layer, scheme: str, p: int) -> float:
+    """Saved activations per rank, in elements, from the per-token census of a pre-norm layer.
+
+    A layer saves per token about 8h replicable (norm inputs/outputs, attention input/output,
+    residual-side tensors) + 3h (q, k, v) + 2f (fc1 output, activation output) + the attention
+    probabilities' s·heads are not saved by flash/SDPA kernels. 1D splits only q/k/v and the
+    f-wide tensors; 1D+SP and 2D split everything (2.5D: by depth·q² too).
+    """
+    r, h, f = layer.rows, layer.hidden, layer.ffn
+    replicable, splittable = 8 * h, 3 * h + 2 * f
+    if scheme == "1d":
+        return r * (replicable + splittable / p)
+    return r * (replicable + splittable) / p
+
+
+def efficiency(layer: Layer, scheme: str, p: int, hw: Hardware) -> float:
+    """Parallel efficiency: serial time / (p · parallel time)."""
+    serial = layer.flops / hw.flops
+    return serial / (p * step_time(layer, scheme, p, hw)["total"])
+
+
+def isoefficiency_batch(scheme: str, p: int, hw: Hardware, target: float, seq: int, hidden: int) -> int | None:
+    """Smallest batch (the problem size) at which ``scheme`` on p devices reaches ``target`` efficiency."""
+    batch = 1
+    while batch <= 2**24:
+        layer = Layer(batch, seq, hidden, 4 * hidden)
+        try:
+            if efficiency(layer, scheme, p, hw) >= target:
+                return batch
+        except ValueError:
+            return None
+        batch *= 2
+    return None

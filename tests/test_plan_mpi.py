@@ -1,0 +1,38 @@
+"""The cost model's element counts equal what count_comm measures, on every mesh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from optimus2d import TransformerBlock2D, count_comm, scatter
+from optimus2d.plan import Hardware, Layer, efficiency, layer_comm, step_time, transformer_layer_elements
+
+
+@pytest.mark.mpi
+def test_transformer_layer_elements_match_the_counter(mesh):
+    h, heads, s = 12, 6, 5
+    b = 2 * mesh.depth * mesh.q
+    torch.manual_seed(0)
+    serial = nn.TransformerEncoderLayer(h, heads, 4 * h, dropout=0.0, batch_first=True, norm_first=True)
+    block = TransformerBlock2D.from_serial(serial, mesh)
+    x = scatter(torch.randn(b, s, h), mesh).requires_grad_()
+    with count_comm() as counter:
+        block(x, is_causal=True).square().sum().backward()
+    layer = Layer(b, s, h, 4 * h)
+    assert counter.numel == transformer_layer_elements(layer, mesh.q, mesh.depth)
+
+
+def test_projection_orders_layouts_as_the_formulas_say():
+    hw = Hardware(flops=300e12, bandwidth=50e9, latency=5e-6)
+    layer = Layer(batch=64, seq=2048, hidden=8192, ffn=4 * 8192)
+    # 1D's per-rank volume does not shrink with p; 2D's shrinks as 1/q
+    one_d = [sum(e for _, _, e, _ in layer_comm(layer, "1d", p)) for p in (16, 64, 256)]
+    two_d = [sum(e for _, _, e, _ in layer_comm(layer, "2d", p)) for p in (16, 64, 256)]
+    assert one_d[0] == one_d[1] == one_d[2]
+    assert two_d[0] > two_d[1] > two_d[2]
+    assert step_time(layer, "2d", 256, hw)["total"] < step_time(layer, "1d", 256, hw)["total"]
+    assert 0 < efficiency(layer, "2.5d:4", 256, hw) <= 1
+    with pytest.raises(ValueError, match="2D needs p = q²"):
+        layer_comm(layer, "2d", 8)
