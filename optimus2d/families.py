@@ -61,6 +61,8 @@ def _hf_rmsnorm(norm: nn.Module, mesh: Mesh) -> nn.Module:
 
 
 def _gpt2_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
+    if isinstance(attn.c_attn, TransposedLinear2D):  # converted already
+        return attn
     if getattr(attn, "is_cross_attention", False) or hasattr(attn, "q_attn"):
         raise TypeError("parallelize: GPT-2 cross-attention (q_attn) is not supported")
     e = attn.embed_dim
@@ -95,6 +97,8 @@ def register_transformers() -> None:
 
 
 def _timm_patch_embed(embed: nn.Module, mesh: Mesh) -> nn.Module:
+    if hasattr(embed, "_scatter_mesh"):  # converted already
+        return embed
     base = type(embed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,8 +112,12 @@ def _timm_patch_embed(embed: nn.Module, mesh: Mesh) -> nn.Module:
 def _timm_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
     from optimus2d.parallelize import parallelize
 
+    if isinstance(attn.qkv, Linear2D):  # converted already
+        return attn
     if getattr(attn, "gate", None) is not None:
         raise TypeError("parallelize: timm Attention with a gate is not supported")
+    if not isinstance(attn.q_norm, nn.Identity) or not isinstance(attn.k_norm, nn.Identity):
+        raise TypeError("parallelize: timm Attention with qk_norm is not supported (its per-head norms' weights)")
     if attn.num_heads % mesh.q:
         raise ValueError(f"parallelize: timm Attention num_heads={attn.num_heads} is not divisible by q={mesh.q}")
     width = attn.qkv.out_features // 3
@@ -140,6 +148,8 @@ def _timm_vit(vit: nn.Module, mesh: Mesh) -> nn.Module:
     if getattr(vit, "dynamic_img_size", False):
         raise TypeError("parallelize: timm VisionTransformer with dynamic_img_size is not supported")
     convert_children(vit, mesh)
+    if getattr(vit, "_optimus2d_mesh", None) is not None:  # converted already
+        return vit
     vit._optimus2d_shardings, vit._optimus2d_mesh = {}, mesh
     for name in ("cls_token", "reg_token", "pos_embed"):
         full = getattr(vit, name, None)
@@ -163,7 +173,7 @@ def register_timm() -> None:
 
     vision_transformer = importlib.import_module("timm.models.vision_transformer")
     layers = importlib.import_module("timm.layers")
-    register_converter(vision_transformer.VisionTransformer, _timm_vit)
+    register_converter(vision_transformer.VisionTransformer, _timm_vit, converts_children=True)
     register_converter(layers.PatchEmbed, _timm_patch_embed)
     register_converter(layers.Attention, _timm_attention)
     if hasattr(layers, "LayerNorm"):  # timm's own nn.LayerNorm subclass (a faster forward, same result)

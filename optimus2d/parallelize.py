@@ -8,7 +8,9 @@ serial. Like torch's ``parallelize_module``, the conversion happens in place.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -29,6 +31,7 @@ from optimus2d.layers.embedding import TiedHead2D
 
 Converter = Callable[[nn.Module, Mesh], nn.Module]
 _CONVERTERS: dict[type, Converter] = {}
+_CONVERTS_CHILDREN: set = set()  # converters that call convert_children: check() looks inside them
 
 # Leaves that act on each element alone, so a block of the input gives the block of the output.
 ELEMENTWISE: tuple[type, ...] = (
@@ -51,7 +54,7 @@ ELEMENTWISE: tuple[type, ...] = (
 )
 
 
-def register_converter(cls: type, converter: Converter | None = None):
+def register_converter(cls: type, converter: Converter | None = None, *, converts_children: bool = False):
     """Teach ``parallelize`` to convert modules of type ``cls`` (and subclasses that keep its forward).
 
     ``converter(module, mesh)`` returns the module that replaces ``module``. Use directly or as a
@@ -64,15 +67,16 @@ def register_converter(cls: type, converter: Converter | None = None):
 
     def add(fn: Converter) -> Converter:
         _CONVERTERS[cls] = fn
+        if converts_children:  # it calls convert_children: parallelize checks inside it beforehand
+            _CONVERTS_CHILDREN.add(fn)
         return fn
 
     return add(converter) if converter is not None else add
 
 
 def _stack(module: nn.Module, mesh: Mesh) -> nn.Module:
-    layers = nn.ModuleList(_convert(layer, mesh, f"layers.{n}", {}) for n, layer in enumerate(module.layers))
-    norm = _convert(module.norm, mesh, "norm", {}) if module.norm is not None else None
-    return TransformerStack2D(layers, norm)
+    convert_children(module, mesh)
+    return TransformerStack2D(module.layers, module.norm)
 
 
 for _cls, _fn in (
@@ -87,7 +91,7 @@ for _cls, _fn in (
     (nn.TransformerDecoder, _stack),
     (nn.Dropout, lambda m, mesh: Dropout2D(m.p, mesh=mesh)),
 ):
-    register_converter(_cls, _fn)
+    register_converter(_cls, _fn, converts_children=_fn is _stack)
 
 
 def converter_for(module: nn.Module) -> Converter | None:
@@ -102,52 +106,117 @@ def parallelize(module: nn.Module, mesh: Mesh) -> nn.Module:
     """The model on ``mesh``, converted in place from the serial ``module`` and returned.
 
     The result takes ``optimus2d.scatter``-ed activations (and ``scatter_batch``-ed ids) and gives
-    this rank's blocks; ``serial_state_dict`` of it has ``module``'s keys and values.
-    Raises ``TypeError`` naming the submodule's path when a part cannot be converted.
+    this rank's blocks; ``serial_state_dict`` of it has ``module``'s keys and values. A module used
+    twice is converted once; an ``nn.Linear`` sharing an ``nn.Embedding``'s weight (a tied head)
+    becomes a ``TiedHead2D`` on the same Parameter. The whole model is checked before anything is
+    changed: ``TypeError`` names the first submodule that cannot be converted, or a parameter
+    shared in a way that cannot be kept.
     """
-    return _convert(module, mesh, "", {})
+    walk = _Walk(mesh, {}, _tied_embeddings(module))
+    walk.check(module, "")
+    token = _current.set(walk)
+    try:
+        return walk.convert(module, "")
+    finally:
+        _current.reset(token)
 
 
 def convert_children(module: nn.Module, mesh: Mesh) -> None:
-    """Convert every child of ``module`` in place (for converters of containers with own tensors)."""
-    for name, child in module.named_children():
-        setattr(module, name, _convert(child, mesh, name, {}))
+    """Convert every child of ``module`` in place (for converters of modules that hold tensors too)."""
+    walk = _current.get() or _Walk(mesh, {}, _tied_embeddings(module))
+    for name, child in _children(module):
+        setattr(module, name, walk.convert(child, name))
 
 
-def _convert(module: nn.Module, mesh: Mesh, path: str, tied: dict[int, Embedding2D]) -> nn.Module:
-    """``tied`` maps the serial weight of every converted nn.Embedding to its Embedding2D, so that an
-    output head sharing that weight (a tied LM head) becomes a TiedHead2D on the same Parameter."""
-    where = path or "the model itself"
-    if isinstance(module, (ShardedModule, Dropout2D)):
-        return module
-    if isinstance(module, nn.Linear) and id(module.weight) in tied:
-        if module.bias is not None:
-            raise TypeError(f"parallelize: {where} shares an embedding's weight but has a bias; not supported")
-        return TiedHead2D(tied[id(module.weight)])
-    converter = converter_for(module)
-    if converter is None and families.register_for(module):  # e.g. the first transformers module met
+_current: contextvars.ContextVar[_Walk | None] = contextvars.ContextVar("optimus2d_parallelize", default=None)
+
+
+def _tied_embeddings(root: nn.Module) -> dict[int, nn.Embedding]:
+    """Parameters held by more than one module: only an Embedding's weight shared with bias-free
+    Linear heads is supported (returned: weight id → embedding); any other sharing is refused."""
+    owners: dict[int, dict[int, tuple[str, nn.Module, str]]] = {}
+    for path, sub in root.named_modules(remove_duplicate=False):
+        for name, param in sub._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), {})[id(sub)] = (path or "the model itself", sub, name)
+    tied = {}
+    for pid, holders in owners.items():
+        if len(holders) < 2:
+            continue
+        subs = [sub for _, sub, _ in holders.values()]
+        embeddings = [m for m in subs if isinstance(m, nn.Embedding)]
+        heads = [m for m in subs if isinstance(m, nn.Linear) and m.bias is None and id(m.weight) == pid]
+        if len(embeddings) == 1 and len(heads) == len(subs) - 1:
+            tied[pid] = embeddings[0]
+        else:
+            where = ", ".join(f"{path}.{name}" for path, _, name in holders.values())
+            raise TypeError(f"parallelize: one parameter is shared by {where}; only a tied embedding/head is supported")
+    return tied
+
+
+@dataclass
+class _Walk:
+    mesh: Mesh
+    done: dict[int, nn.Module]  # id(serial module) → its conversion: a module used twice converts once
+    tied: dict[int, nn.Embedding]  # id(shared weight) → the embedding that owns it
+
+    def check(self, module: nn.Module, path: str) -> None:
+        """Raise for anything that would be refused, before any module is changed."""
+        if isinstance(module, (ShardedModule, Dropout2D)) or getattr(module, "_optimus2d_mesh", None) is not None:
+            return
+        if isinstance(module, nn.Linear) and id(module.weight) in self.tied:
+            return
         converter = converter_for(module)
-    if converter is not None:
-        converted = converter(module, mesh)
-        if isinstance(module, nn.Embedding) and isinstance(converted, Embedding2D):
-            tied[id(module.weight)] = converted
-        return converted
-    if isinstance(module, ELEMENTWISE):
+        if converter is None and families.register_for(module):  # e.g. the first transformers module met
+            converter = converter_for(module)
+        if converter is not None:
+            if converter in _CONVERTS_CHILDREN:
+                for name, child in _children(module):
+                    self.check(child, f"{path}.{name}" if path else name)
+            return
+        _refuse_unconvertible(module, path)
+        for name, child in _children(module):
+            self.check(child, f"{path}.{name}" if path else name)
+
+    def convert(self, module: nn.Module, path: str) -> nn.Module:
+        if id(module) not in self.done:
+            self.done[id(module)] = self._convert(module, path)
+        return self.done[id(module)]
+
+    def _convert(self, module: nn.Module, path: str) -> nn.Module:
+        if isinstance(module, (ShardedModule, Dropout2D)):
+            return module
+        if isinstance(module, nn.Linear) and id(module.weight) in self.tied:
+            return TiedHead2D(self.convert(self.tied[id(module.weight)], "(tied embedding)"))
+        converter = converter_for(module)
+        if converter is not None:
+            return converter(module, self.mesh)
+        if isinstance(module, ELEMENTWISE):
+            return module
+        _refuse_unconvertible(module, path)
+        for child_name, child in _children(module):
+            setattr(module, child_name, self.convert(child, f"{path}.{child_name}" if path else child_name))
         return module
+
+
+def _children(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every child slot, a module used twice included (``named_children`` yields it once)."""
+    return [(name, child) for name, child in module._modules.items() if child is not None]
+
+
+def _refuse_unconvertible(module: nn.Module, path: str) -> None:
+    if isinstance(module, ELEMENTWISE):
+        return
+    where, name = path or "the model itself", type(module).__name__
     own = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]
-    name = type(module).__name__
     if own:
         raise TypeError(
             f"parallelize: {where} ({name}) holds {', '.join(own)} and has no converter; a module that reads "
             f"the full hidden size would give wrong results on the mesh. Register one with "
             f"optimus2d.register_converter({name})"
         )
-    children = list(module.named_children())
-    if not children and not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+    if not list(module.children()) and not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
         raise TypeError(
             f"parallelize: {where} ({name}) is not known to act element by element and has no converter; "
             f"register one with optimus2d.register_converter({name})"
         )
-    for child_name, child in children:
-        setattr(module, child_name, _convert(child, mesh, f"{path}.{child_name}" if path else child_name, tied))
-    return module

@@ -102,3 +102,46 @@ def test_register_converter_for_a_user_module(mesh):
         check_against_serial(serial, parallel, _x(mesh, E), mesh)
     finally:
         _CONVERTERS.pop(ScaleNorm)
+
+
+def test_a_refused_model_is_left_untouched(mesh):
+    model = nn.Sequential(nn.Linear(E, E), nn.Softmax(-1))
+    with pytest.raises(TypeError, match=r"1 \(Softmax\)"):
+        parallelize(model, mesh)
+    assert type(model[0]) is nn.Linear  # checked whole before anything changed
+
+
+class Shared(nn.Module):
+    """A module used twice, and a head declared before the embedding it is tied to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(E, 13, bias=False)
+        self.emb = nn.Embedding(13, E)
+        self.head.weight = self.emb.weight
+        self.mix = nn.Linear(E, E)
+        self.twice = nn.Sequential(self.mix, nn.GELU(), self.mix)
+
+    def forward(self, ids):
+        return self.head(self.twice(self.emb(ids)))
+
+
+def test_shared_modules_and_a_tied_head_stay_shared(mesh):
+    serial = Shared()
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    assert parallel.twice[0] is parallel.twice[2] is parallel.mix
+    assert parallel.head.weight is parallel.emb.weight
+    assert len(list(parallel.parameters())) == len(list(serial.parameters())) == 3
+    torch.manual_seed(1)
+    ids = torch.randint(0, 13, (2 * mesh.depth * mesh.q, SEQ))
+    logits = gather(parallel(optimus2d.scatter_batch(ids, mesh)), mesh)[..., :13]
+    assert_close(logits, serial(ids), what="logits")
+    assert list(serial_state_dict(parallel)) == list(serial.state_dict())
+
+
+def test_other_shared_parameters_are_refused(mesh):
+    a, b = nn.Linear(E, E), nn.Linear(E, E)
+    b.weight = a.weight
+    with pytest.raises(TypeError, match=r"one parameter is shared by 0\.weight, 1\.weight"):
+        parallelize(nn.Sequential(a, b), mesh)
