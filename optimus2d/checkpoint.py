@@ -47,7 +47,11 @@ class _Entry:
 
 def _entries(model: nn.Module) -> list[_Entry]:
     owners, out = _owners(model), []
-    for key in model.state_dict():
+    for key, value in model.state_dict().items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"optimus2d.checkpoint: {key} is not a tensor (a module's extra state); it would not be resharded"
+            )
         owner, name = owners[key]
         sharding, mesh = sharding_of(owner, name)
         out.append(_Entry(key, getattr(owner, name), sharding, mesh))
@@ -124,15 +128,23 @@ def _process_group(mesh: Mesh | None):
     """(process_group, no_dist) for DCP."""
     if not dist.is_initialized():
         return None, True
-    if mesh is None:
-        return None, dist.get_world_size() == 1
+    if mesh is None:  # a plain torch model: every rank holds all of it, so this rank alone reads/writes
+        return None, True
     if mesh.size == 1:
         return None, True
     return mesh.group("mesh"), False
 
 
+def _first_alias(entries: list[_Entry]) -> dict[int, _Entry]:
+    """A tensor under several keys (a tied head) keeps its optimizer state under its first key."""
+    by_param: dict[int, _Entry] = {}
+    for e in entries:
+        by_param.setdefault(id(e.tensor), e)
+    return by_param
+
+
 def _optimizer_tensors(optimizer, entries: list[_Entry]) -> dict[str, tuple[torch.Tensor, _Entry | None]]:
-    by_param = {id(e.tensor): e for e in entries}
+    by_param = _first_alias(entries)
     out = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -143,12 +155,18 @@ def _optimizer_tensors(optimizer, entries: list[_Entry]) -> dict[str, tuple[torc
                 if not isinstance(value, torch.Tensor):
                     raise TypeError(f"optimus2d.checkpoint: optimizer state {name!r} is not a tensor")
                 like_param = value.shape == p.shape and value.dim() > 0
+                if value.dim() > 0 and not like_param and entry.sharding is not None:
+                    raise TypeError(
+                        f"optimus2d.checkpoint: optimizer state {name!r} of {entry.key} has shape "
+                        f"{tuple(value.shape)}, neither the parameter's block {tuple(p.shape)} nor a scalar: "
+                        "it cannot be resharded"
+                    )
                 out[f"optim/{entry.key}/{name}"] = (value, entry if like_param else None)
     return out
 
 
 def _meta(optimizer, entries: list[_Entry]) -> dict:
-    by_param = {id(e.tensor): e.key for e in entries}
+    by_param = {k: e.key for k, e in _first_alias(entries).items()}
     groups = [
         {"params": [by_param[id(p)] for p in g["params"]], **{k: v for k, v in g.items() if k != "params"}}
         for g in (optimizer.param_groups if optimizer is not None else [])
@@ -297,7 +315,7 @@ def load(
         for suffix, v in zip(_suffixes(sharding), vs, strict=True):
             state[f"model/{e.key}{suffix}"] = v
         views.append((buffer, vs, sharding, m))
-    for key, buffer, sharding, m in optim_targets:
+    for key, buffer, sharding, m, _ in optim_targets:
         vs = _stored_views(buffer, sharding, m, device_mesh)
         for suffix, v in zip(_suffixes(sharding), vs, strict=True):
             state[f"{key}{suffix}"] = v
@@ -311,34 +329,40 @@ def load(
         for tensor, buffer, _, _ in targets:
             tensor.copy_(buffer)
     if optimizer is not None:
-        _install_optimizer_state(optimizer, entries, optim_targets, meta)
+        _install_optimizer_state(optimizer, optim_targets, meta)
     return None
 
 
 def _optimizer_targets(optimizer, entries, metadata, expected) -> list:
-    by_param = {id(e.tensor): e for e in entries}
+    aliases: dict[int, list[_Entry]] = {}
+    for e in entries:
+        aliases.setdefault(id(e.tensor), []).append(e)
     targets = []
     for group in optimizer.param_groups:
+        on_device = bool(group.get("capturable") or group.get("fused"))
         for p in group["params"]:
-            entry = by_param.get(id(p))
-            if entry is None:
+            if id(p) not in aliases:
                 raise ValueError("optimus2d.checkpoint: the optimizer holds a parameter that is not in the model")
+            stored = [e for e in aliases[id(p)] if any(k.startswith(f"optim/{e.key}/") for k in metadata)]
+            if not stored:
+                continue  # no state saved for it (never stepped)
+            entry = stored[0]
             prefix = f"optim/{entry.key}/"
             names = sorted({k[len(prefix) :].partition("#")[0] for k in metadata if k.startswith(prefix)})
             serial_shape = entry.sharding.full_shape if entry.sharding is not None else tuple(p.shape)
             for name in names:
                 split = f"{prefix}{name}#0" in metadata
                 first = metadata[f"{prefix}{name}#0"] if split else metadata[f"{prefix}{name}"]
-                dtype = first.properties.dtype
-                if split or tuple(first.size) == serial_shape:  # laid out like the parameter
+                if split or tuple(first.size) == serial_shape:  # laid out like the parameter: its dtype
                     for suffix, part in zip(_suffixes(entry.sharding), _parts(entry.sharding), strict=True):
                         expected[f"{prefix}{name}{suffix}"] = part.full_shape if part is not None else tuple(p.shape)
-                    buffer = torch.zeros(p.shape, dtype=dtype, device=p.device)
-                    targets.append((f"{prefix}{name}", buffer, entry.sharding, entry.mesh))
-                else:  # a scalar such as Adam's step
+                    buffer = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+                    targets.append((f"{prefix}{name}", buffer, entry.sharding, entry.mesh, p))
+                else:  # a scalar such as Adam's step: on the CPU, as torch keeps it, unless capturable/fused
                     expected[f"{prefix}{name}"] = tuple(first.size)
-                    buffer = torch.zeros(tuple(first.size), dtype=dtype, device=p.device)
-                    targets.append((f"{prefix}{name}", buffer, None, None))
+                    device = p.device if on_device else torch.device("cpu")
+                    buffer = torch.zeros(tuple(first.size), dtype=first.properties.dtype, device=device)
+                    targets.append((f"{prefix}{name}", buffer, None, None, p))
     return targets
 
 
@@ -370,11 +394,13 @@ def _write_back(buffer: torch.Tensor, views: list[torch.Tensor], sharding: Shard
         piece[tuple(slice(0, n) for n in local.shape)].copy_(local)
 
 
-def _install_optimizer_state(optimizer, entries, optim_targets, meta) -> None:
-    by_key = {e.key: e.tensor for e in entries}
-    for key, buffer, _, _ in optim_targets:
-        pkey, _, name = key[len("optim/") :].rpartition("/")
-        optimizer.state[by_key[pkey]][name] = buffer
+def _install_optimizer_state(optimizer, optim_targets, meta) -> None:
+    for group in optimizer.param_groups:  # the checkpoint's state replaces all of the old one
+        for p in group["params"]:
+            optimizer.state.pop(p, None)
+    for key, buffer, _, _, param in optim_targets:
+        name = key.rpartition("/")[2]
+        optimizer.state[param][name] = buffer
     saved_groups = meta.get("param_groups", [])
     for group, saved in zip(optimizer.param_groups, saved_groups, strict=False):
         for k, v in saved.items():

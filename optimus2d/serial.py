@@ -30,7 +30,10 @@ def serial_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in module.state_dict().items():
         owner, name = owners.get(key, (None, None))
-        out[key] = serial_tensor(owner, name).clone() if owner is not None else value.detach().clone()
+        if not isinstance(value, torch.Tensor):  # a module's extra state: passed through as it is
+            out[key] = value
+        else:
+            out[key] = serial_tensor(owner, name).clone() if owner is not None else value.detach().clone()
     return out
 
 

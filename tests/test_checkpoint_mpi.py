@@ -185,3 +185,88 @@ def test_single_rank_scatter_is_plain(world):
     if mesh.coord is not None:
         x = torch.randn(2, 3, 4)
         assert torch.equal(scatter(x, mesh), x)
+
+
+class TiedShared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, E)
+        self.mix = nn.Linear(E, E)
+        self.twice = nn.Sequential(self.mix, nn.GELU(), self.mix)
+        self.head = nn.Linear(E, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def loss(self, ids, mesh):
+        logits = self.head(self.twice(self.emb(ids)))
+        return optimus2d.cross_entropy(logits, ids, mesh)
+
+
+def test_tied_and_shared_model_with_sgd_momentum_moves_to_one_process(world):
+    big = max((s for s in SHAPES if s[1] * s[0] ** 2 <= world.size), key=lambda s: s[1] * s[0] ** 2)
+    mesh, single = _mesh(world, big), _mesh(world, (1, 1))
+    path = os.path.join(_shared_dir(world), "tied")
+    torch.manual_seed(5)
+    ids = torch.randint(0, VOCAB, (12, SEQ))
+    if mesh.coord is not None:
+        model = optimus2d.parallelize(TiedShared(), mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(2):
+            opt.zero_grad()
+            model.loss(scatter_batch(ids, mesh), mesh).backward()
+            opt.step()
+        before = serial_state_dict(model)
+        checkpoint.save(path, model, opt)
+    dist.barrier()
+    if single.coord is not None:
+        model = optimus2d.parallelize(TiedShared(), single)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
+        checkpoint.load(path, model, opt)
+        assert model.head.weight is model.emb.weight
+        state = serial_state_dict(model)
+        for key, value in before.items():
+            assert torch.equal(state[key], value), key
+        assert opt.param_groups[0]["momentum"] == 0.9
+        momentum = {id(p): s["momentum_buffer"] for p, s in opt.state.items()}
+        assert len(momentum) == 3  # embedding/head (one tensor), mix weight, mix bias
+    dist.barrier()
+
+
+def test_fp32_checkpoint_loads_into_a_bf16_model_that_can_step(world):
+    mesh = _mesh(world, (1, 1) if world.size < 4 else (2, 1))
+    path = os.path.join(_shared_dir(world), "dtype")
+    if mesh.coord is not None:
+        model = _parallel(0, mesh)
+        opt = torch.optim.AdamW(model.parameters())
+        _train(model, opt, mesh, range(1))
+        checkpoint.save(path, model, opt)
+        low = _parallel(0, mesh).to(torch.bfloat16)
+        opt_low = torch.optim.AdamW(low.parameters())
+        checkpoint.load(path, low, opt_low)
+        p = next(iter(low.parameters()))
+        assert opt_low.state[p]["exp_avg"].dtype == torch.bfloat16
+        assert opt_low.state[p]["step"].device.type == "cpu"
+        torch.manual_seed(3)
+        ids = torch.randint(0, VOCAB, (12, SEQ))
+        loss = optimus2d.cross_entropy(
+            low.emb.attend(low.emb(scatter_batch(ids, mesh))), scatter_batch(ids, mesh), mesh
+        )
+        loss.backward()
+        opt_low.step()  # no dtype error
+    dist.barrier()
+
+
+def test_extra_state_is_refused(world):
+    class WithExtra(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def get_extra_state(self):
+            return {"note": 1}
+
+        def set_extra_state(self, state):
+            pass
+
+    with pytest.raises(TypeError, match="extra state"):
+        checkpoint.save(os.path.join(tempfile.mkdtemp(), "x"), WithExtra())
