@@ -419,3 +419,35 @@ def test_norm_refuses_hidden_not_divisible_by_q(mesh):
         RMSNorm2D(E + 1, mesh=mesh)
     with pytest.raises(ValueError, match=rf"embedding_dim={E + 1} is not divisible by q={mesh.q}"):
         Embedding2D(10, E + 1, mesh=mesh)
+
+
+@pytest.mark.parametrize("features", [(12, 36), (36, 12)], ids=["ab", "abt"])
+def test_transposed_linear_with_parts_matches_a_conv1d(mesh, features):
+    """A [in, out] weight (GPT-2's Conv1D) with its output in three parts, in both SUMMA forms."""
+    from optimus2d.layers import TransposedLinear2D
+
+    fin, fout = features
+    torch.manual_seed(0)
+    weight, bias = torch.randn(fin, fout), torch.randn(fout)
+    serial = nn.Linear(fin, fout)
+    with torch.no_grad():
+        serial.weight.copy_(weight.t())
+        serial.bias.copy_(bias)
+    holder = nn.Module()
+    holder.weight, holder.bias = nn.Parameter(weight.clone()), nn.Parameter(bias.clone())
+    third = fout // 3
+    parallel = TransposedLinear2D.from_serial(holder, mesh, parts=(third, third, third))
+    assert parallel.summa == ("ab" if fin <= fout else "abt")
+    x = _x(mesh, fin)
+    y_local = parallel(scatter(x, mesh))  # block j of each part: [q_j, k_j, v_j]
+    from optimus2d.comm import Sharding, unshard
+
+    out_sharding = Sharding((("depth", "col"), (), ("row",)), (x.shape[0], SEQ, fout), (third,) * 3, parts_dim=2)
+    y = unshard(y_local.detach().contiguous(), mesh, out_sharding)
+    assert_close(y, serial(x), what="output")
+    state = serial_state_dict(parallel)
+    assert torch.equal(state["weight"], weight) and torch.equal(state["bias"], bias)
+    holder.weight.requires_grad_(False)
+    assert not TransposedLinear2D.from_serial(holder, mesh).weight.requires_grad
+    with pytest.raises(ValueError, match=r"parts \(4, 4\) do not add up to out_features=36"):
+        TransposedLinear2D(12, 36, parts=(4, 4), mesh=mesh)

@@ -157,29 +157,45 @@ class TransposedLinear2D(ShardedModule):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        for name, n in (("in_features", in_features), *((f"part of {p}", p) for p in parts or (out_features,))):
+        if parts is not None and sum(parts) != out_features:
+            raise ValueError(f"TransposedLinear2D: parts {parts} do not add up to out_features={out_features}")
+        for name, n in (("in_features", in_features), *(("a part", p) for p in parts or (out_features,))):
             if n % mesh.q:
                 raise ValueError(f"TransposedLinear2D: {name}={n} is not divisible by q={mesh.q} ({mesh})")
         self.in_features, self.out_features, self.mesh = in_features, out_features, mesh
         self.summa = "ab" if in_features <= out_features else "abt"
         dims = (("col",), ("row",)) if self.summa == "ab" else (("row",), ("col",))
         self.shardings = {"weight": Sharding(dims, (in_features, out_features), parts, parts_dim=1)}
-        self.weight = nn.Parameter(torch.zeros(self.shardings["weight"].local_shape(mesh), device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(self.shardings["weight"].local_shape(mesh), device=device, dtype=dtype))
         if bias:
             self.shardings["bias"] = Sharding((("row",),), (out_features,), parts)
             self.bias = nn.Parameter(torch.zeros(out_features // mesh.q, device=device, dtype=dtype))
         else:
             self.register_parameter("bias", None)
+        self.reset_parameters()
         self.tag_parameters()
+
+    def reset_parameters(self) -> None:
+        """transformers' Conv1D init: weight N(0, 0.02²) drawn whole (the same on every rank), bias 0."""
+        if self.weight.device.type == "meta":
+            return
+        full = torch.empty(self.shardings["weight"].full_shape, device=self.weight.device, dtype=self.weight.dtype)
+        self.load_serial_tensor("weight", nn.init.normal_(full, std=0.02))
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     @classmethod
     def from_serial(cls, conv1d: nn.Module, mesh: Mesh, parts: tuple[int, ...] | None = None) -> TransposedLinear2D:
         """From any module with ``weight`` ``[in, out]`` and ``bias`` ``[out]`` (transformers' Conv1D)."""
         w, b = conv1d.weight, getattr(conv1d, "bias", None)
-        module = cls(w.shape[0], w.shape[1], b is not None, parts=parts, mesh=mesh, device=w.device, dtype=w.dtype)
+        module = cls(w.shape[0], w.shape[1], b is not None, parts=parts, mesh=mesh, device="meta", dtype=w.dtype)
+        module.to_empty(device=w.device)
+        module.tag_parameters()
         module.load_serial_tensor("weight", w)
+        module.weight.requires_grad_(w.requires_grad)
         if b is not None:
             module.load_serial_tensor("bias", b)
+            module.bias.requires_grad_(b.requires_grad)
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
