@@ -421,7 +421,7 @@ def test_norm_refuses_hidden_not_divisible_by_q(mesh):
         Embedding2D(10, E + 1, mesh=mesh)
 
 
-@pytest.mark.parametrize("features", [(12, 36), (36, 12)], ids=["ab", "abt"])
+@pytest.mark.parametrize("features", [(12, 36), (72, 36)], ids=["ab", "abt"])
 def test_transposed_linear_with_parts_matches_a_conv1d(mesh, features):
     """A [in, out] weight (GPT-2's Conv1D) with its output in three parts, in both SUMMA forms."""
     from optimus2d.layers import TransposedLinear2D
