@@ -377,6 +377,14 @@ def _check_fits(path, metadata, expected: dict[str, tuple[int, ...]]) -> None:
         if stored[k] != tuple(wanted[k])
     )
     optim_missing = sorted(k for k in expected if k.startswith("optim/") and k not in metadata)
+    fused = [k for k in missing if f"{k}#0" in stored]
+    if fused:
+        raise ValueError(
+            f"optimus2d.checkpoint: {os.fspath(path)!r} stores {fused[0]} in parts (a fused q/k/v of a parallel "
+            "model) and this model holds it whole: load a serial torch model with "
+            "model.load_state_dict(optimus2d.checkpoint.read(path)['model']), or resume training in one process "
+            "on optimus2d.parallelize(model, optimus2d.Mesh(1))"
+        )
     if missing or unexpected or shapes or optim_missing:
         raise ValueError(
             f"optimus2d.checkpoint: {os.fspath(path)!r} does not fit this model: missing {missing[:5]}, "

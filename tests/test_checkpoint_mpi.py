@@ -130,6 +130,8 @@ def test_serial_read_loads_into_torch_nn(world):
         checkpoint.save(path, _parallel(3, mesh))
     dist.barrier()
     serial = Tiny(99)
+    with pytest.raises(ValueError, match=r"in parts .* model\.load_state_dict\(optimus2d\.checkpoint\.read"):
+        checkpoint.load(path, serial)  # a plain model holds the fused q/k/v whole
     plain = checkpoint.load(path)
     serial.emb.load_state_dict({"weight": plain["emb.weight"]})
     serial.block.load_state_dict({k[len("block.") :]: v for k, v in plain.items() if k.startswith("block.")})
