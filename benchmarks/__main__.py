@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 import optimus2d
-from benchmarks import memory, mlp
+from benchmarks import memory, mlp, plan
 
-SUBCOMMANDS = {"memory": memory, "mlp": mlp}
+SUBCOMMANDS = {"memory": memory, "mlp": mlp, "plan": plan}
 RESULTS = Path(__file__).parent / "results"
 
 

@@ -133,15 +133,19 @@ def efficiency(layer: Layer, scheme: str, p: int, hw: Hardware) -> float:
     return serial / (p * step_time(layer, scheme, p, hw)["total"])
 
 
-def isoefficiency_batch(scheme: str, p: int, hw: Hardware, target: float, seq: int, hidden: int) -> int | None:
-    """Smallest batch (the problem size) at which ``scheme`` on p devices reaches ``target`` efficiency."""
-    batch = 1
-    while batch <= 2**24:
-        layer = Layer(batch, seq, hidden, 4 * hidden)
+def isoefficiency_hidden(scheme: str, p: int, hw: Hardware, target: float, seq: int, batch: int) -> int | None:
+    """Smallest hidden size (a power of two ≥ 256) at which ``scheme`` on p devices reaches ``target``.
+
+    The problem size W grows as h² (flops per token); how fast the returned h must grow with p
+    is the layout's isoefficiency. None when no h up to 2^20 reaches it, or the layout needs
+    another p.
+    """
+    hidden = 256
+    while hidden <= 2**20:
         try:
-            if efficiency(layer, scheme, p, hw) >= target:
-                return batch
+            if efficiency(Layer(batch, seq, hidden, 4 * hidden), scheme, p, hw) >= target:
+                return hidden
         except ValueError:
             return None
-        batch *= 2
+        hidden *= 2
     return None

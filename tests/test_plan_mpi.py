@@ -7,7 +7,15 @@ import torch
 from torch import nn
 
 from optimus2d import TransformerBlock2D, count_comm, scatter
-from optimus2d.plan import Hardware, Layer, efficiency, layer_comm, step_time, transformer_layer_elements
+from optimus2d.plan import (
+    Hardware,
+    Layer,
+    efficiency,
+    isoefficiency_hidden,
+    layer_comm,
+    step_time,
+    transformer_layer_elements,
+)
 
 
 @pytest.mark.mpi
@@ -34,5 +42,9 @@ def test_projection_orders_layouts_as_the_formulas_say():
     assert two_d[0] > two_d[1] > two_d[2]
     assert step_time(layer, "2d", 256, hw)["total"] < step_time(layer, "1d", 256, hw)["total"]
     assert 0 < efficiency(layer, "2.5d:4", 256, hw) <= 1
+    # 2D needs a slower-growing problem than 1D to hold its efficiency
+    h_1d = isoefficiency_hidden("1d", 256, hw, 0.5, 2048, 256)
+    h_2d = isoefficiency_hidden("2d", 256, hw, 0.5, 2048, 256)
+    assert h_2d is not None and (h_1d is None or h_2d < h_1d)
     with pytest.raises(ValueError, match="2D needs p = q²"):
         layer_comm(layer, "2d", 8)
