@@ -49,11 +49,14 @@ class Hardware:
 def transformer_layer_elements(layer: Layer, q: int, depth: int = 1) -> int:
     """Elements an optimus2d rank sends for ``TransformerBlock2D`` forward + backward (input needs grad).
 
-    Two LayerNorms (all-gather of [mean, M2] per row forward, all-reduce of 2 per row backward) and
-    four ``Linear2D``: qkv (h→3h, per part), out (h→h), fc1 (h→f), fc2 (f→h).
+    Two LayerNorms (all-gather of [mean, M2] per row forward, all-reduce of 2 per row backward,
+    their weight and bias gradients over col and depth) and four ``Linear2D``: qkv (h→3h, per
+    part), out (h→h), fc1 (h→f), fc2 (f→h).
     """
     h, f, r = layer.hidden, layer.ffn, layer.rows
     norms = 2 * (2 * r // (depth * q) * q + 2 * r // (depth * q)) if q > 1 else 0
+    # each norm's weight and bias gradients ([h/q] each) are summed over col and over depth
+    norms += 2 * 2 * (h // q) * (int(q > 1) + int(depth > 1))
     linears = sum(linear_2d_elements(r, i, o, q, depth) for i, o in ((h, 3 * h), (h, h), (h, f), (f, h)))
     return norms + linears
 
