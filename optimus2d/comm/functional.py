@@ -46,20 +46,13 @@ class _ReduceGrad(Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # a copy: autograd may hand the same gradient tensor to a sibling branch (y = h + p)
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        for axis in ctx.axes:
-            P.all_reduce(grad, ctx.mesh, axis)
-        return grad, None, None
+        return P.summed_copy(grad, ctx.mesh, ctx.axes), None, None
 
 
 class _AllReduce(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Tensor:
-        x = x.clone(memory_format=torch.contiguous_format)
-        for axis in axes:
-            P.all_reduce(x, mesh, axis)
-        return x
+        return P.summed_copy(x, mesh, axes)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -70,17 +63,11 @@ class _SumAcross(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Tensor:
         ctx.mesh, ctx.axes = mesh, axes
-        x = x.clone(memory_format=torch.contiguous_format)
-        for axis in axes:
-            P.all_reduce(x, mesh, axis)
-        return x
+        return P.summed_copy(x, mesh, axes)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        for axis in ctx.axes:
-            P.all_reduce(grad, ctx.mesh, axis)
-        return grad, None, None
+        return P.summed_copy(grad, ctx.mesh, ctx.axes), None, None
 
 
 class _AllGather(Function):

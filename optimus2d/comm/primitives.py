@@ -48,6 +48,15 @@ def all_reduce(t: torch.Tensor, mesh: Mesh, axis: str, op: dist.ReduceOp = dist.
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
+def summed_copy(t: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Tensor:
+    """A contiguous copy of ``t`` summed over each of ``axes`` (``t`` itself is left alone: autograd
+    may hand one gradient tensor to two branches)."""
+    out = t.clone(memory_format=torch.contiguous_format)
+    for axis in axes:
+        all_reduce(out, mesh, axis)
+    return out
+
+
 def all_gather(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
     """Concatenation along ``dim`` of every member's ``t``, in group order (same shape everywhere)."""
     group = mesh.group(axis)

@@ -104,9 +104,7 @@ def _atb(a: torch.Tensor, b: torch.Tensor, mesh: Mesh) -> torch.Tensor:
 
 
 def _sum_over_depth(grad: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    grad = grad.clone(memory_format=torch.contiguous_format)  # never reduce autograd's tensor in place
-    P.all_reduce(grad, mesh, "depth")
-    return grad
+    return P.summed_copy(grad, mesh, ("depth",))
 
 
 class _SummaAB(Function):
