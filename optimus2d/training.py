@@ -40,7 +40,7 @@ def clip_grad_norm_(
     if norm_type == float("inf"):
         local = max((g.detach().abs().max().float() for g, _ in grads), default=torch.zeros((), device=device))
         total = local.reshape(1).clone()
-        P.all_reduce(total, mesh, "mesh", op=torch.distributed.ReduceOp.MAX)
+        P.all_reduce_max(total, mesh, "mesh")
         total = total[0]
     else:
         local = torch.zeros((), dtype=torch.float64, device=device)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -97,17 +99,9 @@ def test_scatter_refuses_shapes_that_do_not_divide(mesh):
                 Linear2D(2 * q, 7, mesh=mesh)
         with pytest.raises(TypeError, match="full tensor"):
             scatter(torch.zeros(4), mesh)
-        with pytest.raises(ValueError, match=rf"depth·q = {d * q}") if d * q > 1 else _nothing():
+        with pytest.raises(ValueError, match=rf"depth·q = {d * q}") if d * q > 1 else contextlib.nullcontext():
             scatter_batch(torch.zeros(d * q + 1, dtype=torch.long), mesh)
     assert counter.count() == 0
-
-
-class _nothing:  # noqa: N801
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_linear_refuses_wrong_local_layout(mesh):

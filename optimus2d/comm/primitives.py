@@ -48,6 +48,11 @@ def all_reduce(t: torch.Tensor, mesh: Mesh, axis: str, op: dist.ReduceOp = dist.
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
+def all_reduce_max(t: torch.Tensor, mesh: Mesh, axis: str) -> None:
+    """In place: ``t`` becomes the element-wise maximum over the ``axis`` group."""
+    all_reduce(t, mesh, axis, op=dist.ReduceOp.MAX)
+
+
 def summed_copy(t: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Tensor:
     """A contiguous copy of ``t`` summed over each of ``axes`` (``t`` itself is left alone: autograd
     may hand one gradient tensor to two branches)."""

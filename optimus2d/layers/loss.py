@@ -50,7 +50,7 @@ def cross_entropy(
     finite = torch.isfinite(logits)
 
     row_max = logits.detach().amax(-1, keepdim=True)
-    P.all_reduce(row_max, mesh, "row", op=torch.distributed.ReduceOp.MAX)
+    P.all_reduce_max(row_max, mesh, "row")
     shifted = logits - row_max
     valid = target_local != ignore_index
     in_block = valid & (target_local >= start) & (target_local < start + per_rank)
