@@ -1,39 +1,105 @@
 """What the algorithms should send and keep, per rank: the formulas the benchmarks check.
 
-Elements (not bytes) each rank sends or receives, as ``count_comm`` counts them (the payload of
-every broadcast, reduce and all-reduce it takes part in).
+Elements (not bytes) each rank sends or receives, as ``count_comm`` counts them: the payload of
+every broadcast, reduce and all-reduce it takes part in, the gathered output of an all-gather,
+the input of a reduce-scatter, and the block it sends in an exchange with rank (k, j, i).
 """
 
 from __future__ import annotations
 
 
+def linear_2d_summa_elements(rows: int, fin: int, fout: int, q: int, depth: int = 1, *, dx=True, dw=True) -> int:
+    """The SUMMA products of one ``Linear2D`` forward + backward (no bias, no depth reduction).
+
+    3·rows·min(in, out)/(d·q) + 3·in·out/q: each step moves one activation block (of the cheaper
+    form's broadcast side) and one weight block; ``dx``/``dw`` False drop the unneeded products.
+    """
+    if q == 1:
+        return 0
+    act = rows * min(fin, fout) // (depth * q)
+    block = fin * fout // (q * q)
+    return q * (act // q + block) * (1 + int(dx) + int(dw))
+
+
+def linear_2d_stationary_elements(
+    rows: int, fin: int, fout: int, q: int, depth: int = 1, *, dx=True, dw=True, on_diagonal: bool = False
+) -> int:
+    """The weight-stationary products (``comm/stationary.py``) of one ``Linear2D`` forward + backward.
+
+    R = rows/d per depth slice. Forward: an all-gather of R·in/q, a reduce-scatter of R·out/q and
+    an exchange of R·min(in, out)/q² (none on the diagonal i = j). Backward: the gradient's
+    all-gather (R·out/q, after its exchange for in > out), then R·in/q for dx's reduce-scatter (and
+    its exchange back for in ≤ out) and R·in/q for dw's regathered input.
+    """
+    if q == 1:
+        return 0
+    big, small = rows // depth, rows // depth // q  # R, and this rank's rows
+    swap = 0 if on_diagonal else small * min(fin, fout) // q
+    total = big * fin // q + big * fout // q + swap
+    if dx or dw:
+        total += big * fout // q + (swap if fin > fout else 0)
+    if dx:
+        total += big * fin // q + (swap if fin <= fout else 0)
+    if dw:
+        total += big * fin // q
+    return total
+
+
+def linear_2d_algorithm(rows: int, fin: int, fout: int, q: int, depth: int = 1) -> str:
+    """"stationary" when it moves fewer elements than SUMMA (rows ≲ 1.5 × a feature size), else "summa".
+
+    Depends only on global sizes, so every rank of a mesh makes the same choice.
+    """
+    stationary = linear_2d_stationary_elements(rows, fin, fout, q, depth)
+    return "stationary" if stationary < linear_2d_summa_elements(rows, fin, fout, q, depth) else "summa"
+
+
 def linear_2d_elements(
-    rows: int, fin: int, fout: int, q: int, depth: int = 1, *, bias: bool = True, dx: bool = True, dw: bool = True
+    rows: int,
+    fin: int,
+    fout: int,
+    q: int,
+    depth: int = 1,
+    *,
+    bias: bool = True,
+    dx: bool = True,
+    dw: bool = True,
+    algorithm: str = "auto",
+    on_diagonal: bool = False,
 ) -> int:
     """One ``Linear2D`` forward + backward; ``rows`` = global batch·sequence.
 
-    3·rows·min(in, out)/(d·q) + 3·in·out/q, + in·out/q² over depth when depth > 1, + the bias
-    gradient (out/q over col, out/q over depth). Each SUMMA step moves one activation block and
-    one weight block; ``dx``/``dw`` False drop the backward products that are not needed.
+    The products of ``algorithm`` ("auto" = ``linear_2d_algorithm``'s choice), + the weight and
+    bias gradients over depth when depth > 1 (in·out/q² + out/q), + the bias gradient over col
+    (out/q). ``on_diagonal``: this rank is (k, i, i), whose exchanges send nothing.
     """
-    act = rows * min(fin, fout) // (depth * q)  # the activation panel of the cheaper SUMMA form
-    block = fin * fout // (q * q)
-    total = 0
-    if q > 1:
-        per_product = q * (act // q + block)
-        total += per_product * (1 + int(dx) + int(dw))
-        total += fout // q if bias and dw else 0  # bias gradient over col
+    if algorithm == "auto":
+        algorithm = linear_2d_algorithm(rows, fin, fout, q, depth)
+    if algorithm == "summa":
+        total = linear_2d_summa_elements(rows, fin, fout, q, depth, dx=dx, dw=dw)
+    else:
+        total = linear_2d_stationary_elements(rows, fin, fout, q, depth, dx=dx, dw=dw, on_diagonal=on_diagonal)
+    if q > 1 and bias and dw:
+        total += fout // q  # bias gradient over col
     if depth > 1 and dw:
-        total += block + (fout // q if bias else 0)  # weight and bias gradients over depth
+        total += fin * fout // (q * q) + (fout // q if bias else 0)  # weight and bias gradients over depth
     return total
 
 
 def mlp_2d_elements(
-    rows: int, hidden: int, ffn: int, q: int, depth: int = 1, *, bias: bool = True, input_grad: bool = True
+    rows: int,
+    hidden: int,
+    ffn: int,
+    q: int,
+    depth: int = 1,
+    *,
+    bias: bool = True,
+    input_grad: bool = True,
+    on_diagonal: bool = False,
 ) -> int:
     """``Linear2D(h, ffn)`` → activation → ``Linear2D(ffn, h)``, forward + backward."""
-    first = linear_2d_elements(rows, hidden, ffn, q, depth, bias=bias, dx=input_grad)
-    return first + linear_2d_elements(rows, ffn, hidden, q, depth, bias=bias)
+    first = linear_2d_elements(rows, hidden, ffn, q, depth, bias=bias, dx=input_grad, on_diagonal=on_diagonal)
+    return first + linear_2d_elements(rows, ffn, hidden, q, depth, bias=bias, on_diagonal=on_diagonal)
 
 
 def mlp_1d_elements(rows: int, hidden: int, p: int, *, sequence_parallel: bool = False) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from optimus2d.cost import linear_2d_elements
+from optimus2d.cost import linear_2d_algorithm, linear_2d_elements
 
 
 @dataclass(frozen=True)
@@ -46,19 +46,20 @@ class Hardware:
     bytes_per_element: int = 2
 
 
-def transformer_layer_elements(layer: Layer, q: int, depth: int = 1) -> int:
+def transformer_layer_elements(layer: Layer, q: int, depth: int = 1, *, on_diagonal: bool = False) -> int:
     """Elements an optimus2d rank sends for ``TransformerBlock2D`` forward + backward (input needs grad).
 
     Two LayerNorms (all-gather of [mean, M2] per row forward, all-reduce of 2 per row backward,
     their weight and bias gradients over col and depth) and four ``Linear2D``: qkv (h→3h, per
-    part), out (h→h), fc1 (h→f), fc2 (f→h).
+    part), out (h→h), fc1 (h→f), fc2 (f→h), each by the algorithm "auto" picks.
+    ``on_diagonal``: rank (k, i, i), whose exchanges send nothing.
     """
     h, f, r = layer.hidden, layer.ffn, layer.rows
     norms = 2 * (2 * r // (depth * q) * q + 2 * r // (depth * q)) if q > 1 else 0
     # each norm's weight and bias gradients ([h/q] each) are summed over col and over depth
     norms += 2 * 2 * (h // q) * (int(q > 1) + int(depth > 1))
-    linears = sum(linear_2d_elements(r, i, o, q, depth) for i, o in ((h, 3 * h), (h, h), (h, f), (f, h)))
-    return norms + linears
+    shapes = ((h, 3 * h), (h, h), (h, f), (f, h))
+    return norms + sum(linear_2d_elements(r, i, o, q, depth, on_diagonal=on_diagonal) for i, o in shapes)
 
 
 def layer_comm(layer: Layer, scheme: str, p: int) -> list[tuple[str, int, float, int]]:
@@ -77,13 +78,25 @@ def layer_comm(layer: Layer, scheme: str, p: int) -> list[tuple[str, int, float,
         out.append(("all_gather", q, 2 * 2 * rows * q, 2))  # the norms' statistics
         out.append(("all_reduce", q, 2 * 2 * rows, 2))
         for i, o in ((h, 3 * h), (h, h), (h, f), (f, h)):
-            act, block = r * min(i, o) // (depth * q), i * o // (q * q)
-            out.append(("broadcast", q, 3 * q * (act // q + block), 3 * 2 * q))  # ~2 messages a step
+            out.extend(_linear_comm(r, i, o, q, depth))
             out.append(("all_reduce", q, o // q, 1))  # bias over col
     if depth > 1:
         grads = 3 * h * h + h * h + 2 * h * f
         out.append(("all_reduce", depth, grads // (q * q), 4))
     return out
+
+
+def _linear_comm(r: int, i: int, o: int, q: int, depth: int) -> list[tuple[str, int, float, int]]:
+    """One Linear2D's products, fwd+bwd, by the algorithm ``Linear2D`` picks (off the diagonal)."""
+    if linear_2d_algorithm(r, i, o, q, depth) == "summa":
+        act, block = r * min(i, o) // (depth * q), i * o // (q * q)
+        return [("broadcast", q, 3 * q * (act // q + block), 3 * 2 * q)]  # ~2 messages a step
+    big = r // depth  # rows of a depth slice
+    return [
+        ("all_gather", q, big * (2 * i + o) // q, 3),  # the input (forward, again for dW) and dY
+        ("reduce_scatter", q, big * (i + o) // q, 2),  # the output and dX
+        ("transpose", 2, 2 * big * min(i, o) // (q * q), 2),  # exchanges with rank (k, j, i)
+    ]
 
 
 def _mesh_shape(scheme: str, p: int) -> tuple[int, int]:

@@ -13,6 +13,7 @@ from optimus2d.comm.functional import (
 )
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
+from optimus2d.comm.stationary import stationary_ab, stationary_abt
 from optimus2d.comm.summa import summa_ab, summa_abt, summa_atb
 
 __all__ = [
@@ -29,6 +30,8 @@ __all__ = [
     "scatter",
     "scatter_batch",
     "shard",
+    "stationary_ab",
+    "stationary_abt",
     "sum_across",
     "summa_ab",
     "summa_abt",

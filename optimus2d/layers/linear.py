@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optimus2d.comm import reduce_grad, summa_ab, summa_abt
+from optimus2d.comm import reduce_grad, stationary_ab, stationary_abt, summa_ab, summa_abt
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
+from optimus2d.cost import linear_2d_algorithm
 from optimus2d.layers.base import ShardedModule
 
 
@@ -29,6 +30,9 @@ class Linear2D(ShardedModule):
     ``parts`` (e.g. ``(E, E, E)`` for a fused q/k/v projection): each part of the output is split
     on its own, so the output block j is [q block j, k block j, v block j].
 
+    ``algorithm``: how the product travels (see ``linear_2d``): "auto" (default) takes, per call,
+    SUMMA or the weight-stationary form, whichever moves fewer elements for the batch at hand.
+
     On a mesh with q=1 the layer is ``F.linear`` (plus the depth all-reduce of its gradients).
     """
 
@@ -42,8 +46,12 @@ class Linear2D(ShardedModule):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         parts: tuple[int, ...] | None = None,
+        algorithm: str = "auto",
     ) -> None:
         super().__init__()
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"Linear2D: algorithm {algorithm!r} is not one of {ALGORITHMS}")
+        self.algorithm = algorithm
         for name, n in (
             ("in_features", in_features),
             ("out_features", out_features),
@@ -114,7 +122,7 @@ class Linear2D(ShardedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        return linear_2d(x, self.weight, self.bias, self.mesh, self.summa)
+        return linear_2d(x, self.weight, self.bias, self.mesh, self.summa, self.algorithm)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
@@ -133,7 +141,7 @@ class Linear2D(ShardedModule):
         q = self.mesh.q
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"local=[{self.out_features // q}, {self.in_features // q}], summa={self.summa}, mesh={self.mesh}"
+            f"local=[{self.out_features // q}, {self.in_features // q}], summa={self.summa}, algorithm={self.algorithm}, mesh={self.mesh}"
         )
 
 
@@ -211,20 +219,35 @@ class TransposedLinear2D(ShardedModule):
         return f"in_features={self.in_features}, out_features={self.out_features}, summa={self.summa}, mesh={self.mesh}"
 
 
-def linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mesh: Mesh, summa: str) -> torch.Tensor:
+ALGORITHMS = ("auto", "summa", "stationary")
+
+
+def linear_2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mesh: Mesh,
+    summa: str,
+    algorithm: str = "auto",
+) -> torch.Tensor:
     """``F.linear`` on the mesh: x ``[rows..., in/q]``, weight ``[out/q, in/q]``, bias ``[out/q]``.
 
     ``summa`` says which block the weight is ("ab": W[out blk j, in blk i]; "abt": W[out blk i,
-    in blk j]). Under autocast the three are cast as autocast casts F.linear's inputs, so the
-    collectives move the low-precision tensors.
+    in blk j]). ``algorithm``: "summa" moves weight and activation blocks (``comm/summa.py``),
+    "stationary" only activations (``comm/stationary.py``); "auto" takes the one that moves fewer
+    elements for this call's rows (``optimus2d.cost.linear_2d_algorithm``). Under autocast the
+    three are cast as autocast casts F.linear's inputs, so the collectives move the low-precision
+    tensors.
     """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"linear_2d: algorithm {algorithm!r} is not one of {ALGORITHMS}")
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
         with torch.autocast(device_type, enabled=False):
-            return linear_2d(x, weight, bias, mesh, summa)
+            return linear_2d(x, weight, bias, mesh, summa, algorithm)
     if x.dtype != weight.dtype:
         raise TypeError(f"Linear2D: input dtype {x.dtype} differs from weight dtype {weight.dtype}")
     if mesh.q == 1:
@@ -232,7 +255,13 @@ def linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         bias = reduce_grad(bias, mesh, ("depth",)) if bias is not None else None
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    y = summa_ab(rows, weight.t(), mesh) if summa == "ab" else summa_abt(rows, weight, mesh)
+    if algorithm == "auto":
+        fin, fout = x.shape[-1] * mesh.q, weight.shape[0] * mesh.q
+        algorithm = linear_2d_algorithm(rows.shape[0] * mesh.depth * mesh.q, fin, fout, mesh.q, mesh.depth)
+    if algorithm == "stationary":
+        y = stationary_ab(rows, weight.t(), mesh) if summa == "ab" else stationary_abt(rows, weight, mesh)
+    else:
+        y = summa_ab(rows, weight.t(), mesh) if summa == "ab" else summa_abt(rows, weight, mesh)
     y = y.view(*x.shape[:-1], y.shape[-1])
     if bias is not None:
         y = y + reduce_grad(bias, mesh, ("col", "depth"))

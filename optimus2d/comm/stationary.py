@@ -1,0 +1,117 @@
+"""Weight-stationary products on the mesh: the same blocks as SUMMA, but only activations travel.
+
+SUMMA (``summa.py``) moves every weight block q times a product, 3·in·out/q elements per rank
+for forward + backward however small the batch. When the rows of a batch are fewer than about
+1.5 × a feature size, moving activations instead is cheaper: each rank gathers the activation
+rows its weight block needs, multiplies locally, and reduce-scatters the partial output over the
+ranks that hold the other blocks of the same output columns. No weight ever moves (its gradient
+is summed over depth only, as in SUMMA).
+
+Both forms keep SUMMA's weight blocks, so a layer can switch per call (``Linear2D`` picks the one
+that moves fewer elements, ``optimus2d.cost.linear_2d_algorithm``). Rows split over depth·q as
+activations are; R = the rows of one depth slice, r = R/q this rank's rows. On rank (k, i, j):
+
+    ab   C = A·B,  B block (i, j) [in/q, out/q] (= SUMMA ab's):
+         forward:  Aᵀ-exchange (A block of rank (k, j, i)), all-gather over row → A[:, blk i] [R, in/q];
+                   times B_ij → partial [R, out/q]; reduce-scatter over col → C_ij [r, out/q]
+         backward: all-gather dC over col → dC[:, blk j]; dA: times B_ijᵀ, reduce-scatter over row,
+                   exchange back; dB = A[:, blk i]ᵀ·dC[:, blk j] (A regathered), summed over depth
+    abt  C = A·Bᵀ, B block (i, j) [out/q, in/q] (= SUMMA abt's):
+         forward:  all-gather A over col → A[:, blk j] [R, in/q]; times B_ijᵀ → partial [R, out/q];
+                   reduce-scatter over row, exchange → C_ij [r, out/q]
+         backward: exchange dC, all-gather over row → dC[:, blk i]; dA: times B_ij, reduce-scatter over
+                   col; dB = dC[:, blk i]ᵀ·A[:, blk j] (A regathered), summed over depth
+
+The exchange ("transpose") swaps blocks between ranks (k, i, j) and (k, j, i) and always carries
+the narrower of the input and output (in ≤ out for ab, the output for abt). Only the local
+input block is saved for backward, so activation memory is the same as SUMMA's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import Function
+
+from optimus2d.comm import primitives as P
+from optimus2d.comm.mesh import Mesh
+
+
+def _weight_grad(grad: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    P.all_reduce(grad, mesh, "depth")
+    return grad
+
+
+class _StationaryAB(Function):
+    @staticmethod
+    def forward(ctx, a, b, mesh):
+        ctx.mesh = mesh
+        a_swapped = P.transpose(a.contiguous(), mesh)  # A[rows blk j, blk i]
+        ctx.save_for_backward(a_swapped, b)
+        partial = P.all_gather(a_swapped, mesh, "row", 0) @ b
+        return P.reduce_scatter(partial, mesh, "col", 0)
+
+    @staticmethod
+    def backward(ctx, grad_c):
+        a_swapped, b = ctx.saved_tensors
+        mesh = ctx.mesh
+        grad_rows = P.all_gather(grad_c.contiguous(), mesh, "col", 0)  # dC[:, blk j]
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = P.transpose(P.reduce_scatter(grad_rows @ b.t(), mesh, "row", 0), mesh)
+        if ctx.needs_input_grad[1]:
+            grad_b = _weight_grad(P.all_gather(a_swapped, mesh, "row", 0).t() @ grad_rows, mesh)
+        return grad_a, grad_b, None
+
+
+class _StationaryABT(Function):
+    @staticmethod
+    def forward(ctx, a, b, mesh):
+        ctx.mesh = mesh
+        a = a.contiguous()
+        ctx.save_for_backward(a, b)
+        partial = P.all_gather(a, mesh, "col", 0) @ b.t()
+        return P.transpose(P.reduce_scatter(partial, mesh, "row", 0), mesh)
+
+    @staticmethod
+    def backward(ctx, grad_c):
+        a, b = ctx.saved_tensors
+        mesh = ctx.mesh
+        grad_rows = P.all_gather(P.transpose(grad_c.contiguous(), mesh), mesh, "row", 0)  # dC[:, blk i]
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = P.reduce_scatter(grad_rows @ b, mesh, "col", 0)
+        if ctx.needs_input_grad[1]:
+            grad_b = _weight_grad(grad_rows.t() @ P.all_gather(a, mesh, "col", 0), mesh)
+        return grad_a, grad_b, None
+
+
+def _check(name: str, a: torch.Tensor, b: torch.Tensor, mesh: Mesh, b_dim: int) -> None:
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"{name} takes 2-D local blocks, got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    if a.shape[1] != b.shape[b_dim]:
+        raise ValueError(
+            f"{name}: local blocks a {tuple(a.shape)} (dim 1) and b {tuple(b.shape)} (dim {b_dim}) "
+            f"must share the contracted size on {mesh}"
+        )
+
+
+def stationary_ab(a: torch.Tensor, b: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """C = A·B with B's blocks staying put. a: [M/(d·q), K/q]; b: block (i, j) of B [K, N] as [K/q, N/q].
+
+    forward: exchange with rank (k, j, i), all-gather over row, reduce-scatter over col;
+    backward: all-gather over col, reduce-scatter over row and exchange (dA), all-gather over row
+    (dB), all-reduce of dB over depth.
+    """
+    _check("stationary_ab", a, b, mesh, 0)
+    return _StationaryAB.apply(a, b, mesh)
+
+
+def stationary_abt(a: torch.Tensor, b: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """C = A·Bᵀ with B's blocks staying put. a: [M/(d·q), K/q]; b: block (i, j) of B [N, K] as [N/q, K/q].
+
+    forward: all-gather over col, reduce-scatter over row, exchange with rank (k, j, i);
+    backward: exchange and all-gather over row, reduce-scatter over col (dA), all-gather over col
+    (dB), all-reduce of dB over depth.
+    """
+    _check("stationary_abt", a, b, mesh, 1)
+    return _StationaryABT.apply(a, b, mesh)
