@@ -111,8 +111,15 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         lambda x: optimus2d.scatter(x, mesh),
         lambda y: optimus2d.gather(y, mesh),
     )
+    summa_only = optimus2d.parallelize(copy.deepcopy(serial), mesh)
+    for layer in summa_only.modules():
+        if isinstance(layer, optimus2d.Linear2D):
+            layer.algorithm = "summa"
     mesh1d = init_device_mesh("cpu", (p,))
-    peers = [ours, _dtensor_peer(serial, mesh1d, p, False), _dtensor_peer(serial, mesh1d, p, True)]
+    one_d, one_d_sp = _dtensor_peer(serial, mesh1d, p, False), _dtensor_peer(serial, mesh1d, p, True)
+    peers = [ours, one_d, one_d_sp]
+    if mesh.q > 1:  # what the weight-stationary choice gains over SUMMA alone
+        peers.insert(1, _Peer(f"{ours.name} SUMMA", summa_only, ours.make_input, ours.gather_output))
     if p == 1:  # the 1-rank overhead against plain torch
         peers.append(_Peer("plain torch", copy.deepcopy(serial), lambda x: x, lambda y: y))
     for peer in peers:  # every peer must be right before it is timed
@@ -128,7 +135,7 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     for _ in range(args.rounds):  # interleaved rounds: noise hits every peer alike
         for peer in peers:
             xi = peer.make_input(x)
-            gi = peer.make_input(probe) if peer is not ours else optimus2d.scatter(probe, mesh)
+            gi = peer.make_input(probe) if peer.make_input is not ours.make_input else optimus2d.scatter(probe, mesh)
             dist.barrier()
             start = time.perf_counter()
             peer.model(xi).backward(gi)
@@ -165,10 +172,17 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         r["train_vs_optimus2d"] = r["train_ms"] / base["train_ms"]
         r["infer_vs_optimus2d"] = r["infer_ms"] / base["infer_ms"]
         r["tokens_per_s"] = rows / (r["train_ms"] / 1e3)
-    results[1]["elements_formula"] = mlp_1d_elements(rows, h, p)  # the input needs no gradient either way
-    results[2]["elements_formula"] = mlp_1d_elements(rows, h, p, sequence_parallel=True)
+    by_name = {r["peer"]: r for r in results}
+    by_name[one_d.name]["elements_formula"] = mlp_1d_elements(rows, h, p)  # the input needs no gradient
+    by_name[one_d_sp.name]["elements_formula"] = mlp_1d_elements(rows, h, p, sequence_parallel=True)
     base["elements_measured"] = counter.numel
-    base["elements_formula"] = mlp_2d_elements(rows, h, args.ffn, mesh.q, mesh.depth, input_grad=False)
+    base["elements_formula"] = mlp_2d_elements(
+        rows, h, args.ffn, mesh.q, mesh.depth, input_grad=False, on_diagonal=mesh.i == mesh.j
+    )
+    if mesh.q > 1:
+        by_name[f"{ours.name} SUMMA"]["elements_formula"] = mlp_2d_elements(
+            rows, h, args.ffn, mesh.q, mesh.depth, input_grad=False, algorithm="summa", on_diagonal=mesh.i == mesh.j
+        )
     serial_act = saved_activation_bytes(serial, x)
     if world.rank == 0:
         _print(args, world, mesh, results, serial_act)
@@ -187,16 +201,13 @@ def _print(args, world, mesh, results, serial_act) -> None:
         f"(optimus2d Mesh(q={mesh.q}, depth={mesh.depth})), median of {args.rounds} interleaved rounds"
     )
     head = ("peer", "fwd+bwd ms", "÷ ours", "fwd ms", "÷ ours", "tokens/s", "act B/rank", "÷ serial/p", "max batch")
-    print("{:<18}{:>11}{:>8}{:>9}{:>8}{:>10}{:>13}{:>11}{:>10}".format(*head))
+    print("{:<22}{:>11}{:>8}{:>9}{:>8}{:>10}{:>13}{:>11}{:>10}".format(*head))
     for r in results:
         print(
-            f"{r['peer']:<18}{r['train_ms']:>11.1f}{r['train_vs_optimus2d']:>8.2f}{r['infer_ms']:>9.1f}"
+            f"{r['peer']:<22}{r['train_ms']:>11.1f}{r['train_vs_optimus2d']:>8.2f}{r['infer_ms']:>9.1f}"
             f"{r['infer_vs_optimus2d']:>8.2f}{r['tokens_per_s']:>10.0f}{r['activation_bytes']:>13,}"
             f"{r['activation_bytes'] / (serial_act / world.size):>11.3f}{r['largest_batch']:>10}"
         )
     ours = results[0]
-    print(
-        f"optimus2d elements sent per rank: measured {ours['elements_measured']:,}, "
-        f"formula {ours['elements_formula']:,}; "
-        f"1D formula {results[1]['elements_formula']:,}, 1D+SP {results[2]['elements_formula']:,}"
-    )
+    print(f"elements sent by rank 0: optimus2d measured {ours['elements_measured']:,}; formulas:")
+    print("  " + ", ".join(f"{r['peer']} {r['elements_formula']:,}" for r in results if "elements_formula" in r))

@@ -46,7 +46,7 @@ def linear_2d_stationary_elements(
 
 
 def linear_2d_algorithm(rows: int, fin: int, fout: int, q: int, depth: int = 1) -> str:
-    """"stationary" when it moves fewer elements than SUMMA (rows ≲ 1.5 × a feature size), else "summa".
+    """ "stationary" when it moves fewer elements than SUMMA (rows ≲ 1.5 × a feature size), else "summa".
 
     Depends only on global sizes, so every rank of a mesh makes the same choice.
     """
@@ -95,11 +95,13 @@ def mlp_2d_elements(
     *,
     bias: bool = True,
     input_grad: bool = True,
+    algorithm: str = "auto",
     on_diagonal: bool = False,
 ) -> int:
     """``Linear2D(h, ffn)`` → activation → ``Linear2D(ffn, h)``, forward + backward."""
-    first = linear_2d_elements(rows, hidden, ffn, q, depth, bias=bias, dx=input_grad, on_diagonal=on_diagonal)
-    return first + linear_2d_elements(rows, ffn, hidden, q, depth, bias=bias, on_diagonal=on_diagonal)
+    kw = {"bias": bias, "algorithm": algorithm, "on_diagonal": on_diagonal}
+    first = linear_2d_elements(rows, hidden, ffn, q, depth, dx=input_grad, **kw)
+    return first + linear_2d_elements(rows, ffn, hidden, q, depth, **kw)
 
 
 def mlp_1d_elements(rows: int, hidden: int, p: int, *, sequence_parallel: bool = False) -> int:

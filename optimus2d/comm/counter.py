@@ -77,10 +77,11 @@ class count_comm:  # noqa: N801 (a context manager, named like torch's no_grad)
             del _counters[next(n for n, c in enumerate(_counters) if c is self.counter)]
 
 
-def record(kind: str, axis: str, tensor: torch.Tensor) -> None:
-    """Called by every communication helper before it sends."""
+def record(kind: str, axis: str, tensor: torch.Tensor, times: int = 1) -> None:
+    """Called by every communication helper before it sends; ``times``: the payload is that many ``tensor``s."""
     if _counters:
-        rec = CommRecord(kind, axis, tensor.numel(), tensor.numel() * tensor.element_size(), tensor.dtype)
+        numel = tensor.numel() * times
+        rec = CommRecord(kind, axis, numel, numel * tensor.element_size(), tensor.dtype)
         with _lock:
             for counter in _counters:
                 counter.records.append(rec)

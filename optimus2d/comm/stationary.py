@@ -25,6 +25,10 @@ activations are; R = the rows of one depth slice, r = R/q this rank's rows. On r
 The exchange ("transpose") swaps blocks between ranks (k, i, j) and (k, j, i) and always carries
 the narrower of the input and output (in ≤ out for ab, the output for abt). Only the local
 input block is saved for backward, so activation memory is the same as SUMMA's.
+
+The gathers and reduce-scatters are streamed per batch block (``primitives.Blocks`` and
+``PartialSums``): block t's product is computed while block t+1 arrives, and each partial leaves
+for its owner as soon as it is made.
 """
 
 from __future__ import annotations
@@ -35,32 +39,69 @@ from torch.autograd import Function
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
 
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-def _weight_grad(grad: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    P.all_reduce(grad, mesh, "depth")
-    return grad
+
+def _products(mesh: Mesh, blocks: P.Blocks, matrix: torch.Tensor, sums: P.PartialSums | None) -> None:
+    """For every batch block t as it arrives: ``sums.put(t, block_t · matrix)``."""
+    for t in blocks.order:
+        sums.put(t, blocks.get(t) @ matrix)
+    blocks.finish()
+
+
+class _WeightGrad:
+    """Σ_t lhs_tᵀ · rhs_t over the batch blocks t (fp32 accumulation for 16-bit), summed over depth."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.dtype = like.dtype
+        self.acc = torch.float32 if like.dtype in _LOW_PRECISION else like.dtype
+        self.total: torch.Tensor | None = None
+
+    def add(self, lhs: torch.Tensor, rhs: torch.Tensor) -> None:
+        lhs, rhs = lhs.t().to(self.acc), rhs.to(self.acc)
+        if self.total is None:
+            self.total = lhs @ rhs
+        else:
+            self.total.addmm_(lhs, rhs)
+
+    def result(self, mesh: Mesh) -> torch.Tensor:
+        grad = self.total.to(self.dtype)
+        P.all_reduce(grad, mesh, "depth")
+        return grad
 
 
 class _StationaryAB(Function):
     @staticmethod
     def forward(ctx, a, b, mesh):
         ctx.mesh = mesh
-        a_swapped = P.transpose(a.contiguous(), mesh)  # A[rows blk j, blk i]
+        a_swapped = P.transpose(a.contiguous(), mesh)  # A[batch blk j, blk i] on rank (k, i, j)
         ctx.save_for_backward(a_swapped, b)
-        partial = P.all_gather(a_swapped, mesh, "row", 0) @ b
-        return P.reduce_scatter(partial, mesh, "col", 0)
+        out = P.PartialSums(mesh, "col", (a.shape[0], b.shape[1]), a)  # batch block t → col member t
+        _products(mesh, P.Blocks(a_swapped, mesh, "row"), b, out)  # row member t: batch block t
+        return out.result()
 
     @staticmethod
     def backward(ctx, grad_c):
         a_swapped, b = ctx.saved_tensors
-        mesh = ctx.mesh
-        grad_rows = P.all_gather(grad_c.contiguous(), mesh, "col", 0)  # dC[:, blk j]
-        grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_a = P.transpose(P.reduce_scatter(grad_rows @ b.t(), mesh, "row", 0), mesh)
-        if ctx.needs_input_grad[1]:
-            grad_b = _weight_grad(P.all_gather(a_swapped, mesh, "row", 0).t() @ grad_rows, mesh)
-        return grad_a, grad_b, None
+        mesh, need_a, need_b = ctx.mesh, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grads = P.Blocks(grad_c.contiguous(), mesh, "col")  # dC[batch blk t, blk j]
+        inputs = P.Blocks(a_swapped, mesh, "row") if need_b else None  # A[batch blk t, blk i]
+        grad_a = P.PartialSums(mesh, "row", a_swapped.shape, a_swapped) if need_a else None
+        grad_b = _WeightGrad(b) if need_b else None
+        for t in grads.order:
+            grad_t = grads.get(t)
+            if need_a:
+                grad_a.put(t, grad_t @ b.t())
+            if need_b:
+                grad_b.add(inputs.get(t), grad_t)
+        grads.finish()
+        if need_b:
+            inputs.finish()
+        return (
+            P.transpose(grad_a.result(), mesh) if need_a else None,
+            grad_b.result(mesh) if need_b else None,
+            None,
+        )
 
 
 class _StationaryABT(Function):
@@ -69,20 +110,28 @@ class _StationaryABT(Function):
         ctx.mesh = mesh
         a = a.contiguous()
         ctx.save_for_backward(a, b)
-        partial = P.all_gather(a, mesh, "col", 0) @ b.t()
-        return P.transpose(P.reduce_scatter(partial, mesh, "row", 0), mesh)
+        out = P.PartialSums(mesh, "row", (a.shape[0], b.shape[0]), a)  # batch block t → row member t
+        _products(mesh, P.Blocks(a, mesh, "col"), b.t(), out)  # col member t: batch block t
+        return P.transpose(out.result(), mesh)
 
     @staticmethod
     def backward(ctx, grad_c):
         a, b = ctx.saved_tensors
-        mesh = ctx.mesh
-        grad_rows = P.all_gather(P.transpose(grad_c.contiguous(), mesh), mesh, "row", 0)  # dC[:, blk i]
-        grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_a = P.reduce_scatter(grad_rows @ b, mesh, "col", 0)
-        if ctx.needs_input_grad[1]:
-            grad_b = _weight_grad(grad_rows.t() @ P.all_gather(a, mesh, "col", 0), mesh)
-        return grad_a, grad_b, None
+        mesh, need_a, need_b = ctx.mesh, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grads = P.Blocks(P.transpose(grad_c.contiguous(), mesh), mesh, "row")  # dC[batch blk t, blk i]
+        inputs = P.Blocks(a, mesh, "col") if need_b else None  # A[batch blk t, blk j]
+        grad_a = P.PartialSums(mesh, "col", a.shape, a) if need_a else None
+        grad_b = _WeightGrad(b) if need_b else None
+        for t in grads.order:
+            grad_t = grads.get(t)
+            if need_a:
+                grad_a.put(t, grad_t @ b)
+            if need_b:
+                grad_b.add(grad_t, inputs.get(t))
+        grads.finish()
+        if need_b:
+            inputs.finish()
+        return grad_a.result() if need_a else None, grad_b.result(mesh) if need_b else None, None
 
 
 def _check(name: str, a: torch.Tensor, b: torch.Tensor, mesh: Mesh, b_dim: int) -> None:

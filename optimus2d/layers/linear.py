@@ -141,7 +141,8 @@ class Linear2D(ShardedModule):
         q = self.mesh.q
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"local=[{self.out_features // q}, {self.in_features // q}], summa={self.summa}, algorithm={self.algorithm}, mesh={self.mesh}"
+            f"local=[{self.out_features // q}, {self.in_features // q}], summa={self.summa}, "
+            f"algorithm={self.algorithm}, mesh={self.mesh}"
         )
 
 
