@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 import optimus2d
-from benchmarks import memory, mlp, plan
+from benchmarks import block, gpt, linear, memory, mlp, plan
 
-SUBCOMMANDS = {"memory": memory, "mlp": mlp, "plan": plan}
+SUBCOMMANDS = {"linear": linear, "mlp": mlp, "block": block, "gpt": gpt, "memory": memory, "plan": plan}
 RESULTS = Path(__file__).parent / "results"
 
 

@@ -1,0 +1,74 @@
+"""A pre-norm transformer block (``nn.TransformerEncoderLayer``): optimus2d against torch on one rank.
+
+    mpiexec -n 4 python -m benchmarks block          # h=512, 8 heads, ffn 4h, batch 8 × seq 128
+
+The same measurements as ``mlp``. There is no 1D peer here: DTensor's plans cannot split
+``nn.MultiheadAttention``'s fused in-projection, so the block is compared with serial torch
+(speed-up) and its elements sent with ``optimus2d.plan.transformer_layer_elements``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+
+import optimus2d
+from benchmarks import compare, peers
+from optimus2d.memory import saved_activation_bytes
+from optimus2d.plan import Layer, transformer_layer_elements
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--cap-mib", type=float, default=256.0)
+
+
+def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
+    p, h, device = world.size, args.hidden, mesh.device
+    torch.manual_seed(0)
+    serial = nn.TransformerEncoderLayer(
+        h, args.heads, 4 * h, dropout=0.0, activation="gelu", batch_first=True, norm_first=True, device=device
+    )
+    x = torch.randn(args.batch, args.seq, h, device=device)
+    with torch.no_grad():
+        reference = serial(x)
+    grad = torch.randn_like(reference)
+    group = [*peers.optimus_twins(serial, mesh, x, grad), peers.plain_torch(serial, x, grad)]
+    compare.check(group, reference)
+
+    ours = group[0]
+    x_local = optimus2d.scatter(x, mesh).detach().requires_grad_()  # the formula counts the input's gradient
+    with optimus2d.count_comm() as counter:
+        ours.model(x_local).backward(optimus2d.scatter(grad, mesh))
+    ours.model.zero_grad(set_to_none=True)
+    rows = args.batch * args.seq
+    what = f"transformer block h={h}, {args.heads} heads"
+    compare.time_rounds(group, args.rounds, device, what)
+    results = compare.summarize(group, rows, args.batch, args.cap_mib)
+    layer = Layer(args.batch, args.seq, h, 4 * h)
+    results[0]["elements_measured"] = counter.numel
+    results[0]["elements_formula"] = transformer_layer_elements(layer, mesh.q, mesh.depth, on_diagonal=mesh.i == mesh.j)
+    serial_act = saved_activation_bytes(serial, x)
+    if world.rank == 0:
+        title = (
+            f"{what}, batch {args.batch} × seq {args.seq}, {p} ranks (optimus2d Mesh(q={mesh.q}, "
+            f"depth={mesh.depth})), median of {args.rounds} interleaved rounds"
+        )
+        compare.print_table(title, results, serial_act, p)
+        print(
+            f"elements sent by rank 0 (input needing grad): measured {counter.numel:,}, "
+            f"formula {results[0]['elements_formula']:,}"
+        )
+    return {
+        "config": vars(args),
+        "ranks": p,
+        "mesh": [mesh.q, mesh.depth],
+        "serial_activation_bytes": serial_act,
+        "rows": results,
+    }

@@ -1,0 +1,180 @@
+"""Peers measured in the same run: each checked against serial, then timed in interleaved rounds.
+
+Every subcommand that times (``linear``, ``mlp``, ``block``, ``gpt``) builds a list of ``Peer``s on
+the same process group, with the same weights and inputs, and hands it to ``compare``. Noise on
+a shared machine hits every peer of a round alike, so the ratios of medians are what to read.
+On GPUs the rounds are timed with CUDA events, on CPUs with ``time.perf_counter``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+@dataclass
+class Peer:
+    """One implementation under test.
+
+    ``forward()`` runs it on this rank's share of the batch and returns its output (or loss);
+    ``backward(out)`` back-propagates from it; ``full_output(out)`` is the whole output, to check
+    against serial. ``rank0_only``: a serial baseline that runs on rank 0 while the others wait.
+    """
+
+    name: str
+    model: nn.Module
+    forward: Callable[[], torch.Tensor]
+    backward: Callable[[torch.Tensor], None]
+    full_output: Callable[[torch.Tensor], torch.Tensor]
+    rank0_only: bool = False
+    train_ms: list[float] = field(default_factory=list)
+    infer_ms: list[float] = field(default_factory=list)
+
+    def runs_here(self) -> bool:
+        return not self.rank0_only or dist.get_rank() == 0
+
+
+class Timer:
+    """Milliseconds of the work between ``start()`` and ``stop()``: CUDA events on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> None:
+        if self.cuda:
+            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        else:
+            self.begin = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            return self.begin.elapsed_time(self.end)
+        return 1e3 * (time.perf_counter() - self.begin)
+
+
+def progress(label: str, done: int, total: int) -> None:
+    """A one-line progress bar on rank 0's stderr."""
+    if dist.get_rank() != 0:
+        return
+    width = 30
+    filled = width * done // total
+    end = "\n" if done == total else ""
+    print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, file=sys.stderr, flush=True)
+
+
+def check(peers: list[Peer], reference: torch.Tensor, tol: float = 1e-4) -> None:
+    """Every peer's output against serial; all ranks stop together if one differs."""
+    errors = torch.zeros(len(peers))
+    for n, peer in enumerate(peers):
+        if peer.runs_here():
+            full = peer.full_output(peer.forward()).detach()
+            errors[n] = ((full - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
+    dist.all_reduce(errors, op=dist.ReduceOp.MAX)
+    bad = [f"{p.name}: {e:.2e}" for p, e in zip(peers, errors.tolist(), strict=True) if e > tol]
+    if bad:
+        raise SystemExit("output differs from serial: " + "; ".join(bad))
+
+
+def time_rounds(peers: list[Peer], rounds: int, device: torch.device, label: str) -> None:
+    """Interleaved rounds: fwd+bwd, then forward under no_grad, for every peer in turn."""
+    timer = Timer(device)
+    for peer in peers:  # one warm-up step each
+        if peer.runs_here():
+            peer.backward(peer.forward())
+            peer.model.zero_grad(set_to_none=True)
+    for n in range(rounds):
+        for peer in peers:
+            for training in (True, False):
+                dist.barrier()
+                if peer.runs_here():
+                    timer.start()
+                    with torch.set_grad_enabled(training):
+                        out = peer.forward()
+                        if training:
+                            peer.backward(out)
+                    (peer.train_ms if training else peer.infer_ms).append(timer.stop())
+                dist.barrier()
+            peer.model.zero_grad(set_to_none=True)
+        progress(label, n + 1, rounds)
+
+
+def saved_bytes(peer: Peer) -> int:
+    """Bytes autograd saves for backward in one forward (parameters excluded), as allocated."""
+
+    def unwrap(t):
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    params = {unwrap(p).untyped_storage().data_ptr() for p in peer.model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        t = unwrap(t)
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and t.device.type != "meta":
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        peer.forward()
+    return sum(seen.values())
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    return sum((p._local_tensor if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
+
+
+def summarize(peers: list[Peer], tokens: int, batch: int, cap_mib: float) -> list[dict]:
+    """Medians, ratios to the first peer, tokens/s, bytes per rank and the largest batch under the cap.
+
+    The largest batch: activations scale with the batch; parameters, their gradients and two
+    Adam moments (4 × parameter bytes) are fixed.
+    """
+    rows = []
+    for peer in peers:
+        times = torch.tensor(
+            [statistics.median(peer.train_ms), statistics.median(peer.infer_ms)] if peer.runs_here() else [0.0, 0.0]
+        )
+        dist.broadcast(times, src=0)  # rank 0 runs every peer: its figures are the report
+        act = saved_bytes(peer) if peer.runs_here() else 0
+        params = parameter_bytes(peer.model)
+        per_sample = act / batch
+        largest = int(max(0.0, cap_mib * 2**20 - 4 * params) // per_sample) if per_sample else 0
+        train, infer = times.tolist()
+        rows.append(
+            {
+                "peer": peer.name,
+                "train_ms": train,
+                "infer_ms": infer,
+                "tokens_per_s": tokens / (train / 1e3),
+                "activation_bytes": act,
+                "parameter_bytes": params,
+                "largest_batch": largest,
+            }
+        )
+    for r in rows:
+        r["train_vs_first"] = r["train_ms"] / rows[0]["train_ms"]
+        r["infer_vs_first"] = r["infer_ms"] / rows[0]["infer_ms"]
+    return rows
+
+
+def print_table(title: str, rows: list[dict], serial_act: int, p: int) -> None:
+    print(title)
+    head = ("peer", "fwd+bwd ms", "÷ ours", "fwd ms", "÷ ours", "tokens/s", "act B/rank", "÷ serial/p", "max batch")
+    print("{:<24}{:>11}{:>8}{:>9}{:>8}{:>10}{:>13}{:>11}{:>10}".format(*head))
+    for r in rows:
+        print(
+            f"{r['peer']:<24}{r['train_ms']:>11.1f}{r['train_vs_first']:>8.2f}{r['infer_ms']:>9.1f}"
+            f"{r['infer_vs_first']:>8.2f}{r['tokens_per_s']:>10.0f}{r['activation_bytes']:>13,}"
+            f"{r['activation_bytes'] / (serial_act / p):>11.3f}{r['largest_batch']:>10}"
+        )

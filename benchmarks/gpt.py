@@ -1,0 +1,95 @@
+"""A GPT (transformers' ``GPT2LMHeadModel``, tied head) trained on next-token loss: optimus2d
+against the same model in torch on one rank.
+
+    mpiexec -n 4 python -m benchmarks gpt            # 4 layers, h=256, 8 heads, vocab 1024, 8 × 128
+
+``optimus2d.parallelize`` converts the model; the loss is ``optimus2d.cross_entropy`` on the
+sharded logits. Reported as for ``mlp``, with tokens/s of a whole training step's fwd+bwd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import optimus2d
+from benchmarks import compare
+from benchmarks.compare import Peer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--cap-mib", type=float, default=256.0)
+
+
+def _serial_loss(model, ids):
+    logits = model(input_ids=ids, use_cache=False).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
+    import transformers
+
+    p, device = world.size, mesh.device
+    config = transformers.GPT2Config(
+        vocab_size=args.vocab,
+        n_positions=args.seq,
+        n_embd=args.hidden,
+        n_layer=args.layers,
+        n_head=args.heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    serial = transformers.GPT2LMHeadModel(config).to(device)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    with torch.no_grad():
+        reference = _serial_loss(serial, ids)
+
+    name = f"optimus2d {'2D' if mesh.depth == 1 else '2.5D'}"
+    parallel = optimus2d.parallelize(copy.deepcopy(serial), mesh)
+    ids_local = optimus2d.scatter_batch(ids, mesh)
+
+    def parallel_loss():
+        logits = parallel(input_ids=ids_local, use_cache=False).logits
+        return optimus2d.cross_entropy(logits[:, :-1], ids_local[:, 1:], mesh)
+
+    twin = copy.deepcopy(serial)
+    group = [
+        Peer(name, parallel, parallel_loss, lambda loss: loss.backward(), lambda loss: loss),
+        Peer("torch, 1 rank", twin, lambda: _serial_loss(twin, ids), lambda loss: loss.backward(), lambda x: x, True),
+    ]
+    compare.check(group, reference, tol=1e-5)
+    with optimus2d.count_comm() as counter:
+        parallel_loss().backward()
+    parallel.zero_grad(set_to_none=True)
+    tokens = args.batch * args.seq
+    what = f"GPT-2 {args.layers}×{args.hidden}, vocab {args.vocab}"
+    compare.time_rounds(group, args.rounds, device, what)
+    results = compare.summarize(group, tokens, args.batch, args.cap_mib)
+    results[0]["elements_measured"] = counter.numel
+    serial_act = results[-1]["activation_bytes"]  # measured by rank 0, which reports
+    if world.rank == 0:
+        title = (
+            f"{what}, batch {args.batch} × seq {args.seq}, {p} ranks (optimus2d Mesh(q={mesh.q}, "
+            f"depth={mesh.depth})), median of {args.rounds} interleaved rounds, loss fwd+bwd"
+        )
+        compare.print_table(title, results, serial_act, p)
+        print(f"elements sent by rank 0 per training step: {counter.numel:,}")
+    return {
+        "config": vars(args),
+        "ranks": p,
+        "mesh": [mesh.q, mesh.depth],
+        "serial_activation_bytes": serial_act,
+        "rows": results,
+    }

@@ -1,0 +1,86 @@
+"""The peers a benchmark compares: optimus2d, DTensor 1D (with and without sequence parallelism),
+and plain torch on one rank. Each takes the same serial module (copied) and the same full input."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import optimus2d
+from benchmarks.compare import Peer
+
+
+def optimus(name: str, model: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: torch.Tensor) -> Peer:
+    """``model`` (already on the mesh) on this rank's block of x; backward from its block of grad."""
+    x_local, grad_local = optimus2d.scatter(x, mesh).detach(), optimus2d.scatter(grad, mesh)
+    return Peer(
+        name,
+        model,
+        lambda: model(x_local),
+        lambda out: out.backward(grad_local),
+        lambda out: optimus2d.gather(out, mesh),
+    )
+
+
+def optimus_twins(serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: torch.Tensor) -> list[Peer]:
+    """optimus2d as it chooses ("auto"), and with SUMMA only, to show what the choice gains."""
+    name = f"optimus2d {'2D' if mesh.depth == 1 else '2.5D'}"
+    peers = [optimus(name, optimus2d.parallelize(copy.deepcopy(serial), mesh), mesh, x, grad)]
+    if mesh.q > 1:
+        summa = optimus2d.parallelize(copy.deepcopy(serial), mesh)
+        for layer in summa.modules():
+            if isinstance(layer, optimus2d.Linear2D):
+                layer.algorithm = "summa"
+        peers.append(optimus(f"{name} SUMMA", summa, mesh, x, grad))
+    return peers
+
+
+def dtensor_1d(
+    serial: nn.Module, plan, x: torch.Tensor, grad: torch.Tensor, *, sequence_parallel: bool, out_dim: int | None
+) -> Peer:
+    """``parallelize_module(serial copy, plan)`` on a 1D mesh of every rank.
+
+    ``sequence_parallel``: the input arrives split over the sequence (dim 1), the modern Megatron
+    layout; ``out_dim``: the dimension the plan leaves the output split on (None: whole).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    p, rank = dist.get_world_size(), dist.get_rank()
+    model = parallelize_module(copy.deepcopy(serial), init_device_mesh(x.device.type, (p,)), plan)
+    x_local = x.chunk(p, 1)[rank].contiguous() if sequence_parallel else x
+    grad_local = grad.chunk(p, out_dim)[rank].contiguous() if out_dim is not None else grad
+
+    def full(out: torch.Tensor) -> torch.Tensor:
+        if isinstance(out, DTensor):
+            return out.full_tensor()
+        if out_dim is None:
+            return out
+        parts = [torch.empty_like(out) for _ in range(p)]
+        dist.all_gather(parts, out.contiguous())
+        return torch.cat(parts, out_dim)
+
+    name = "DTensor 1D + SP" if sequence_parallel else "DTensor 1D"
+    return Peer(name, model, lambda: model(x_local), lambda out: out.backward(grad_local), full)
+
+
+def mlp_plans(sequence_parallel: bool) -> dict:
+    """Megatron's MLP plan for ``nn.Sequential(Linear, act, Linear)``: column- then row-parallel."""
+    if sequence_parallel:
+        return {"0": ColwiseParallel(input_layouts=Shard(1)), "2": RowwiseParallel(output_layouts=Shard(1))}
+    return {"0": ColwiseParallel(), "2": RowwiseParallel()}
+
+
+def linear_plan(sequence_parallel: bool) -> ColwiseParallel:
+    """One column-parallel Linear (its input gathered over the sequence first, with SP)."""
+    return ColwiseParallel(input_layouts=Shard(1)) if sequence_parallel else ColwiseParallel()
+
+
+def plain_torch(serial: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Peer:
+    """The serial module on rank 0 alone (the others wait): the speed-up baseline."""
+    model = copy.deepcopy(serial)
+    return Peer("torch, 1 rank", model, lambda: model(x), lambda out: out.backward(grad), lambda out: out, True)
