@@ -10,9 +10,17 @@ from pathlib import Path
 import torch
 
 import optimus2d
-from benchmarks import block, gpt, linear, memory, mlp, plan
+from benchmarks import block, calibrate, gpt, linear, memory, mlp, plan
 
-SUBCOMMANDS = {"linear": linear, "mlp": mlp, "block": block, "gpt": gpt, "memory": memory, "plan": plan}
+SUBCOMMANDS = {
+    "linear": linear,
+    "mlp": mlp,
+    "block": block,
+    "gpt": gpt,
+    "memory": memory,
+    "plan": plan,
+    "calibrate": calibrate,
+}
 RESULTS = Path(__file__).parent / "results"
 
 

@@ -86,17 +86,59 @@ def layer_comm(layer: Layer, scheme: str, p: int) -> list[tuple[str, int, float,
     return out
 
 
-def _linear_comm(r: int, i: int, o: int, q: int, depth: int) -> list[tuple[str, int, float, int]]:
-    """One Linear2D's products, fwd+bwd, by the algorithm ``Linear2D`` picks (off the diagonal)."""
-    if linear_2d_algorithm(r, i, o, q, depth) == "summa":
+def _linear_comm(
+    r: int, i: int, o: int, q: int, depth: int, dx: bool = True, algorithm: str = "auto"
+) -> list[tuple[str, int, float, int]]:
+    """One Linear2D's products, fwd+bwd, by ``algorithm`` ("auto": as ``Linear2D`` picks), off the diagonal."""
+    if algorithm == "auto":
+        algorithm = linear_2d_algorithm(r, i, o, q, depth)
+    if algorithm == "summa":
         act, block = r * min(i, o) // (depth * q), i * o // (q * q)
-        return [("broadcast", q, 3 * q * (act // q + block), 3 * 2 * q)]  # ~2 messages a step
+        products = 2 + int(dx)
+        return [("broadcast", q, products * q * (act // q + block), products * 2 * q)]  # ~2 messages a step
     big = r // depth  # rows of a depth slice
+    swaps = 1 + int(dx or i > o)
     return [
         ("all_gather", q, big * (2 * i + o) // q, 3),  # the input (forward, again for dW) and dY
-        ("reduce_scatter", q, big * (i + o) // q, 2),  # the output and dX
-        ("transpose", 2, 2 * big * min(i, o) // (q * q), 2),  # exchanges with rank (k, j, i)
+        ("reduce_scatter", q, big * (o + (i if dx else 0)) // q, 1 + int(dx)),  # the output and dX
+        ("transpose", 2, swaps * big * min(i, o) // (q * q), swaps),  # exchanges with rank (k, j, i)
     ]
+
+
+def mlp_comm(
+    rows: int, hidden: int, ffn: int, scheme: str, p: int, input_grad: bool = False, algorithm: str = "auto"
+) -> list:
+    """(kind, group size, elements per rank, messages) of an MLP h→f→h fwd+bwd under ``scheme``."""
+    if scheme in ("1d", "1d-sp"):
+        if p == 1:
+            return []
+        if scheme == "1d":
+            return [("all_reduce", p, 2 * rows * hidden, 2)]
+        return [("all_gather", p, 2 * rows * hidden, 2), ("reduce_scatter", p, 2 * rows * hidden, 2)]
+    q, depth = _mesh_shape(scheme, p)
+    out = []
+    if q > 1:
+        out += _linear_comm(rows, hidden, ffn, q, depth, input_grad, algorithm)
+        out += _linear_comm(rows, ffn, hidden, q, depth, True, algorithm)
+        out.append(("all_reduce", q, (ffn + hidden) // q, 2))  # biases over col
+    if depth > 1:
+        out.append(("all_reduce", depth, 2 * hidden * ffn // (q * q), 2))
+    return out
+
+
+def mlp_flops(rows: int, hidden: int, ffn: int, input_grad: bool = False) -> float:
+    """Matmul flops of an MLP h→f→h fwd+bwd: 2·rows·h·f per product, 3 products a layer (2 for fc1
+    when the input needs no gradient)."""
+    return 2.0 * rows * hidden * ffn * (5 + int(input_grad))
+
+
+def comm_time(comm: list[tuple[str, int, float, int]], hw: Hardware) -> float:
+    """Seconds to move ``comm`` (kind, group size, elements, messages) over ``hw``'s links."""
+    total = 0.0
+    for kind, n, elements, messages in comm:
+        factor = _FACTOR.get(kind, lambda n: 1.0)(n)
+        total += factor * elements * hw.bytes_per_element / hw.bandwidth + messages * hw.latency * math.log2(max(n, 2))
+    return total
 
 
 def _mesh_shape(scheme: str, p: int) -> tuple[int, int]:
@@ -121,10 +163,7 @@ _FACTOR["reduce_scatter"] = _FACTOR["all_gather"]
 def step_time(layer: Layer, scheme: str, p: int, hw: Hardware) -> dict[str, float]:
     """Predicted seconds of one layer fwd+bwd: compute, communication and their sum."""
     compute = layer.flops / (p * hw.flops)
-    comm = 0.0
-    for kind, n, elements, messages in layer_comm(layer, scheme, p):
-        factor = _FACTOR.get(kind, lambda n: 1.0)(n)
-        comm += factor * elements * hw.bytes_per_element / hw.bandwidth + messages * hw.latency * math.log2(max(n, 2))
+    comm = comm_time(layer_comm(layer, scheme, p), hw)
     return {"compute": compute, "comm": comm, "total": compute + comm}
 
 
