@@ -14,5 +14,6 @@ setup(
         "mpi": ["mpi4py>=4", "mpich"],
         "test": ["pytest>=8", "pytest-mpi", "pytest-timeout", "ruff"],
         "families": ["transformers>=4.50"],  # converters for Hugging Face models (optional)
+        "bench": ["matplotlib"],  # the benchmark report's plots (optional)
     },
 )

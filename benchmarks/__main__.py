@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import optimus2d
-from benchmarks import block, calibrate, gpt, linear, memory, mlp, plan
+from benchmarks import block, calibrate, gpt, linear, memory, mlp, plan, report
 
 SUBCOMMANDS = {
     "linear": linear,
@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "memory": memory,
     "plan": plan,
     "calibrate": calibrate,
+    "report": report,
 }
 RESULTS = Path(__file__).parent / "results"
 
@@ -27,6 +28,8 @@ RESULTS = Path(__file__).parent / "results"
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--depth", type=int, default=1)
+    parser.add_argument("--name", help="results file stem (default: the subcommand)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of the JSON results (and the report)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in SUBCOMMANDS.items():
         module.add_arguments(sub.add_parser(name, help=module.__doc__.splitlines()[0]))
@@ -36,9 +39,10 @@ def main() -> None:
     mesh = optimus2d.Mesh(math.isqrt(world.size // args.depth), args.depth)
     module = SUBCOMMANDS[args.command]
     result = module.run(args, world, mesh)
-    if world.rank == 0:
-        path = RESULTS / f"{args.command}-p{world.size}-q{mesh.q}d{mesh.depth}.json"
-        path.write_text(json.dumps(result, indent=2))
+    if world.rank == 0 and result is not None:
+        args.results.mkdir(parents=True, exist_ok=True)
+        path = args.results / f"{args.name or args.command}-p{world.size}-q{mesh.q}d{mesh.depth}.json"
+        path.write_text(json.dumps(result, indent=2, default=str))
         print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
 
 

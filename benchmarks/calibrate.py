@@ -34,18 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=10)
 
 
-def _median_ms(fn, repeats: int = 10) -> float:
+def _median_ms(fn, repeats: int, device: torch.device) -> float:
     times = []
     for _ in range(repeats):
         dist.barrier()
-        timer = compare.Timer(torch.device("cpu"))
+        timer = compare.Timer(device)
         timer.start()
         fn()
         times.append(timer.stop())
     return statistics.median(times)
 
 
-def measure_hardware(mesh: optimus2d.Mesh, device: torch.device, args: argparse.Namespace) -> Hardware:
+def measure_hardware(mesh: optimus2d.Mesh, device: torch.device, args: argparse.Namespace, repeats: int) -> Hardware:
     """Compute rate and point-to-point link of one rank while all ranks do the same.
 
     The rate is that of a 1/p share of the MLP (h → f/p → h, fwd+bwd on 1024 rows, GELU included),
@@ -54,7 +54,7 @@ def measure_hardware(mesh: optimus2d.Mesh, device: torch.device, args: argparse.
     h, f, rows = args.hidden, args.ffn, 1024
     share = nn.Sequential(nn.Linear(h, f // mesh.size), nn.GELU(), nn.Linear(f // mesh.size, h)).to(device)
     x = torch.randn(rows, h, device=device)
-    flops = mlp_flops(rows, h, f // mesh.size) / (_median_ms(lambda: share(x).sum().backward()) / 1e3)
+    flops = mlp_flops(rows, h, f // mesh.size) / (_median_ms(lambda: share(x).sum().backward(), repeats, device) / 1e3)
     partner = mesh.global_rank("mesh", mesh.size - 1 - mesh.index("mesh")) if mesh.size > 1 else None
 
     def exchange(send: torch.Tensor, recv: torch.Tensor) -> None:
@@ -65,12 +65,14 @@ def measure_hardware(mesh: optimus2d.Mesh, device: torch.device, args: argparse.
     small, big = (torch.randn(16, device=device), torch.empty(16, device=device)), None
     n = 1024 * 1024
     big = (torch.randn(n, device=device), torch.empty(n, device=device))
-    t_big = (_median_ms(lambda: exchange(*big), 20) - _median_ms(lambda: exchange(*small), 20)) / 1e3
+    t_big = (
+        _median_ms(lambda: exchange(*big), repeats, device) - _median_ms(lambda: exchange(*small), repeats, device)
+    ) / 1e3
     # latency as a step meets it: a wait for a partner between two pieces of work, every rank busy
     a, b = torch.randn(256, 1024, device=device), torch.randn(1024, 1024, device=device)
     steps = 20
-    alone = _median_ms(lambda: [a @ b for _ in range(steps)], 5)
-    synced = _median_ms(lambda: [(a @ b, exchange(*small)) for _ in range(steps)], 5)
+    alone = _median_ms(lambda: [a @ b for _ in range(steps)], repeats, device)
+    synced = _median_ms(lambda: [(a @ b, exchange(*small)) for _ in range(steps)], repeats, device)
     rates = torch.tensor([flops, t_big, (synced - alone) / 1e3 / steps])
     dist.all_reduce(rates)  # the mean over ranks
     flops, t_big, latency = (rates / dist.get_world_size()).tolist()
@@ -83,8 +85,7 @@ def _scheme(mesh: optimus2d.Mesh) -> str:
 
 def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
     p, h, f, device = world.size, args.hidden, args.ffn, mesh.device
-    hw = measure_hardware(mesh, device, args)
-    rows_out = []
+    groups = []
     for batch in args.batches:
         torch.manual_seed(0)
         serial = nn.Sequential(nn.Linear(h, f), nn.GELU(), nn.Linear(f, h)).to(device)
@@ -98,7 +99,22 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
                 peers.dtensor_1d(serial, peers.mlp_plans(False), x, grad, sequence_parallel=False, out_dim=None)
             )
         compare.check(group, reference)
-        compare.time_rounds(group, args.rounds, device, f"calibrate MLP batch {batch}")
+        groups.append((batch, group))
+    # the machine's load drifts: measure it in every round, between the rounds of the workloads
+    samples = []
+    for n in range(args.rounds):
+        samples.append(measure_hardware(mesh, device, args, repeats=3))
+        for _, group in groups:
+            compare.time_rounds(group, 1, device, "")
+        compare.progress("calibrate", n + 1, args.rounds)
+    hw = Hardware(
+        flops=statistics.median(s.flops for s in samples),
+        bandwidth=statistics.median(s.bandwidth for s in samples),
+        latency=statistics.median(s.latency for s in samples),
+        bytes_per_element=4,
+    )
+    rows_out = []
+    for batch, group in groups:
         measured = compare.summarize(group, batch * args.seq, batch, 1.0)
         rows = batch * args.seq
         compute = mlp_flops(rows, h, f) / (p * hw.flops)

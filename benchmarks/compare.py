@@ -89,8 +89,8 @@ def check(peers: list[Peer], reference: torch.Tensor, tol: float = 1e-4) -> None
 def time_rounds(peers: list[Peer], rounds: int, device: torch.device, label: str) -> None:
     """Interleaved rounds: fwd+bwd, then forward under no_grad, for every peer in turn."""
     timer = Timer(device)
-    for peer in peers:  # one warm-up step each
-        if peer.runs_here():
+    for peer in peers:  # one warm-up step each, the first time
+        if peer.runs_here() and not peer.train_ms:
             peer.backward(peer.forward())
             peer.model.zero_grad(set_to_none=True)
     for n in range(rounds):
@@ -106,7 +106,8 @@ def time_rounds(peers: list[Peer], rounds: int, device: torch.device, label: str
                     (peer.train_ms if training else peer.infer_ms).append(timer.stop())
                 dist.barrier()
             peer.model.zero_grad(set_to_none=True)
-        progress(label, n + 1, rounds)
+        if label:
+            progress(label, n + 1, rounds)
 
 
 def saved_bytes(peer: Peer) -> int:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import optimus2d
-from benchmarks import compare, peers
+from benchmarks import compare, external, peers
 from optimus2d.cost import mlp_1d_elements, mlp_2d_elements
 from optimus2d.memory import saved_activation_bytes
 
@@ -52,6 +52,11 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             plan = peers.linear_plan(sp) if args.linear else peers.mlp_plans(sp)
             out_dim = -1 if args.linear else (1 if sp else None)
             group.append(peers.dtensor_1d(serial, plan, x, grad, sequence_parallel=sp, out_dim=out_dim))
+        if not args.linear:  # other libraries' layers, where installed (scripts/setup_peers.sh)
+            extra = [external.megatron_1d(serial, x, grad)]
+            if mesh.depth == 1 and mesh.q > 1:
+                extra.append(external.colossal_2d(serial, x, grad, mesh.q))
+            group += [peer for peer in extra if peer is not None]
     group.append(peers.plain_torch(serial, x, grad))
     compare.check(group, reference)
 
@@ -76,7 +81,7 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
                 r["elements_formula"] = mlp_2d_elements(
                     rows, h, args.ffn, mesh.q, mesh.depth, input_grad=False, algorithm=algorithm, on_diagonal=diagonal
                 )
-        elif name.startswith("DTensor") and not args.linear:
+        elif (name.startswith("DTensor") or name.startswith("megatron")) and not args.linear:
             r["elements_formula"] = mlp_1d_elements(rows, h, p, sequence_parallel=name.endswith("SP"))
     serial_act = saved_activation_bytes(serial, x)
     if world.rank == 0:

@@ -122,7 +122,7 @@ def mlp_comm(
         out += _linear_comm(rows, ffn, hidden, q, depth, True, algorithm)
         out.append(("all_reduce", q, (ffn + hidden) // q, 2))  # biases over col
     if depth > 1:
-        out.append(("all_reduce", depth, 2 * hidden * ffn // (q * q), 2))
+        out.append(("all_reduce", depth, 2 * hidden * ffn // (q * q) + (ffn + hidden) // q, 4))  # weights, biases
     return out
 
 

@@ -48,3 +48,30 @@ def test_projection_orders_layouts_as_the_formulas_say():
     assert h_2d is not None and (h_1d is None or h_2d < h_1d)
     with pytest.raises(ValueError, match="2D needs p = q²"):
         layer_comm(layer, "2d", 8)
+
+
+@pytest.mark.parametrize("q,depth", [(2, 1), (3, 1), (2, 2)])
+@pytest.mark.parametrize("batch", [1, 64], ids=["stationary", "summa"])
+def test_time_model_prices_the_elements_the_cost_formulas_count(q, depth, batch):
+    """plan.mlp_comm (what the time model prices) moves exactly mlp_2d_elements (what count_comm checks)."""
+    from optimus2d.cost import linear_2d_algorithm, mlp_2d_elements
+    from optimus2d.plan import mlp_comm
+
+    rows, h, f = batch * 36, 72, 288
+    scheme = "2d" if depth == 1 else f"2.5d:{depth}"
+    priced = sum(e for _, _, e, _ in mlp_comm(rows, h, f, scheme, depth * q * q))
+    assert priced == mlp_2d_elements(rows, h, f, q, depth, input_grad=False)
+    expected = "stationary" if batch == 1 else "summa"
+    assert linear_2d_algorithm(rows, h, f, q, depth) == expected
+
+
+def test_calibrated_model_predicts_from_measured_rates():
+    """compute + comm with the calibrated Hardware; more latency or less bandwidth never speeds it up."""
+    from optimus2d.plan import comm_time, mlp_comm, mlp_flops
+
+    hw = Hardware(flops=30e9, bandwidth=1e9, latency=1e-3, bytes_per_element=4)
+    comm = mlp_comm(1024, 1024, 4096, "2d", 4)
+    base = comm_time(comm, hw)
+    assert comm_time(comm, Hardware(30e9, 0.5e9, 1e-3, 4)) > base
+    assert comm_time(comm, Hardware(30e9, 1e9, 2e-3, 4)) > base
+    assert mlp_flops(1024, 1024, 4096) == 2.0 * 1024 * 1024 * 4096 * 5

@@ -1,0 +1,161 @@
+"""Tables and plots from the JSON the other subcommands wrote under benchmarks/results/.
+
+    python -m benchmarks report          # writes benchmarks/results/report.md and *.png
+
+Plots need matplotlib (``pip install -e '.[bench]'``); without it the tables are still written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import optimus2d
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The results folder is the entry point's ``--results``."""
+
+
+def _load(folder: Path) -> dict[str, dict]:
+    return {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))}
+
+
+def _peer_table(name: str, data: dict) -> list[str]:
+    rows = data["rows"]
+    serial_act = data.get("serial_activation_bytes") or 0
+    p = data["ranks"]
+    lines = [
+        f"### {name}",
+        "",
+        f"`{_command(data)}`",
+        "",
+        "| peer | fwd+bwd ms | ÷ first | fwd ms | ÷ first | tokens/s | act B/rank | ÷ serial/p | largest batch "
+        "| elements/rank |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        act_ratio = f"{r['activation_bytes'] / (serial_act / p):.3f}" if serial_act else "—"
+        elements = r.get("elements_measured", r.get("elements_formula"))
+        lines.append(
+            f"| {r['peer']} | {r['train_ms']:.1f} | {r['train_vs_first']:.2f} | {r['infer_ms']:.1f} | "
+            f"{r['infer_vs_first']:.2f} | {r['tokens_per_s']:.0f} | {r['activation_bytes']:,} | {act_ratio} | "
+            f"{r['largest_batch']} | {f'{elements:,}' if elements is not None else '—'} |"
+        )
+    return [*lines, ""]
+
+
+def _command(data: dict) -> str:
+    config = dict(data["config"])
+    command, depth, name = config.pop("command"), config.pop("depth", 1), config.pop("name", None)
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in config.items() if k not in ("linear", "results"))
+    prefix = f"mpiexec -n {data['ranks']} python -m benchmarks" + (f" --depth {depth}" if depth > 1 else "")
+    return f"{prefix}{f' --name {name}' if name else ''} {command} {flags}".strip()
+
+
+def _calibration_table(data: dict) -> list[str]:
+    hw = data["hardware"]
+    lines = [
+        "### Cost model against measurement",
+        "",
+        f"`{_command(data)}`: {hw['flops'] / 1e9:.1f} GFLOP/s a rank, {hw['bandwidth'] / 1e9:.2f} GB/s, "
+        f"{hw['latency'] * 1e6:.0f} µs a sync point",
+        "",
+        "| batch | peer | measured ms | predicted ms | error |",
+        "|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['batch']} | {r['peer']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | {r['error']:+.0%} |"
+        )
+    return [*lines, ""]
+
+
+def _plots(results: dict[str, dict], folder: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ["(no plots: matplotlib is not installed; `pip install -e '.[bench]'`)"]
+    written = []
+    timed = {k: v for k, v in results.items() if v.get("rows") and "train_ms" in v["rows"][0]}
+    if timed:  # speed and memory of every peer, per benchmark
+        fig, (speed, memory) = plt.subplots(1, 2, figsize=(13, 0.5 * sum(len(v["rows"]) for v in timed.values()) + 2))
+        labels, tokens, acts = [], [], []
+        for name, data in timed.items():
+            for r in data["rows"]:
+                labels.append(f"{name}: {r['peer']}")
+                tokens.append(r["tokens_per_s"])
+                serial = data.get("serial_activation_bytes") or 0
+                acts.append(r["activation_bytes"] / (serial / data["ranks"]) if serial else 0)
+        speed.barh(labels, tokens)
+        speed.set_xlabel("tokens/s (fwd+bwd)")
+        speed.invert_yaxis()
+        memory.barh(labels, acts)
+        memory.axvline(1.0, color="k", linestyle=":")
+        memory.set_xlabel("saved activations per rank ÷ (serial / p)")
+        memory.set_yticks([])
+        memory.invert_yaxis()
+        fig.tight_layout()
+        fig.savefig(folder / "speed_memory.png", dpi=90)
+        written.append("speed_memory.png")
+    plan = results.get("plan-p1-q1d1")
+    if plan:  # projected step time and isoefficiency against devices
+        fig, (times, iso) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for scheme in ("1d", "1d-sp", "2d", "2.5d:2", "2.5d:4"):
+            pts = [(r["p"], r["time_s"][scheme]) for r in plan["rows"] if scheme in r["time_s"]]
+            if pts:
+                times.plot(*zip(*pts, strict=True), marker="o", label=scheme)
+            pts = [
+                (r["p"], r["isoefficiency_hidden"][scheme])
+                for r in plan["rows"]
+                if r["isoefficiency_hidden"].get(scheme)
+            ]
+            if pts:
+                iso.plot(*zip(*pts, strict=True), marker="o", label=scheme)
+        for ax, ylabel in ((times, "predicted layer fwd+bwd (s)"), (iso, "hidden size for 50 % efficiency")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log", base=2)
+            ax.set_xlabel("devices p")
+            ax.set_ylabel(ylabel)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(folder / "projection.png", dpi=90)
+        written.append("projection.png")
+    calib = next((v for k, v in results.items() if k.startswith("calibrate")), None)
+    if calib:
+        fig, ax = plt.subplots(figsize=(5, 5))
+        measured = [r["measured_ms"] for r in calib["rows"]]
+        predicted = [r["predicted_ms"] for r in calib["rows"]]
+        ax.scatter(measured, predicted)
+        for r in calib["rows"]:
+            ax.annotate(f"{r['peer']} b{r['batch']}", (r["measured_ms"], r["predicted_ms"]), fontsize=7)
+        top = 1.1 * max(measured + predicted)
+        ax.plot([0, top], [0, top], "k:")
+        ax.fill_between([0, top], [0, 0.75 * top], [0, 1.25 * top], alpha=0.1)
+        ax.set_xlabel("measured ms")
+        ax.set_ylabel("predicted ms")
+        fig.tight_layout()
+        fig.savefig(folder / "calibration.png", dpi=90)
+        written.append("calibration.png")
+    return [f"![{name}]({name})" for name in written]
+
+
+def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> None:
+    if world.rank != 0:
+        return None
+    results = _load(args.results)
+    lines = ["# Benchmark report", "", "Generated by `python -m benchmarks report` from the JSON in this folder.", ""]
+    for name, data in results.items():
+        if data.get("rows") and "train_ms" in data["rows"][0]:
+            lines += _peer_table(name, data)
+        elif name.startswith("calibrate"):
+            lines += _calibration_table(data)
+    lines += ["## Plots", "", *_plots(results, args.results), ""]
+    out = args.results / "report.md"
+    out.write_text("\n".join(lines))
+    print(f"wrote {out} ({len(results)} result files)")
+    return None

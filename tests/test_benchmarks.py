@@ -1,0 +1,51 @@
+"""The benchmark entry point runs end to end (tiny sizes) and its JSON holds what the report needs.
+
+Timings are never asserted (they are noise on shared cores); counts and bytes are exact and are.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_launch import BIN, _clean_env
+
+ROOT = Path(__file__).parent.parent
+pytestmark = pytest.mark.slow
+
+
+def _bench(tmp_path: Path, n: int, *args: str) -> str:
+    cmd = [str(BIN / "mpiexec"), "-n", str(n), sys.executable, "-m", "benchmarks", "--results", str(tmp_path), *args]
+    out = subprocess.run(cmd, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_mlp_and_block_benchmarks_count_what_the_formulas_say_then_report(tmp_path):
+    tiny = ["--hidden", "32", "--ffn", "128", "--batch", "2", "--seq", "8", "--rounds", "1"]
+    _bench(tmp_path, 4, "mlp", *tiny)
+    _bench(tmp_path, 4, "block", "--hidden", "32", "--heads", "4", "--batch", "2", "--seq", "8", "--rounds", "1")
+    for name in ("mlp-p4-q2d1", "block-p4-q2d1"):
+        rows = json.loads((tmp_path / f"{name}.json").read_text())["rows"]
+        ours = rows[0]
+        assert ours["peer"] == "optimus2d 2D" and ours["elements_measured"] == ours["elements_formula"]
+        assert ours["train_ms"] > 0 and ours["largest_batch"] > 0
+    mlp = {r["peer"]: r for r in json.loads((tmp_path / "mlp-p4-q2d1.json").read_text())["rows"]}
+    assert set(mlp) == {"optimus2d 2D", "optimus2d 2D SUMMA", "DTensor 1D", "DTensor 1D + SP", "torch, 1 rank"}
+    # saved activations: optimus2d keeps a quarter of serial's, 1D keeps the replicated input whole
+    assert mlp["optimus2d 2D"]["activation_bytes"] * 4 == mlp["torch, 1 rank"]["activation_bytes"]
+    assert mlp["DTensor 1D"]["activation_bytes"] > mlp["optimus2d 2D"]["activation_bytes"]
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--results", str(tmp_path), "report"],
+        cwd=ROOT,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = (tmp_path / "report.md").read_text()
+    assert "| optimus2d 2D SUMMA |" in report and "### block-p4-q2d1" in report
