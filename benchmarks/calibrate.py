@@ -45,13 +45,15 @@ def _median_ms(fn, repeats: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def measure_hardware(mesh: optimus2d.Mesh, device: torch.device, args: argparse.Namespace, repeats: int) -> Hardware:
+def measure_hardware(
+    mesh: optimus2d.Mesh, device: torch.device, args: argparse.Namespace, repeats: int, rows: int
+) -> Hardware:
     """Compute rate and point-to-point link of one rank while all ranks do the same.
 
-    The rate is that of a 1/p share of the MLP (h → f/p → h, fwd+bwd on 1024 rows, GELU included),
+    The rate is that of a 1/p share of the MLP (h → f/p → h, fwd+bwd on ``rows`` rows, GELU included),
     the kernels the steps run; the link that of exchanges of 64 KiB and 4 MiB with another rank.
     """
-    h, f, rows = args.hidden, args.ffn, 1024
+    h, f = args.hidden, args.ffn
     share = nn.Sequential(nn.Linear(h, f // mesh.size), nn.GELU(), nn.Linear(f // mesh.size, h)).to(device)
     x = torch.randn(rows, h, device=device)
     flops = mlp_flops(rows, h, f // mesh.size) / (_median_ms(lambda: share(x).sum().backward(), repeats, device) / 1e3)
@@ -101,20 +103,24 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         compare.check(group, reference)
         groups.append((batch, group))
     # the machine's load drifts: measure it in every round, between the rounds of the workloads
-    samples = []
+    samples: dict[int, list[Hardware]] = {batch: [] for batch in args.batches}
     for n in range(args.rounds):
-        samples.append(measure_hardware(mesh, device, args, repeats=3))
-        for _, group in groups:
+        for batch, group in groups:
+            samples[batch].append(measure_hardware(mesh, device, args, 3, batch * args.seq))
             compare.time_rounds(group, 1, device, "")
         compare.progress("calibrate", n + 1, args.rounds)
-    hw = Hardware(
-        flops=statistics.median(s.flops for s in samples),
-        bandwidth=statistics.median(s.bandwidth for s in samples),
-        latency=statistics.median(s.latency for s in samples),
-        bytes_per_element=4,
-    )
+    hardware = {
+        batch: Hardware(
+            flops=statistics.median(s.flops for s in found),
+            bandwidth=statistics.median(s.bandwidth for s in found),
+            latency=statistics.median(s.latency for s in found),
+            bytes_per_element=4,
+        )
+        for batch, found in samples.items()
+    }
     rows_out = []
     for batch, group in groups:
+        hw = hardware[batch]
         measured = compare.summarize(group, batch * args.seq, batch, 1.0)
         rows = batch * args.seq
         compute = mlp_flops(rows, h, f) / (p * hw.flops)
@@ -138,8 +144,12 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             )
     if world.rank == 0:
         print(
-            f"calibrated on {p} ranks: {hw.flops / 1e9:.1f} GFLOP/s a rank, links {hw.bandwidth / 1e9:.2f} GB/s, "
-            f"{hw.latency * 1e6:.0f} µs latency (every rank busy at once)"
+            f"calibrated on {p} ranks, every rank busy at once: "
+            + "; ".join(
+                f"batch {b}: {hw.flops / 1e9:.1f} GFLOP/s a rank, {hw.bandwidth / 1e9:.2f} GB/s, "
+                f"{hw.latency * 1e6:.0f} µs a sync point"
+                for b, hw in hardware.items()
+            )
         )
         print(
             "{:>6}  {:<22}{:>12}{:>13}{:>11}{:>9}{:>8}".format(
@@ -157,6 +167,8 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         "config": vars(args),
         "ranks": p,
         "mesh": [mesh.q, mesh.depth],
-        "hardware": {"flops": hw.flops, "bandwidth": hw.bandwidth, "latency": hw.latency},
+        "hardware": {
+            b: {"flops": h.flops, "bandwidth": h.bandwidth, "latency": h.latency} for b, h in hardware.items()
+        },
         "rows": rows_out,
     }

@@ -55,12 +55,15 @@ def _command(data: dict) -> str:
 
 
 def _calibration_table(data: dict) -> list[str]:
-    hw = data["hardware"]
+    rates = "; ".join(
+        f"batch {b}: {hw['flops'] / 1e9:.1f} GFLOP/s a rank, {hw['bandwidth'] / 1e9:.2f} GB/s, "
+        f"{hw['latency'] * 1e6:.0f} µs a sync point"
+        for b, hw in data["hardware"].items()
+    )
     lines = [
         "### Cost model against measurement",
         "",
-        f"`{_command(data)}`: {hw['flops'] / 1e9:.1f} GFLOP/s a rank, {hw['bandwidth'] / 1e9:.2f} GB/s, "
-        f"{hw['latency'] * 1e6:.0f} µs a sync point",
+        f"`{_command(data)}`: {rates}",
         "",
         "| batch | peer | measured ms | predicted ms | error |",
         "|---|---|---|---|---|",

@@ -4,7 +4,8 @@ Communication is counted as ``count_comm`` counts it (elements of payload each r
 in), exactly for optimus2d's own schedule (``transformer_layer_elements`` is checked against the
 counter in the tests) and by Megatron's schedule for 1D. Time adds compute at a given flop rate
 to communication priced per collective kind (ring all-reduce moves 2(n−1)/n of its payload,
-all-gather and reduce-scatter (n−1)/n, broadcast and reduce about 1×) plus a latency per message.
+all-gather and reduce-scatter (n−1)/n, broadcast and reduce about 1×) plus a latency per sync
+stage (collectives issued together wait once).
 A model: the numbers rank layouts and show trends; they are not measurements.
 """
 
@@ -63,7 +64,10 @@ def transformer_layer_elements(layer: Layer, q: int, depth: int = 1, *, on_diago
 
 
 def layer_comm(layer: Layer, scheme: str, p: int) -> list[tuple[str, int, float, int]]:
-    """(kind, group size, elements per rank, messages) of one layer fwd+bwd under ``scheme``."""
+    """(kind, group size, elements per rank, sync stages) of one layer fwd+bwd under ``scheme``.
+
+    A sync stage is a wait for other ranks; collectives issued together count once.
+    """
     r, h, f = layer.rows, layer.hidden, layer.ffn
     if scheme in ("1d", "1d-sp"):
         if p == 1:
@@ -95,11 +99,12 @@ def _linear_comm(
     if algorithm == "summa":
         act, block = r * min(i, o) // (depth * q), i * o // (q * q)
         products = 2 + int(dx)
-        return [("broadcast", q, products * q * (act // q + block), products * 2 * q)]  # ~2 messages a step
+        # each step's broadcasts are issued together: one sync stage a step
+        return [("broadcast", q, products * q * (act // q + block), products * q)]
     big = r // depth  # rows of a depth slice
     swaps = 1 + int(dx or i > o)
-    return [
-        ("all_gather", q, big * (2 * i + o) // q, 3),  # the input (forward, again for dW) and dY
+    return [  # messages counted as sync stages: the backward gathers dY and the input together
+        ("all_gather", q, big * (2 * i + o) // q, 2),  # the input (forward, again for dW) and dY
         ("reduce_scatter", q, big * (o + (i if dx else 0)) // q, 1 + int(dx)),  # the output and dX
         ("transpose", 2, swaps * big * min(i, o) // (q * q), swaps),  # exchanges with rank (k, j, i)
     ]
