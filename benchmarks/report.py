@@ -86,14 +86,16 @@ def _plots(results: dict[str, dict], folder: Path) -> list[str]:
     written = []
     timed = {k: v for k, v in results.items() if v.get("rows") and "train_ms" in v["rows"][0]}
     if timed:  # speed and memory of every peer, per benchmark
-        fig, (speed, memory) = plt.subplots(1, 2, figsize=(13, 0.5 * sum(len(v["rows"]) for v in timed.values()) + 2))
-        labels, tokens, acts = [], [], []
+        height = 0.5 * sum(len(v["rows"]) for v in timed.values()) + 2
+        fig, (speed, memory, comm) = plt.subplots(1, 3, figsize=(17, height))
+        labels, tokens, acts, elements = [], [], [], []
         for name, data in timed.items():
             for r in data["rows"]:
                 labels.append(f"{name}: {r['peer']}")
                 tokens.append(r["tokens_per_s"])
                 serial = data.get("serial_activation_bytes") or 0
                 acts.append(r["activation_bytes"] / (serial / data["ranks"]) if serial else 0)
+                elements.append(r.get("elements_measured", r.get("elements_formula")) or 0)
         speed.barh(labels, tokens)
         speed.set_xlabel("tokens/s (fwd+bwd)")
         speed.invert_yaxis()
@@ -102,9 +104,29 @@ def _plots(results: dict[str, dict], folder: Path) -> list[str]:
         memory.set_xlabel("saved activations per rank ÷ (serial / p)")
         memory.set_yticks([])
         memory.invert_yaxis()
+        comm.barh(labels, elements)
+        comm.set_xlabel("elements sent per rank, fwd+bwd (optimus2d: counted; peers: formula)")
+        comm.set_yticks([])
+        comm.invert_yaxis()
         fig.tight_layout()
         fig.savefig(folder / "speed_memory.png", dpi=90)
         written.append("speed_memory.png")
+    same = [v for k, v in sorted(results.items()) if k.split("-p")[0] == "mlp" and "train_ms" in v["rows"][0]]
+    if len(same) > 1:  # measured scaling: the same MLP on 1, 4, 8 ranks
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        by_peer: dict[str, list[tuple[int, float]]] = {}
+        for data in sorted(same, key=lambda d: d["ranks"]):
+            for r in data["rows"]:
+                peer = r["peer"].replace("2.5D", "2D") if not r["peer"].startswith("torch") else "torch, 1 rank"
+                by_peer.setdefault(peer, []).append((data["ranks"], r["tokens_per_s"]))
+        for peer, pts in by_peer.items():
+            ax.plot(*zip(*pts, strict=True), marker="o", label=peer)
+        ax.set_xlabel("ranks (on this machine's cores)")
+        ax.set_ylabel("tokens/s, MLP fwd+bwd")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(folder / "scaling.png", dpi=90)
+        written.append("scaling.png")
     plan = results.get("plan-p1-q1d1")
     if plan:  # projected step time and isoefficiency against devices
         fig, (times, iso) = plt.subplots(1, 2, figsize=(12, 4.5))
