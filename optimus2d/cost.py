@@ -46,7 +46,9 @@ def linear_2d_stationary_elements(
 
 
 def linear_2d_algorithm(rows: int, fin: int, fout: int, q: int, depth: int = 1) -> str:
-    """ "stationary" when it moves fewer elements than SUMMA (rows ≲ 1.5 × a feature size), else "summa".
+    """Returns "stationary" when it moves fewer elements than SUMMA, else "summa".
+
+    Stationary wins when the rows are fewer than about 1–1.5 × the smaller feature size.
 
     Depends only on global sizes, so every rank of a mesh makes the same choice.
     """

@@ -2,7 +2,7 @@
 
 SUMMA (``summa.py``) moves every weight block q times a product, 3·in·out/q elements per rank
 for forward + backward however small the batch. When the rows of a batch are fewer than about
-1.5 × a feature size, moving activations instead is cheaper: each rank gathers the activation
+1–1.5 × the smaller feature size, moving activations instead is cheaper: each rank gathers the activation
 rows its weight block needs, multiplies locally, and reduce-scatters the partial output over the
 ranks that hold the other blocks of the same output columns. No weight ever moves (its gradient
 is summed over depth only, as in SUMMA).
