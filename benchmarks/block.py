@@ -2,9 +2,10 @@
 
     mpiexec -n 4 python -m benchmarks block          # h=512, 8 heads, ffn 4h, batch 8 × seq 128
 
-The same measurements as ``mlp``. There is no 1D peer here: DTensor's plans cannot split
-``nn.MultiheadAttention``'s fused in-projection, so the block is compared with serial torch
-(speed-up) and its elements sent with ``optimus2d.plan.transformer_layer_elements``.
+The same measurements as ``mlp``. The 1D peers run ``tp_block.TPBlock`` (the same weights with
+q, k, v as separate Linears, which DTensor's plans can split by heads) under Megatron's plan, with
+and without sequence parallelism; elements sent are checked against
+``optimus2d.plan.transformer_layer_elements``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 import optimus2d
 from benchmarks import compare, peers
+from benchmarks.tp_block import TPBlock, block_plan
 from optimus2d.memory import saved_activation_bytes
 from optimus2d.plan import Layer, transformer_layer_elements
 
@@ -39,7 +41,12 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     with torch.no_grad():
         reference = serial(x)
     grad = torch.randn_like(reference)
-    group = [*peers.optimus_twins(serial, mesh, x, grad), peers.plain_torch(serial, x, grad)]
+    group = peers.optimus_twins(serial, mesh, x, grad)
+    if p > 1 and args.heads % p == 0:
+        for sp in (False, True):
+            plan, out_dim = block_plan(sp), (1 if sp else None)
+            group.append(peers.dtensor_1d(TPBlock(serial), plan, x, grad, sequence_parallel=sp, out_dim=out_dim))
+    group.append(peers.plain_torch(serial, x, grad))
     compare.check(group, reference)
 
     ours = group[0]
