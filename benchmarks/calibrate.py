@@ -75,7 +75,7 @@ def measure_hardware(
     steps = 20
     alone = _median_ms(lambda: [a @ b for _ in range(steps)], repeats, device)
     synced = _median_ms(lambda: [(a @ b, exchange(*small)) for _ in range(steps)], repeats, device)
-    rates = torch.tensor([flops, t_big, (synced - alone) / 1e3 / steps])
+    rates = torch.tensor([flops, t_big, (synced - alone) / 1e3 / steps], device=compare.collective_device())
     dist.all_reduce(rates)  # the mean over ranks
     flops, t_big, latency = (rates / dist.get_world_size()).tolist()
     return Hardware(flops=flops, bandwidth=4 * n / max(t_big, 1e-9), latency=max(latency, 0.0), bytes_per_element=4)

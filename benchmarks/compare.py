@@ -63,6 +63,13 @@ class Timer:
         return 1e3 * (time.perf_counter() - self.begin)
 
 
+def collective_device() -> torch.device:
+    """Where tensors for the default group's collectives live: the current GPU under NCCL."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def progress(label: str, done: int, total: int) -> None:
     """A one-line progress bar on rank 0's stderr."""
     if dist.get_rank() != 0:
@@ -75,7 +82,7 @@ def progress(label: str, done: int, total: int) -> None:
 
 def check(peers: list[Peer], reference: torch.Tensor, tol: float = 1e-4) -> None:
     """Every peer's output against serial; all ranks stop together if one differs."""
-    errors = torch.zeros(len(peers))
+    errors = torch.zeros(len(peers), device=collective_device())
     for n, peer in enumerate(peers):
         if peer.runs_here():
             full = peer.full_output(peer.forward()).detach()
@@ -144,7 +151,8 @@ def summarize(peers: list[Peer], tokens: int, batch: int, cap_mib: float) -> lis
     rows = []
     for peer in peers:
         times = torch.tensor(
-            [statistics.median(peer.train_ms), statistics.median(peer.infer_ms)] if peer.runs_here() else [0.0, 0.0]
+            [statistics.median(peer.train_ms), statistics.median(peer.infer_ms)] if peer.runs_here() else [0.0, 0.0],
+            device=collective_device(),
         )
         dist.broadcast(times, src=0)  # rank 0 runs every peer: its figures are the report
         act = saved_bytes(peer) if peer.runs_here() else 0

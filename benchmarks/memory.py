@@ -31,7 +31,8 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             h, args.heads, 4 * h, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
         ),
     }
-    x = torch.randn(args.batch, args.seq, h, requires_grad=True)
+    serial_models = {name: model.to(mesh.device) for name, model in serial_models.items()}
+    x = torch.randn(args.batch, args.seq, h, device=mesh.device, requires_grad=True)
     rows = []
     for name, serial in serial_models.items():
         parallel = _twin(serial, mesh)
