@@ -1,6 +1,6 @@
 """Peers from other libraries, built only where they are installed (``scripts/setup_peers.sh``).
 
-Both take the serial MLP ``nn.Sequential(nn.Linear(h, f), act, nn.Linear(f, h))``, copy its
+All take the serial MLP ``nn.Sequential(nn.Linear(h, f), act, nn.Linear(f, h))``, copy its
 weights, and run on every rank of the default process group, which must already exist
 (``optimus2d.init()``). Each returns None, having imported nothing else and changed nothing,
 when its library cannot be imported.
@@ -9,7 +9,11 @@ when its library cannot be imported.
   p ranks (1D: every rank holds the whole activation ``[b, s, h]``, and ``[b, s, f/p]`` inside).
 * ``colossal_2d``: Colossal-AI's legacy ``Linear2D`` → act → ``Linear2D`` on a q×q mesh, q² = p:
   rank (i, j) holds the activation block ``[b/q, s, h/q]``.
-"""
+* ``colossal_2p5d``: Colossal-AI's legacy ``Linear2p5D`` → act → ``Linear2p5D`` on depth q×q
+  meshes, depth·q² = p: rank (i, j, k) holds the block ``[b/q, s, h/q]``, the same on every k.
+
+Colossal-AI's context is a process-wide singleton: one process can build its 2D or its 2.5D
+peer (any number of times), not both."""
 
 from __future__ import annotations
 
@@ -103,34 +107,103 @@ def megatron_1d(serial: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Peer 
     )
 
 
-def _colossal_context(q: int):
-    """Colossal-AI's legacy global context (a singleton) with 2D groups on the EXISTING world.
+_COLOSSAL_MODES = {"2d": "PARALLEL_2D_ROW", "2.5d": "PARALLEL_2P5D_XZ"}  # the last group each mode makes
+
+
+def _colossal_context(mode: str, q: int, depth: int = 1) -> type:
+    """Colossal-AI's legacy global context (a singleton) for ``mode`` "2d" or "2.5d" on the EXISTING world.
 
     ``colossalai.legacy.launch`` would call ``init_process_group`` itself (with a
     ``tcp://[host]:port`` address that needs host "::1" on Python 3.11); instead this registers
     the default group as its GLOBAL mode, as ``init_global_dist`` does after that call, and lets
-    ``init_parallel_groups`` make its data/model/tensor/2D-row/2D-column subgroups with
-    ``new_group`` (collective: every rank calls this). A context already made for the same q is
-    reused; one made otherwise is an error.
+    ``init_parallel_groups`` make its data/model/tensor subgroups and the mode's own (2D row and
+    column; 2.5D row, column, depth and column×depth) with ``new_group`` (collective: every rank
+    calls this). A context already made for the same mode, q, depth and world is reused; one made
+    otherwise is a RuntimeError (the singleton, its groups and ``tensor_parallel_env`` cannot be
+    rebuilt for another mode in the same process). Returns Colossal-AI's ``ParallelMode``.
     """
     from colossalai.legacy.context import ParallelMode
     from colossalai.legacy.core import global_context as gpc
     from colossalai.legacy.global_variables import tensor_parallel_env as env
 
     p = dist.get_world_size()
-    if gpc.is_initialized(ParallelMode.PARALLEL_2D_ROW):
-        if env.summa_dim != q or gpc.get_world_size(ParallelMode.GLOBAL) != p:
-            raise RuntimeError(f"Colossal-AI's context is already set up otherwise (summa_dim {env.summa_dim})")
-        return gpc, ParallelMode
+    want = (mode, q, depth, p)
     if gpc.is_initialized(ParallelMode.GLOBAL):
-        raise RuntimeError("Colossal-AI's context is already set up without 2D tensor parallelism")
-    gpc.load_config({"parallel": {"tensor": {"mode": "2d", "size": p}}})
+        dims = (env.summa_dim, 1) if env.mode == "2d" else (env.tesseract_dim, env.tesseract_dep)
+        have = (env.mode, *dims, gpc.get_world_size(ParallelMode.GLOBAL))
+        if have != want or not gpc.is_initialized(getattr(ParallelMode, _COLOSSAL_MODES[mode])):
+            raise RuntimeError(f"Colossal-AI's context is already set up as (mode, q, depth, p) = {have}, not {want}")
+        return ParallelMode
+    extra = {"depth": depth} if mode == "2.5d" else {}
+    gpc.load_config({"parallel": {"tensor": {"mode": mode, "size": p, **extra}}})
     rank = dist.get_rank()
     cpu_group = None if dist.get_backend() == "gloo" else dist.new_group(list(range(p)), backend="gloo")
     gpc._register_dist(rank, p, dist.group.WORLD, cpu_group, list(range(p)), ParallelMode.GLOBAL)
     gpc.add_global_rank(ParallelMode.GLOBAL, rank)
     gpc.init_parallel_groups()
-    return gpc, ParallelMode
+    return ParallelMode
+
+
+def _colossal_sizes(serial: nn.Module, x: torch.Tensor, q: int, features: int) -> None:
+    """ValueError unless the batch splits into q blocks and both feature sizes into ``features``."""
+    first, _, _ = _mlp_parts(serial)
+    if x.shape[0] % q or first.in_features % features or first.out_features % features:
+        raise ValueError(f"Colossal-AI needs batch {x.shape[0]} % {q} == 0 and h, f % {features} == 0")
+
+
+def _colossal_mlp(name: str, serial: nn.Module, x: torch.Tensor, grad: torch.Tensor, q: int, kind: tuple) -> Peer:
+    """The Peer of ``colossal_2d`` and ``colossal_2p5d``: two SUMMA Linears on this rank's (i, j) block.
+
+    ``kind`` = (layer class, its layers module, row mode, column mode, bias block ``(bias, i, j)``).
+    i (batch and weight-in block) is the rank's index in the column group, j (feature and
+    weight-out block) in the row group, as Colossal-AI's layers take them (``row_rank``, ``col_rank``).
+    While the layers are made, their module's seed context is replaced by a null one: the
+    constructors switch to the TENSOR seed, whose state Colossal-AI keeps only for CUDA
+    (``torch.cuda.get_rng_state``) and registers only in ``launch``. The weights are made
+    uninitialised (no RNG drawn), then filled from ``serial``.
+    """
+    from colossalai.legacy.communication import all_gather
+    from colossalai.legacy.core import global_context as gpc
+
+    layer_cls, layers, row, col, bias_block = kind
+    first, act, second = _mlp_parts(serial)
+    i, j = gpc.get_local_rank(col), gpc.get_local_rank(row)
+
+    def no_init(*args, **kwargs) -> None:
+        pass
+
+    def build(serial_linear: nn.Linear) -> nn.Module:
+        has_bias = serial_linear.bias is not None
+        layer = layer_cls(
+            serial_linear.in_features,
+            serial_linear.out_features,
+            bias=has_bias,
+            dtype=serial_linear.weight.dtype,
+            weight_initializer=no_init,
+            bias_initializer=no_init,
+        )
+        with torch.no_grad():
+            layer.weight.copy_(serial_linear.weight.t().chunk(q, 0)[i].chunk(q, 1)[j])
+            if has_bias:
+                layer.bias.copy_(bias_block(serial_linear.bias, i, j))
+        return layer
+
+    saved_seed = layers.seed
+    layers.seed = lambda parallel_mode: contextlib.nullcontext()
+    try:
+        model = nn.Sequential(build(first), copy.deepcopy(act), build(second)).to(x.device)
+    finally:
+        layers.seed = saved_seed
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(q, 0)[i].chunk(q, -1)[j].contiguous()
+
+    def full(out: torch.Tensor) -> torch.Tensor:
+        rows = all_gather(out.detach(), -1, row)  # [b/q, s, h]
+        return all_gather(rows, 0, col).contiguous()  # [b, s, h]
+
+    x_local, grad_local = block(x.detach()), block(grad)
+    return Peer(name, model, lambda: model(x_local), lambda out: out.backward(grad_local), full)
 
 
 def colossal_2d(serial: nn.Module, x: torch.Tensor, grad: torch.Tensor, q: int) -> Peer | None:
@@ -143,64 +216,54 @@ def colossal_2d(serial: nn.Module, x: torch.Tensor, grad: torch.Tensor, q: int) 
     a bias block ``[out/q²]`` (block i of out block j).
 
     At run time this sets up Colossal-AI's global context on the existing default group (see
-    ``_colossal_context``) and, while the layers are made, replaces their module's seed context by
-    a null one: Linear2D's constructor switches to the TENSOR seed, whose state Colossal-AI keeps
-    only for CUDA (``torch.cuda.get_rng_state``) and registers only in ``launch``. The weights are
-    made uninitialised (no RNG drawn), then filled from ``serial``.
+    ``_colossal_context``) and makes the layers with a null seed context (see ``_colossal_mlp``).
     """
     try:
         with _quiet():
-            from colossalai.legacy.communication import all_gather
             from colossalai.legacy.nn.layer.parallel_2d import Linear2D
 
-            layers_2d = importlib.import_module("colossalai.legacy.nn.layer.parallel_2d.layers")
+            layers = importlib.import_module("colossalai.legacy.nn.layer.parallel_2d.layers")
     except ImportError:
         return None
     if q * q != dist.get_world_size():
         raise ValueError(f"a {q}×{q} mesh needs {q * q} ranks, not {dist.get_world_size()}")
     if q < 2:  # Matmul_ABT_2D waits on the reduce it starts only for q > 1 (None.wait())
         raise ValueError("Colossal-AI's Linear2D backward fails on a 1×1 mesh")
-    first, act, second = _mlp_parts(serial)
-    gpc, mode = _colossal_context(q)
-    i, j = gpc.get_local_rank(mode.PARALLEL_2D_COL), gpc.get_local_rank(mode.PARALLEL_2D_ROW)
+    _colossal_sizes(serial, x, q, q * q)  # Linear2D's bias block is [out/q²]
+    mode = _colossal_context("2d", q)
+    kind = (Linear2D, layers, mode.PARALLEL_2D_ROW, mode.PARALLEL_2D_COL, lambda b, i, j: b.chunk(q)[j].chunk(q)[i])
+    return _colossal_mlp("Colossal-AI 2D", serial, x, grad, q, kind)
 
-    def no_init(*args, **kwargs) -> None:
-        pass
 
-    def build(serial_linear: nn.Linear) -> nn.Module:
-        layer = Linear2D(
-            serial_linear.in_features,
-            serial_linear.out_features,
-            bias=serial_linear.bias is not None,
-            dtype=serial_linear.weight.dtype,
-            weight_initializer=no_init,
-            bias_initializer=no_init,
-        )
-        with torch.no_grad():
-            layer.weight.copy_(serial_linear.weight.t().chunk(q, 0)[i].chunk(q, 1)[j])
-            if serial_linear.bias is not None:
-                layer.bias.copy_(serial_linear.bias.chunk(q, 0)[j].chunk(q, 0)[i])
-        return layer
+def colossal_2p5d(serial: nn.Module, x: torch.Tensor, grad: torch.Tensor, q: int, depth: int) -> Peer | None:
+    """Colossal-AI legacy 2.5D (Tesseract) parallelism of ``serial`` on depth q×q meshes (None if not installed).
 
-    saved_seed = layers_2d.seed
-    layers_2d.seed = lambda parallel_mode: contextlib.nullcontext()
+    Global: x, grad, output ``[b, s, h]``; weights ``[f, h]`` and ``[h, f]``; depth·q² = p ranks.
+    Per rank (i, j, k), i its index in its 2.5D column group, j in its row group and k in its depth
+    group (global rank j + q·i + q²·k): x, grad and output blocks ``[b/q, s, h/q]`` (batch block i,
+    feature block j), the same on every k, as Colossal-AI splits them (``split_batch_2p5d`` and its
+    own tests split the batch over the column group only); Linear2p5D keeps the weight transposed,
+    ``[in/q, out/q]`` (in block i, out block j), and a bias block ``[out/q]`` (block j), which only
+    i = 0 uses (it broadcasts it down the column) and whose gradient only i = 0 gets (zeros elsewhere).
+    So the d layers of the mesh compute the same thing: Colossal-AI splits no work over depth, and
+    never reduces gradients over its depth group, which it makes (with column×depth) but never uses.
+
+    At run time this sets up Colossal-AI's global context in mode "2.5d" on the existing default
+    group (see ``_colossal_context``) and makes the layers with a null seed context (see
+    ``_colossal_mlp``).
+    """
     try:
-        model = nn.Sequential(build(first), copy.deepcopy(act), build(second)).to(x.device)
-    finally:
-        layers_2d.seed = saved_seed
+        with _quiet():
+            from colossalai.legacy.nn.layer.parallel_2p5d import Linear2p5D
 
-    def block(t: torch.Tensor) -> torch.Tensor:
-        return t.chunk(q, 0)[i].chunk(q, -1)[j].contiguous()
-
-    def full(out: torch.Tensor) -> torch.Tensor:
-        rows = all_gather(out.detach(), -1, mode.PARALLEL_2D_ROW)  # [b/q, s, h]
-        return all_gather(rows, 0, mode.PARALLEL_2D_COL).contiguous()  # [b, s, h]
-
-    x_local, grad_local = block(x.detach()), block(grad)
-    return Peer(
-        "Colossal-AI 2D",
-        model,
-        lambda: model(x_local),
-        lambda out: out.backward(grad_local),
-        full,
-    )
+            layers = importlib.import_module("colossalai.legacy.nn.layer.parallel_2p5d.layers")
+    except ImportError:
+        return None
+    if depth < 1 or depth * q * q != dist.get_world_size():
+        raise ValueError(f"depth {depth} × a {q}×{q} mesh is not the {dist.get_world_size()} ranks")
+    if q < 2:  # Matmul_ATB_2p5D waits on every reduce slot, the second unused for q = 1 (None.wait())
+        raise ValueError("Colossal-AI's Linear2p5D backward fails on 1×1 meshes")
+    _colossal_sizes(serial, x, q, q)
+    mode = _colossal_context("2.5d", q, depth)
+    kind = (Linear2p5D, layers, mode.PARALLEL_2P5D_ROW, mode.PARALLEL_2P5D_COL, lambda b, i, j: b.chunk(q)[j])
+    return _colossal_mlp(f"Colossal-AI 2.5D (depth {depth})", serial, x, grad, q, kind)

@@ -54,8 +54,9 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             group.append(peers.dtensor_1d(serial, plan, x, grad, sequence_parallel=sp, out_dim=out_dim))
         if not args.linear:  # other libraries' layers, where installed (scripts/setup_peers.sh)
             extra = [external.megatron_1d(serial, x, grad)]
-            if mesh.depth == 1 and mesh.q > 1:
-                extra.append(external.colossal_2d(serial, x, grad, mesh.q))
+            if mesh.q > 1:
+                colossal = external.colossal_2d if mesh.depth == 1 else external.colossal_2p5d
+                extra.append(colossal(serial, x, grad, mesh.q, *([mesh.depth] if mesh.depth > 1 else [])))
             group += [peer for peer in extra if peer is not None]
     group.append(peers.plain_torch(serial, x, grad))
     compare.check(group, reference)

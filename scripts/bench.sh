@@ -25,7 +25,12 @@ run 4 block --rounds "$rounds"
 run 4 gpt --rounds "$rounds"
 run 4 memory
 run 4 calibrate --rounds "$rounds"
-run 8 --depth 2 mlp --rounds "$rounds"                        # 2.5D, 2×2×2
+if [ -x .venv-peers/bin/python ]; then
+  echo "== .venv-peers: mpiexec -n 8 python -m benchmarks --depth 2 mlp"
+  .venv-peers/bin/mpiexec -n 8 .venv-peers/bin/python -W ignore -m benchmarks --depth 2 mlp --rounds "$rounds"
+else
+  run 8 --depth 2 mlp --rounds "$rounds"                      # 2.5D, 2×2×2
+fi
 run 8 --depth 2 block --rounds "$rounds"
 run 8 --depth 2 memory
 run 9 --name mlp-h576 mlp --hidden 576 --ffn 2304 --batch 9 --seq 144 --rounds "$rounds"  # 3×3 (sizes ÷ 9 for 1D)
