@@ -57,8 +57,8 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     rows = args.batch * args.seq
     what = f"transformer block h={h}, {args.heads} heads"
     compare.time_rounds(group, args.rounds, device, what)
-    results = compare.summarize(group, rows, args.batch, args.cap_mib)
     layer = Layer(args.batch, args.seq, h, 4 * h)
+    results = compare.summarize(group, rows, args.batch, args.cap_mib, layer.flops)
     results[0]["elements_measured"] = counter.numel
     results[0]["elements_formula"] = transformer_layer_elements(layer, mesh.q, mesh.depth, on_diagonal=mesh.i == mesh.j)
     serial_act = saved_activation_bytes(serial, x)

@@ -142,11 +142,12 @@ def parameter_bytes(model: nn.Module) -> int:
     return sum((p._local_tensor if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
 
 
-def summarize(peers: list[Peer], tokens: int, batch: int, cap_mib: float) -> list[dict]:
+def summarize(peers: list[Peer], tokens: int, batch: int, cap_mib: float, flops: float | None = None) -> list[dict]:
     """Medians, ratios to the first peer, tokens/s, bytes per rank and the largest batch under the cap.
 
     The largest batch: activations scale with the batch; parameters, their gradients and two
-    Adam moments (4 × parameter bytes) are fixed.
+    Adam moments (4 × parameter bytes) are fixed. ``flops``: the step's matmul flops (all ranks
+    together), for the TFLOP/s each rank sustains (a rank-0-only peer does them all alone).
     """
     rows = []
     for peer in peers:
@@ -166,6 +167,9 @@ def summarize(peers: list[Peer], tokens: int, batch: int, cap_mib: float) -> lis
                 "train_ms": train,
                 "infer_ms": infer,
                 "tokens_per_s": tokens / (train / 1e3),
+                "tflops_per_rank": (
+                    flops / (1 if peer.rank0_only else dist.get_world_size()) / (train / 1e3) / 1e12 if flops else None
+                ),
                 "activation_bytes": act,
                 "parameter_bytes": params,
                 "largest_batch": largest,
@@ -179,11 +183,12 @@ def summarize(peers: list[Peer], tokens: int, batch: int, cap_mib: float) -> lis
 
 def print_table(title: str, rows: list[dict], serial_act: int, p: int) -> None:
     print(title)
-    head = ("peer", "fwd+bwd ms", "÷ ours", "fwd ms", "÷ ours", "tokens/s", "act B/rank", "÷ serial/p", "max batch")
-    print("{:<24}{:>11}{:>8}{:>9}{:>8}{:>10}{:>13}{:>11}{:>10}".format(*head))
+    head = ("peer", "fwd+bwd ms", "÷ ours", "fwd ms", "÷ ours", "tokens/s", "TFLOP/s", "act B/rank", "÷ serial/p")
+    print("{:<24}{:>11}{:>8}{:>9}{:>8}{:>10}{:>9}{:>13}{:>11}{:>10}".format(*head, "max batch"))
     for r in rows:
+        tflops = f"{r['tflops_per_rank']:.3f}" if r.get("tflops_per_rank") else "—"
         print(
             f"{r['peer']:<24}{r['train_ms']:>11.1f}{r['train_vs_first']:>8.2f}{r['infer_ms']:>9.1f}"
-            f"{r['infer_vs_first']:>8.2f}{r['tokens_per_s']:>10.0f}{r['activation_bytes']:>13,}"
+            f"{r['infer_vs_first']:>8.2f}{r['tokens_per_s']:>10.0f}{tflops:>9}{r['activation_bytes']:>13,}"
             f"{r['activation_bytes'] / (serial_act / p):>11.3f}{r['largest_batch']:>10}"
         )

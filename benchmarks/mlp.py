@@ -66,7 +66,8 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         ours.backward(ours.forward())
     ours.model.zero_grad(set_to_none=True)
     compare.time_rounds(group, args.rounds, device, what)
-    results = compare.summarize(group, rows, args.batch, args.cap_mib)
+    flops = 2.0 * rows * h * args.ffn * (2 if args.linear else 5)  # the input needs no gradient
+    results = compare.summarize(group, rows, args.batch, args.cap_mib, flops)
 
     diagonal = mesh.i == mesh.j
     results[0]["elements_measured"] = counter.numel

@@ -31,19 +31,25 @@ def _peer_table(name: str, data: dict) -> list[str]:
         "",
         f"`{_command(data)}`",
         "",
-        "| peer | fwd+bwd ms | ÷ first | fwd ms | ÷ first | tokens/s | act B/rank | ÷ serial/p | largest batch "
-        "| elements/rank |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| peer | fwd+bwd ms | ÷ first | fwd ms | ÷ first | tokens/s | TFLOP/s a rank | act B/rank | ÷ serial/p "
+        "| largest batch | elements/rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         act_ratio = f"{r['activation_bytes'] / (serial_act / p):.3f}" if serial_act else "—"
         elements = r.get("elements_measured", r.get("elements_formula"))
         lines.append(
             f"| {r['peer']} | {r['train_ms']:.1f} | {r['train_vs_first']:.2f} | {r['infer_ms']:.1f} | "
-            f"{r['infer_vs_first']:.2f} | {r['tokens_per_s']:.0f} | {r['activation_bytes']:,} | {act_ratio} | "
+            f"{r['infer_vs_first']:.2f} | {r['tokens_per_s']:.0f} | {_tflops(r)} | {r['activation_bytes']:,} | "
+            f"{act_ratio} | "
             f"{r['largest_batch']} | {f'{elements:,}' if elements is not None else '—'} |"
         )
     return [*lines, ""]
+
+
+def _tflops(row: dict) -> str:
+    value = row.get("tflops_per_rank")
+    return f"{value:.3f}" if value else "—"
 
 
 def _command(data: dict) -> str:
