@@ -25,10 +25,7 @@ from optimus2d.plan import Layer, transformer_layer_elements
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--cap-mib", type=float, default=256.0)
+    compare.add_run_arguments(parser)
 
 
 def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
@@ -63,19 +60,9 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     results[0]["elements_formula"] = transformer_layer_elements(layer, mesh.q, mesh.depth, on_diagonal=mesh.i == mesh.j)
     serial_act = saved_activation_bytes(serial, x)
     if world.rank == 0:
-        title = (
-            f"{what}, batch {args.batch} × seq {args.seq}, {p} ranks (optimus2d Mesh(q={mesh.q}, "
-            f"depth={mesh.depth})), median of {args.rounds} interleaved rounds"
-        )
-        compare.print_table(title, results, serial_act, p)
+        compare.print_table(compare.title(what, args, mesh), results, serial_act, p)
         print(
             f"elements sent by rank 0 (input needing grad): measured {counter.numel:,}, "
             f"formula {results[0]['elements_formula']:,}"
         )
-    return {
-        "config": vars(args),
-        "ranks": p,
-        "mesh": [mesh.q, mesh.depth],
-        "serial_activation_bytes": serial_act,
-        "rows": results,
-    }
+    return compare.result(args, mesh, serial_act, results)

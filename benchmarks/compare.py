@@ -8,6 +8,7 @@ On GPUs the rounds are timed with CUDA events, on CPUs with ``time.perf_counter`
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from optimus2d import Mesh
 
 
 @dataclass
@@ -61,6 +64,33 @@ class Timer:
             self.end.synchronize()
             return self.begin.elapsed_time(self.end)
         return 1e3 * (time.perf_counter() - self.begin)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, batch: int = 8, seq: int = 128) -> None:
+    """The options every timed subcommand takes: the batch, the rounds and the memory cap."""
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--seq", type=int, default=seq)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--cap-mib", type=float, default=256.0)
+
+
+def title(what: str, args: argparse.Namespace, mesh: Mesh) -> str:
+    """The first line of a timed subcommand's table."""
+    return (
+        f"{what}, batch {args.batch} × seq {args.seq}, {mesh.size} ranks (optimus2d Mesh(q={mesh.q}, "
+        f"depth={mesh.depth})), median of {args.rounds} interleaved rounds"
+    )
+
+
+def result(args: argparse.Namespace, mesh: Mesh, serial_act: int, rows: list[dict]) -> dict:
+    """What a timed subcommand writes as JSON (and ``report`` reads)."""
+    return {
+        "config": vars(args),
+        "ranks": mesh.size,
+        "mesh": [mesh.q, mesh.depth],
+        "serial_activation_bytes": serial_act,
+        "rows": rows,
+    }
 
 
 def collective_device() -> torch.device:

@@ -25,10 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--cap-mib", type=float, default=256.0)
+    compare.add_run_arguments(parser)
 
 
 def _serial_loss(model, ids):
@@ -80,16 +77,6 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     results[0]["elements_measured"] = counter.numel
     serial_act = results[-1]["activation_bytes"]  # measured by rank 0, which reports
     if world.rank == 0:
-        title = (
-            f"{what}, batch {args.batch} × seq {args.seq}, {p} ranks (optimus2d Mesh(q={mesh.q}, "
-            f"depth={mesh.depth})), median of {args.rounds} interleaved rounds, loss fwd+bwd"
-        )
-        compare.print_table(title, results, serial_act, p)
+        compare.print_table(compare.title(what + ", loss fwd+bwd", args, mesh), results, serial_act, p)
         print(f"elements sent by rank 0 per training step: {counter.numel:,}")
-    return {
-        "config": vars(args),
-        "ranks": p,
-        "mesh": [mesh.q, mesh.depth],
-        "serial_activation_bytes": serial_act,
-        "rows": results,
-    }
+    return compare.result(args, mesh, serial_act, results)

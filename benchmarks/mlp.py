@@ -25,10 +25,7 @@ from optimus2d.memory import saved_activation_bytes
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--ffn", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--cap-mib", type=float, default=256.0)
+    compare.add_run_arguments(parser)
     parser.set_defaults(linear=False)
 
 
@@ -87,17 +84,7 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             r["elements_formula"] = mlp_1d_elements(rows, h, p, sequence_parallel=name.endswith("SP"))
     serial_act = saved_activation_bytes(serial, x)
     if world.rank == 0:
-        title = (
-            f"{what}, batch {args.batch} × seq {args.seq}, {p} ranks (optimus2d Mesh(q={mesh.q}, "
-            f"depth={mesh.depth})), median of {args.rounds} interleaved rounds"
-        )
-        compare.print_table(title, results, serial_act, p)
+        compare.print_table(compare.title(what, args, mesh), results, serial_act, p)
         print(f"elements sent by rank 0: optimus2d measured {counter.numel:,}; formulas:")
         print("  " + ", ".join(f"{r['peer']} {r['elements_formula']:,}" for r in results if "elements_formula" in r))
-    return {
-        "config": vars(args),
-        "ranks": p,
-        "mesh": [mesh.q, mesh.depth],
-        "serial_activation_bytes": serial_act,
-        "rows": results,
-    }
+    return compare.result(args, mesh, serial_act, results)

@@ -42,11 +42,26 @@ from optimus2d.comm.mesh import Mesh
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _products(mesh: Mesh, blocks: P.Blocks, matrix: torch.Tensor, sums: P.PartialSums | None) -> None:
-    """For every batch block t as it arrives: ``sums.put(t, block_t · matrix)``."""
+def _products(
+    blocks: P.Blocks,
+    matrix: torch.Tensor,
+    sums: P.PartialSums | None,
+    weight: tuple[_WeightGrad, P.Blocks, bool] | None = None,
+) -> None:
+    """For every batch block t as it arrives: ``sums.put(t, block_t · matrix)``; and with ``weight``
+    = (gradient, other blocks, blocks on the left), the gradient adds block_tᵀ·other_t (or
+    other_tᵀ·block_t)."""
     for t in blocks.order:
-        sums.put(t, blocks.get(t) @ matrix)
+        block = blocks.get(t)
+        if sums is not None:
+            sums.put(t, block @ matrix)
+        if weight is not None:
+            grad, others, on_left = weight
+            other = others.get(t)
+            grad.add(*((block, other) if on_left else (other, block)))
     blocks.finish()
+    if weight is not None:
+        weight[1].finish()
 
 
 class _WeightGrad:
@@ -77,7 +92,7 @@ class _StationaryAB(Function):
         a_swapped = P.transpose(a.contiguous(), mesh)  # A[batch blk j, blk i] on rank (k, i, j)
         ctx.save_for_backward(a_swapped, b)
         out = P.PartialSums(mesh, "col", (a.shape[0], b.shape[1]), a)  # batch block t → col member t
-        _products(mesh, P.Blocks(a_swapped, mesh, "row"), b, out)  # row member t: batch block t
+        _products(P.Blocks(a_swapped, mesh, "row"), b, out)  # row member t: batch block t
         return out.result()
 
     @staticmethod
@@ -88,15 +103,7 @@ class _StationaryAB(Function):
         inputs = P.Blocks(a_swapped, mesh, "row") if need_b else None  # A[batch blk t, blk i]
         grad_a = P.PartialSums(mesh, "row", a_swapped.shape, a_swapped) if need_a else None
         grad_b = _WeightGrad(b) if need_b else None
-        for t in grads.order:
-            grad_t = grads.get(t)
-            if need_a:
-                grad_a.put(t, grad_t @ b.t())
-            if need_b:
-                grad_b.add(inputs.get(t), grad_t)
-        grads.finish()
-        if need_b:
-            inputs.finish()
+        _products(grads, b.t(), grad_a, (grad_b, inputs, False) if need_b else None)
         return (
             P.transpose(grad_a.result(), mesh) if need_a else None,
             grad_b.result(mesh) if need_b else None,
@@ -111,7 +118,7 @@ class _StationaryABT(Function):
         a = a.contiguous()
         ctx.save_for_backward(a, b)
         out = P.PartialSums(mesh, "row", (a.shape[0], b.shape[0]), a)  # batch block t → row member t
-        _products(mesh, P.Blocks(a, mesh, "col"), b.t(), out)  # col member t: batch block t
+        _products(P.Blocks(a, mesh, "col"), b.t(), out)  # col member t: batch block t
         return P.transpose(out.result(), mesh)
 
     @staticmethod
@@ -122,15 +129,7 @@ class _StationaryABT(Function):
         inputs = P.Blocks(a, mesh, "col") if need_b else None  # A[batch blk t, blk j]
         grad_a = P.PartialSums(mesh, "col", a.shape, a) if need_a else None
         grad_b = _WeightGrad(b) if need_b else None
-        for t in grads.order:
-            grad_t = grads.get(t)
-            if need_a:
-                grad_a.put(t, grad_t @ b)
-            if need_b:
-                grad_b.add(grad_t, inputs.get(t))
-        grads.finish()
-        if need_b:
-            inputs.finish()
+        _products(grads, b, grad_a, (grad_b, inputs, True) if need_b else None)
         return grad_a.result() if need_a else None, grad_b.result(mesh) if need_b else None, None
 
 
