@@ -10,7 +10,7 @@ import torch.distributed as dist
 from helpers import assert_close
 
 from optimus2d import Linear2D, Mesh, count_comm, gather, scatter, scatter_batch, serial_state_dict
-from optimus2d.comm import summa_ab, summa_abt, summa_atb
+from optimus2d.comm import stationary_ab, stationary_abt, summa_ab, summa_abt, summa_atb
 
 pytestmark = pytest.mark.mpi
 
@@ -104,6 +104,20 @@ def test_scatter_refuses_shapes_that_do_not_divide(mesh):
     assert counter.count() == 0
 
 
+def test_stationary_products_and_algorithms_refuse_bad_input_before_any_collective(mesh):
+    q = mesh.q
+    with count_comm() as counter:
+        with pytest.raises(ValueError, match=r"algorithm 'fast' is not one of \('auto', 'summa', 'stationary'\)"):
+            Linear2D(2 * q, 2 * q, mesh=mesh, algorithm="fast")
+        with pytest.raises(
+            ValueError, match=r"stationary_ab: local blocks a \(4, 3\) \(dim 1\) and b \(2, 5\) \(dim 0\)"
+        ):
+            stationary_ab(torch.zeros(4, 3), torch.zeros(2, 5), mesh)
+        with pytest.raises(ValueError, match=r"stationary_abt takes 2-D local blocks, got a \(4,\)"):
+            stationary_abt(torch.zeros(4), torch.zeros(2, 5), mesh)
+    assert counter.count() == 0
+
+
 def test_linear_refuses_wrong_local_layout(mesh):
     q = mesh.q
     layer = Linear2D(6 * q, 6 * q, mesh=mesh)
@@ -134,9 +148,14 @@ def _unblock(local, mesh, rows_over_depth):
     return unshard(local.detach().contiguous(), mesh, Sharding((rows, ("row",)), full_shape))
 
 
-@pytest.mark.parametrize("form", ["ab", "abt", "atb"])
+@pytest.mark.parametrize("form", ["ab", "abt", "atb", "stationary_ab", "stationary_abt"])
 def test_summa_forms_match_matmul(mesh, form):
-    """C = A·B, A·Bᵀ, Aᵀ·B and their gradients against torch.matmul in fp64."""
+    """C = A·B, A·Bᵀ, Aᵀ·B (SUMMA; and A·B, A·Bᵀ weight-stationary) and their gradients against
+    torch.matmul in fp64. The stationary forms take the same blocks as SUMMA's."""
+    fn = {"ab": summa_ab, "abt": summa_abt, "atb": summa_atb, "stationary_ab": stationary_ab}
+    fn["stationary_abt"] = stationary_abt
+    fn = fn[form]
+    form = form.removeprefix("stationary_")
     q, d = mesh.q, mesh.depth
     m, k, n = 2 * d * q, 3 * q, 4 * q
     torch.manual_seed(5)
@@ -150,7 +169,6 @@ def test_summa_forms_match_matmul(mesh, form):
 
     a_loc = _block(a, mesh, True)
     b_loc = _block(b, mesh, form == "atb")
-    fn = {"ab": summa_ab, "abt": summa_abt, "atb": summa_atb}[form]
     c_loc = fn(a_loc, b_loc, mesh)
     c_over_depth = form != "atb"
     (c_loc * _block(probe, mesh, c_over_depth).detach()).sum().backward()
