@@ -113,7 +113,7 @@ def _linear_comm(
 def mlp_comm(
     rows: int, hidden: int, ffn: int, scheme: str, p: int, input_grad: bool = False, algorithm: str = "auto"
 ) -> list:
-    """(kind, group size, elements per rank, messages) of an MLP h→f→h fwd+bwd under ``scheme``."""
+    """(kind, group size, elements per rank, sync stages) of an MLP h→f→h fwd+bwd under ``scheme``."""
     if scheme in ("1d", "1d-sp"):
         if p == 1:
             return []
@@ -138,7 +138,7 @@ def mlp_flops(rows: int, hidden: int, ffn: int, input_grad: bool = False) -> flo
 
 
 def comm_time(comm: list[tuple[str, int, float, int]], hw: Hardware) -> float:
-    """Seconds to move ``comm`` (kind, group size, elements, messages) over ``hw``'s links."""
+    """Seconds to move ``comm`` (kind, group size, elements, sync stages) over ``hw``'s links."""
     total = 0.0
     for kind, n, elements, messages in comm:
         factor = _FACTOR.get(kind, lambda n: 1.0)(n)
