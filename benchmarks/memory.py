@@ -24,18 +24,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
     h = args.hidden
     torch.manual_seed(0)
-    serial_models = {
-        "linear h→4h": nn.Linear(h, 4 * h),
-        "mlp h→4h→h": nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)),
-        "transformer block": nn.TransformerEncoderLayer(
-            h, args.heads, 4 * h, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
-        ),
+    mlp = nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+    block = nn.TransformerEncoderLayer(
+        h, args.heads, 4 * h, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+    )
+    models = {  # name: (serial, its optimus2d twin)
+        "linear h→4h": (nn.Linear(h, 4 * h), optimus2d.Linear2D.from_serial),
+        "mlp h→4h→h": (mlp, optimus2d.MLP2D.from_serial),
+        "mlp, act. kept": (mlp, lambda m, mesh: optimus2d.MLP2D.from_serial(m, mesh, recompute_activation=False)),
+        "transformer block": (block, optimus2d.TransformerBlock2D.from_serial),
     }
-    serial_models = {name: model.to(mesh.device) for name, model in serial_models.items()}
     x = torch.randn(args.batch, args.seq, h, device=mesh.device, requires_grad=True)
     rows = []
-    for name, serial in serial_models.items():
-        parallel = _twin(serial, mesh)
+    for name, (serial, twin) in models.items():
+        serial = serial.to(mesh.device)
+        parallel = twin(serial, mesh)
         serial_act = saved_activation_bytes(serial, x)
         local_act = saved_activation_bytes(parallel, optimus2d.scatter(x, mesh).detach().requires_grad_())
         serial_par = sum(p.numel() * p.element_size() for p in serial.parameters())
@@ -62,11 +65,3 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
                 f"{r['parameter_ratio_to_serial_over_q2']:>15.3f}"
             )
     return {"config": vars(args), "rows": rows}
-
-
-def _twin(serial: nn.Module, mesh: optimus2d.Mesh) -> nn.Module:
-    if isinstance(serial, nn.Linear):
-        return optimus2d.Linear2D.from_serial(serial, mesh)
-    if isinstance(serial, nn.TransformerEncoderLayer):
-        return optimus2d.TransformerBlock2D.from_serial(serial, mesh)
-    return nn.Sequential(*(_twin(m, mesh) if isinstance(m, nn.Linear) else m for m in serial))

@@ -42,7 +42,8 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     with torch.no_grad():
         reference = serial(x)
     grad = torch.randn_like(reference)
-    group = peers.optimus_twins(serial, mesh, x, grad)
+    build = optimus2d.parallelize if args.linear else optimus2d.MLP2D.from_serial  # the layer an MLP user takes
+    group = peers.optimus_twins(serial, mesh, x, grad, build)
     ours = group[0]
     if p > 1:
         for sp in (False, True):

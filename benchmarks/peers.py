@@ -27,12 +27,16 @@ def optimus(name: str, model: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, 
     )
 
 
-def optimus_twins(serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: torch.Tensor) -> list[Peer]:
-    """optimus2d as it chooses ("auto"), and with SUMMA only, to show what the choice gains."""
+def optimus_twins(
+    serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: torch.Tensor, build=optimus2d.parallelize
+) -> list[Peer]:
+    """optimus2d as it chooses ("auto"), and with SUMMA only, to show what the choice gains.
+
+    ``build(serial, mesh)`` makes the 2D module (``parallelize``, or a layer's ``from_serial``)."""
     name = f"optimus2d {'2D' if mesh.depth == 1 else '2.5D'}"
-    peers = [optimus(name, optimus2d.parallelize(copy.deepcopy(serial), mesh), mesh, x, grad)]
+    peers = [optimus(name, build(copy.deepcopy(serial), mesh), mesh, x, grad)]
     if mesh.q > 1:
-        summa = optimus2d.parallelize(copy.deepcopy(serial), mesh)
+        summa = build(copy.deepcopy(serial), mesh)
         for layer in summa.modules():
             if isinstance(layer, optimus2d.Linear2D):
                 layer.algorithm = "summa"

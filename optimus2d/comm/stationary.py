@@ -38,6 +38,7 @@ from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.recompute import Activation, Recomputed, activated
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -87,50 +88,53 @@ class _WeightGrad:
 
 class _StationaryAB(Function):
     @staticmethod
-    def forward(ctx, a, b, mesh):
-        ctx.mesh = mesh
+    def forward(ctx, a, b, mesh, activation):
+        ctx.mesh, ctx.activation = mesh, activation
         a_swapped = P.transpose(a.contiguous(), mesh)  # A[batch blk j, blk i] on rank (k, i, j)
-        ctx.save_for_backward(a_swapped, b)
+        ctx.save_for_backward(a_swapped, b)  # before the activation (comm/recompute.py)
         out = P.PartialSums(mesh, "col", (a.shape[0], b.shape[1]), a)  # batch block t → col member t
-        _products(P.Blocks(a_swapped, mesh, "row"), b, out)  # row member t: batch block t
+        _products(P.Blocks(activated(a_swapped, activation), mesh, "row"), b, out)  # row member t: batch block t
         return out.result()
 
     @staticmethod
     def backward(ctx, grad_c):
-        a_swapped, b = ctx.saved_tensors
+        pre_swapped, b = ctx.saved_tensors
         mesh, need_a, need_b = ctx.mesh, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        a_swapped = Recomputed(pre_swapped, ctx.activation)
         grads = P.Blocks(grad_c.contiguous(), mesh, "col")  # dC[batch blk t, blk j]
-        inputs = P.Blocks(a_swapped, mesh, "row") if need_b else None  # A[batch blk t, blk i]
-        grad_a = P.PartialSums(mesh, "row", a_swapped.shape, a_swapped) if need_a else None
+        inputs = P.Blocks(a_swapped.value, mesh, "row") if need_b else None  # A[batch blk t, blk i]
+        grad_a = P.PartialSums(mesh, "row", pre_swapped.shape, pre_swapped) if need_a else None
         grad_b = _WeightGrad(b) if need_b else None
         _products(grads, b.t(), grad_a, (grad_b, inputs, False) if need_b else None)
         return (
-            P.transpose(grad_a.result(), mesh) if need_a else None,
+            P.transpose(a_swapped.grad(grad_a.result()), mesh) if need_a else None,
             grad_b.result(mesh) if need_b else None,
+            None,
             None,
         )
 
 
 class _StationaryABT(Function):
     @staticmethod
-    def forward(ctx, a, b, mesh):
-        ctx.mesh = mesh
+    def forward(ctx, a, b, mesh, activation):
+        ctx.mesh, ctx.activation = mesh, activation
         a = a.contiguous()
-        ctx.save_for_backward(a, b)
+        ctx.save_for_backward(a, b)  # before the activation (comm/recompute.py)
         out = P.PartialSums(mesh, "row", (a.shape[0], b.shape[0]), a)  # batch block t → row member t
-        _products(P.Blocks(a, mesh, "col"), b.t(), out)  # col member t: batch block t
+        _products(P.Blocks(activated(a, activation), mesh, "col"), b.t(), out)  # col member t: batch block t
         return P.transpose(out.result(), mesh)
 
     @staticmethod
     def backward(ctx, grad_c):
-        a, b = ctx.saved_tensors
+        pre, b = ctx.saved_tensors
         mesh, need_a, need_b = ctx.mesh, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        a = Recomputed(pre, ctx.activation)
         grads = P.Blocks(P.transpose(grad_c.contiguous(), mesh), mesh, "row")  # dC[batch blk t, blk i]
-        inputs = P.Blocks(a, mesh, "col") if need_b else None  # A[batch blk t, blk j]
-        grad_a = P.PartialSums(mesh, "col", a.shape, a) if need_a else None
+        inputs = P.Blocks(a.value, mesh, "col") if need_b else None  # A[batch blk t, blk j]
+        grad_a = P.PartialSums(mesh, "col", pre.shape, pre) if need_a else None
         grad_b = _WeightGrad(b) if need_b else None
         _products(grads, b, grad_a, (grad_b, inputs, True) if need_b else None)
-        return grad_a.result() if need_a else None, grad_b.result(mesh) if need_b else None, None
+        return a.grad(grad_a.result()) if need_a else None, grad_b.result(mesh) if need_b else None, None, None
 
 
 def _check(name: str, a: torch.Tensor, b: torch.Tensor, mesh: Mesh, b_dim: int) -> None:
@@ -143,23 +147,25 @@ def _check(name: str, a: torch.Tensor, b: torch.Tensor, mesh: Mesh, b_dim: int) 
         )
 
 
-def stationary_ab(a: torch.Tensor, b: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def stationary_ab(a: torch.Tensor, b: torch.Tensor, mesh: Mesh, *, activation: Activation = None) -> torch.Tensor:
     """C = A·B with B's blocks staying put. a: [M/(d·q), K/q]; b: block (i, j) of B [K, N] as [K/q, N/q].
 
     forward: exchange with rank (k, j, i), all-gather over row, reduce-scatter over col;
     backward: all-gather over col, reduce-scatter over row and exchange (dA), all-gather over row
     (dB), all-reduce of dB over depth.
+    ``activation``: C = act(A)·B, keeping A and recomputing act(A) in backward (comm/recompute.py).
     """
     _check("stationary_ab", a, b, mesh, 0)
-    return _StationaryAB.apply(a, b, mesh)
+    return _StationaryAB.apply(a, b, mesh, activation)
 
 
-def stationary_abt(a: torch.Tensor, b: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def stationary_abt(a: torch.Tensor, b: torch.Tensor, mesh: Mesh, *, activation: Activation = None) -> torch.Tensor:
     """C = A·Bᵀ with B's blocks staying put. a: [M/(d·q), K/q]; b: block (i, j) of B [N, K] as [N/q, K/q].
 
     forward: all-gather over col, reduce-scatter over row, exchange with rank (k, j, i);
     backward: exchange and all-gather over row, reduce-scatter over col (dA), all-gather over col
     (dB), all-reduce of dB over depth.
+    ``activation``: C = act(A)·Bᵀ, keeping A and recomputing act(A) in backward.
     """
     _check("stationary_abt", a, b, mesh, 1)
-    return _StationaryABT.apply(a, b, mesh)
+    return _StationaryABT.apply(a, b, mesh, activation)

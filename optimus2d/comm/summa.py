@@ -24,6 +24,7 @@ from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.recompute import Activation, Recomputed, activated
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -109,34 +110,36 @@ def _sum_over_depth(grad: torch.Tensor, mesh: Mesh) -> torch.Tensor:
 
 class _SummaAB(Function):
     @staticmethod
-    def forward(ctx, a, b, mesh):
-        ctx.mesh = mesh
-        ctx.save_for_backward(a, b)
-        return _ab(a, b, mesh)
+    def forward(ctx, a, b, mesh, activation):
+        ctx.mesh, ctx.activation = mesh, activation
+        ctx.save_for_backward(a, b)  # a before the activation (comm/recompute.py)
+        return _ab(activated(a, activation), b, mesh)
 
     @staticmethod
     def backward(ctx, grad_c):
-        a, b = ctx.saved_tensors
+        pre, b = ctx.saved_tensors
+        a = Recomputed(pre, ctx.activation)
         grad_c = grad_c.contiguous()
-        grad_a = _abt(grad_c, b, ctx.mesh) if ctx.needs_input_grad[0] else None  # dC·Bᵀ
-        grad_b = _atb(a, grad_c, ctx.mesh) if ctx.needs_input_grad[1] else None  # Aᵀ·dC
-        return grad_a, grad_b, None
+        grad_a = a.grad(_abt(grad_c, b, ctx.mesh)) if ctx.needs_input_grad[0] else None  # dC·Bᵀ
+        grad_b = _atb(a.value, grad_c, ctx.mesh) if ctx.needs_input_grad[1] else None  # Aᵀ·dC
+        return grad_a, grad_b, None, None
 
 
 class _SummaABT(Function):
     @staticmethod
-    def forward(ctx, a, b, mesh):
-        ctx.mesh = mesh
-        ctx.save_for_backward(a, b)
-        return _abt(a, b, mesh)
+    def forward(ctx, a, b, mesh, activation):
+        ctx.mesh, ctx.activation = mesh, activation
+        ctx.save_for_backward(a, b)  # a before the activation (comm/recompute.py)
+        return _abt(activated(a, activation), b, mesh)
 
     @staticmethod
     def backward(ctx, grad_c):
-        a, b = ctx.saved_tensors
+        pre, b = ctx.saved_tensors
+        a = Recomputed(pre, ctx.activation)
         grad_c = grad_c.contiguous()
-        grad_a = _ab(grad_c, b, ctx.mesh) if ctx.needs_input_grad[0] else None  # dC·B
-        grad_b = _atb(grad_c, a, ctx.mesh) if ctx.needs_input_grad[1] else None  # dCᵀ·A
-        return grad_a, grad_b, None
+        grad_a = a.grad(_ab(grad_c, b, ctx.mesh)) if ctx.needs_input_grad[0] else None  # dC·B
+        grad_b = _atb(grad_c, a.value, ctx.mesh) if ctx.needs_input_grad[1] else None  # dCᵀ·A
+        return grad_a, grad_b, None, None
 
 
 class _SummaATB(Function):
@@ -165,24 +168,26 @@ def _check(name: str, a: torch.Tensor, b: torch.Tensor, mesh: Mesh, a_dim: int, 
         )
 
 
-def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: Mesh, *, activation: Activation = None) -> torch.Tensor:
     """C = A·B. a: block of A [M, K] as [M/(d·q), K/q]; b: block of B [K, N] as [K/q, N/q].
 
     forward: q broadcasts of A blocks along rows and of B blocks along columns;
     backward: dA = dC·Bᵀ (abt), dB = Aᵀ·dC (atb, all-reduced over depth).
+    ``activation``: C = act(A)·B, keeping A and recomputing act(A) in backward (comm/recompute.py).
     """
     _check("summa_ab", a, b, mesh, 1, 0)
-    return _SummaAB.apply(a, b, mesh)
+    return _SummaAB.apply(a, b, mesh, activation)
 
 
-def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh: Mesh, *, activation: Activation = None) -> torch.Tensor:
     """C = A·Bᵀ. a: block of A [M, K] as [M/(d·q), K/q]; b: block of B [N, K] as [N/q, K/q].
 
     forward: q broadcasts of B blocks along columns, q reduces of C partials along rows;
     backward: dA = dC·B (ab), dB = dCᵀ·A (atb, all-reduced over depth).
+    ``activation``: C = act(A)·Bᵀ, keeping A and recomputing act(A) in backward.
     """
     _check("summa_abt", a, b, mesh, 1, 1)
-    return _SummaABT.apply(a, b, mesh)
+    return _SummaABT.apply(a, b, mesh, activation)
 
 
 def summa_atb(a: torch.Tensor, b: torch.Tensor, mesh: Mesh) -> torch.Tensor:

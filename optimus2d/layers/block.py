@@ -10,7 +10,7 @@ from torch import nn
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers.attention import MultiheadAttention2D
 from optimus2d.layers.linear import Linear2D
-from optimus2d.layers.mlp import activation_fn
+from optimus2d.layers.mlp import activation_fn, feed_forward
 from optimus2d.layers.norm import LayerNorm2D
 from optimus2d.random import Dropout2D
 
@@ -95,7 +95,7 @@ class TransformerBlock2D(nn.Module):
         return self.dropout1(out)
 
     def _ff_block(self, x):
-        return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+        return self.dropout2(feed_forward(x, self.linear1, self.activation, self.linear2, self.dropout))
 
 
 class TransformerDecoderBlock2D(nn.Module):
@@ -160,7 +160,7 @@ class TransformerDecoderBlock2D(nn.Module):
         return self.dropout2(out)
 
     def _ff_block(self, x):
-        return self.dropout3(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+        return self.dropout3(feed_forward(x, self.linear1, self.activation, self.linear2, self.dropout))
 
 
 class TransformerStack2D(nn.Module):

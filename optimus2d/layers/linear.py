@@ -8,6 +8,7 @@ from torch import nn
 
 from optimus2d.comm import reduce_grad, stationary_ab, stationary_abt, summa_ab, summa_abt
 from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.recompute import Activation
 from optimus2d.comm.sharding import Sharding
 from optimus2d.cost import linear_2d_algorithm
 from optimus2d.layers.base import ShardedModule
@@ -120,9 +121,11 @@ class Linear2D(ShardedModule):
         if self.bias is not None:
             self.load_serial_tensor("bias", linear.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, input_activation: Activation = None) -> torch.Tensor:
+        """``input_activation``: y = linear(act(x)) keeping x, not act(x), for backward, where act(x)
+        is recomputed (``comm/recompute.py``; act element-wise and deterministic)."""
         self._check_input(x)
-        return linear_2d(x, self.weight, self.bias, self.mesh, self.summa, self.algorithm)
+        return linear_2d(x, self.weight, self.bias, self.mesh, self.summa, self.algorithm, input_activation)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
@@ -230,6 +233,7 @@ def linear_2d(
     mesh: Mesh,
     summa: str,
     algorithm: str = "auto",
+    input_activation: Activation = None,
 ) -> torch.Tensor:
     """``F.linear`` on the mesh: x ``[rows..., in/q]``, weight ``[out/q, in/q]``, bias ``[out/q]``.
 
@@ -238,7 +242,8 @@ def linear_2d(
     "stationary" only activations (``comm/stationary.py``); "auto" takes the one that moves fewer
     elements for this call's rows (``optimus2d.cost.linear_2d_algorithm``). Under autocast the
     three are cast as autocast casts F.linear's inputs, so the collectives move the low-precision
-    tensors.
+    tensors. ``input_activation``: F.linear(act(x), ...) with x kept for backward instead of act(x)
+    (on q = 1 too, through the products, which then send nothing).
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"linear_2d: algorithm {algorithm!r} is not one of {ALGORITHMS}")
@@ -248,10 +253,10 @@ def linear_2d(
         x, weight = x.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
         with torch.autocast(device_type, enabled=False):
-            return linear_2d(x, weight, bias, mesh, summa, algorithm)
+            return linear_2d(x, weight, bias, mesh, summa, algorithm, input_activation)
     if x.dtype != weight.dtype:
         raise TypeError(f"Linear2D: input dtype {x.dtype} differs from weight dtype {weight.dtype}")
-    if mesh.q == 1:
+    if mesh.q == 1 and input_activation is None:
         weight = reduce_grad(weight, mesh, ("depth",))
         bias = reduce_grad(bias, mesh, ("depth",)) if bias is not None else None
         return F.linear(x, weight, bias)
@@ -259,10 +264,11 @@ def linear_2d(
     if algorithm == "auto":
         fin, fout = x.shape[-1] * mesh.q, weight.shape[0] * mesh.q
         algorithm = linear_2d_algorithm(rows.shape[0] * mesh.depth * mesh.q, fin, fout, mesh.q, mesh.depth)
+    act = {"activation": input_activation}
     if algorithm == "stationary":
-        y = stationary_ab(rows, weight.t(), mesh) if summa == "ab" else stationary_abt(rows, weight, mesh)
+        y = stationary_ab(rows, weight.t(), mesh, **act) if summa == "ab" else stationary_abt(rows, weight, mesh, **act)
     else:
-        y = summa_ab(rows, weight.t(), mesh) if summa == "ab" else summa_abt(rows, weight, mesh)
+        y = summa_ab(rows, weight.t(), mesh, **act) if summa == "ab" else summa_abt(rows, weight, mesh, **act)
     y = y.view(*x.shape[:-1], y.shape[-1])
     if bias is not None:
         y = y + reduce_grad(bias, mesh, ("col", "depth"))
