@@ -66,6 +66,8 @@ def _pipelined_broadcasts(mesh: Mesh, operands: list[tuple[torch.Tensor, str]]) 
 
 def _ab(a: torch.Tensor, b: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """C_ij = Σ_t A_it · B_tj; a [m, k/q], b [k/q, n/q] → c [m, n/q]."""
+    if mesh.q == 1:  # one step: no accumulator to fill
+        return a @ b
     acc_dtype = torch.float32 if a.dtype in _LOW_PRECISION else a.dtype
     c = torch.zeros(a.shape[0], b.shape[1], dtype=acc_dtype, device=a.device)
     for a_t, b_t in _pipelined_broadcasts(mesh, [(a, "row"), (b, "col")]):
