@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import optimus2d
-from benchmarks import block, calibrate, gpt, linear, memory, mlp, plan, report
+from benchmarks import block, calibrate, gpt, linear, memory, mlp, plan, report, transport
 
 SUBCOMMANDS = {
     "linear": linear,
@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "memory": memory,
     "plan": plan,
     "calibrate": calibrate,
+    "transport": transport,
     "report": report,
 }
 RESULTS = Path(__file__).parent / "results"

@@ -23,6 +23,7 @@ from torch import nn
 
 import optimus2d
 from benchmarks import compare, peers
+from optimus2d.comm import primitives as P
 from optimus2d.plan import Hardware, comm_time, mlp_comm, mlp_flops
 
 
@@ -57,11 +58,11 @@ def measure_hardware(
     share = nn.Sequential(nn.Linear(h, f // mesh.size), nn.GELU(), nn.Linear(f // mesh.size, h)).to(device)
     x = torch.randn(rows, h, device=device)
     flops = mlp_flops(rows, h, f // mesh.size) / (_median_ms(lambda: share(x).sum().backward(), repeats, device) / 1e3)
-    partner = mesh.global_rank("mesh", mesh.size - 1 - mesh.index("mesh")) if mesh.size > 1 else None
+    partner = mesh.size - 1 - mesh.index("mesh") if mesh.size > 1 else None
 
-    def exchange(send: torch.Tensor, recv: torch.Tensor) -> None:
-        if partner is not None and partner != dist.get_rank():
-            for handle in (dist.isend(send, partner), dist.irecv(recv, partner)):
+    def exchange(send: torch.Tensor, recv: torch.Tensor) -> None:  # over the mesh's transport
+        if partner is not None and partner != mesh.index("mesh"):
+            for handle in (P.isend(send, mesh, "mesh", partner), P.irecv(recv, mesh, "mesh", partner)):
                 handle.wait()
 
     small, big = (torch.randn(16, device=device), torch.empty(16, device=device)), None
@@ -102,29 +103,36 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             )
         compare.check(group, reference)
         groups.append((batch, group))
+    # each peer's link is priced on its own transport: the mesh's, and gloo's (DTensor, "over gloo")
+    links = {"mesh": mesh}
+    if mesh.transport != "torch":
+        links["gloo"] = optimus2d.Mesh(mesh.q, mesh.depth, transport="torch")
     # the machine's load drifts: measure it in every round, between the rounds of the workloads
-    samples: dict[int, list[Hardware]] = {batch: [] for batch in args.batches}
+    samples = {(link, batch): [] for link in links for batch in args.batches}
     for n in range(args.rounds):
         for batch, group in groups:
-            samples[batch].append(measure_hardware(mesh, device, args, 3, batch * args.seq))
+            for link, link_mesh in links.items():
+                samples[link, batch].append(measure_hardware(link_mesh, device, args, 3, batch * args.seq))
             compare.time_rounds(group, 1, device, "")
         compare.progress("calibrate", n + 1, args.rounds)
-    hardware = {
-        batch: Hardware(
+    measured_hw = {
+        key: Hardware(
             flops=statistics.median(s.flops for s in found),
             bandwidth=statistics.median(s.bandwidth for s in found),
             latency=statistics.median(s.latency for s in found),
             bytes_per_element=4,
         )
-        for batch, found in samples.items()
+        for key, found in samples.items()
     }
+    hardware = {batch: measured_hw["mesh", batch] for batch in args.batches}
+    gloo_hw = {batch: measured_hw[next(reversed(links)), batch] for batch in args.batches}
     rows_out = []
     for batch, group in groups:
-        hw = hardware[batch]
         measured = compare.summarize(group, batch * args.seq, batch, 1.0)
         rows = batch * args.seq
-        compute = mlp_flops(rows, h, f) / (p * hw.flops)
         for peer, m in zip(group, measured, strict=True):
+            hw = hardware[batch] if peer.name.startswith("optimus2d") and "gloo" not in peer.name else gloo_hw[batch]
+            compute = mlp_flops(rows, h, f) / (p * hw.flops)
             if peer.name.startswith("optimus2d"):
                 algorithm = "summa" if peer.name.endswith("SUMMA") else "auto"
                 comm = comm_time(mlp_comm(rows, h, f, _scheme(mesh), p, algorithm=algorithm), hw)
@@ -150,6 +158,15 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
                 f"{hw.latency * 1e6:.0f} µs a sync point"
                 for b, hw in hardware.items()
             )
+            + (f" (over {mesh.transport}; over gloo: " if mesh.transport != "torch" else "")
+            + (
+                "; ".join(
+                    f"batch {b}: {hw.latency * 1e6:.0f} µs, {hw.bandwidth / 1e9:.2f} GB/s" for b, hw in gloo_hw.items()
+                )
+                + ")"
+                if mesh.transport != "torch"
+                else ""
+            )
         )
         print(
             "{:>6}  {:<22}{:>12}{:>13}{:>11}{:>9}{:>8}".format(
@@ -167,8 +184,12 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         "config": vars(args),
         "ranks": p,
         "mesh": [mesh.q, mesh.depth],
+        "transport": mesh.transport,
         "hardware": {
             b: {"flops": h.flops, "bandwidth": h.bandwidth, "latency": h.latency} for b, h in hardware.items()
+        },
+        "hardware_gloo": {
+            b: {"flops": h.flops, "bandwidth": h.bandwidth, "latency": h.latency} for b, h in gloo_hw.items()
         },
         "rows": rows_out,
     }

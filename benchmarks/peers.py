@@ -30,7 +30,8 @@ def optimus(name: str, model: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, 
 def optimus_twins(
     serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: torch.Tensor, build=optimus2d.parallelize
 ) -> list[Peer]:
-    """optimus2d as it chooses ("auto"), and with SUMMA only, to show what the choice gains.
+    """optimus2d as it chooses ("auto"), with SUMMA only, and over gloo on an MPI mesh (what the
+    choice of algorithm and of transport gain).
 
     ``build(serial, mesh)`` makes the 2D module (``parallelize``, or a layer's ``from_serial``)."""
     name = f"optimus2d {'2D' if mesh.depth == 1 else '2.5D'}"
@@ -41,6 +42,9 @@ def optimus_twins(
             if isinstance(layer, optimus2d.Linear2D):
                 layer.algorithm = "summa"
         peers.append(optimus(f"{name} SUMMA", summa, mesh, x, grad))
+    if mesh.transport == "mpi":  # the same, its collectives over gloo: what the MPI transport gains
+        gloo = optimus2d.Mesh(mesh.q, mesh.depth, transport="torch")
+        peers.append(optimus(f"{name} over gloo", build(copy.deepcopy(serial), gloo), gloo, x, grad))
     return peers
 
 

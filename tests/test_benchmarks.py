@@ -34,7 +34,14 @@ def test_mlp_and_block_benchmarks_count_what_the_formulas_say_then_report(tmp_pa
         assert ours["peer"] == "optimus2d 2D" and ours["elements_measured"] == ours["elements_formula"]
         assert ours["train_ms"] > 0 and ours["largest_batch"] > 0
     mlp = {r["peer"]: r for r in json.loads((tmp_path / "mlp-p4-q2d1.json").read_text())["rows"]}
-    assert set(mlp) == {"optimus2d 2D", "optimus2d 2D SUMMA", "DTensor 1D", "DTensor 1D + SP", "torch, 1 rank"}
+    assert set(mlp) == {
+        "optimus2d 2D",
+        "optimus2d 2D SUMMA",
+        "optimus2d 2D over gloo",
+        "DTensor 1D",
+        "DTensor 1D + SP",
+        "torch, 1 rank",
+    }
     # saved activations per row: serial keeps h + 2·ffn (32 + 256), optimus2d (h + ffn)/4 (it recomputes
     # the GELU), 1D keeps the replicated input whole
     assert mlp["optimus2d 2D"]["activation_bytes"] * 4 * (32 + 256) == mlp["torch, 1 rank"]["activation_bytes"] * 160
@@ -50,3 +57,14 @@ def test_mlp_and_block_benchmarks_count_what_the_formulas_say_then_report(tmp_pa
     assert out.returncode == 0, out.stderr[-3000:]
     report = (tmp_path / "report.md").read_text()
     assert "| optimus2d 2D SUMMA |" in report and "### block-p4-q2d1" in report
+
+
+def test_transport_benchmark_times_both_transports(tmp_path):
+    _bench(tmp_path, 4, "transport", "--rounds", "1", "--steps", "2")
+    result = json.loads((tmp_path / "transport-p4-q2d1.json").read_text())
+    assert [(r["op"], r["bytes"]) for r in result["rows"][:3]] == [
+        ("exchange", 64),
+        ("broadcast", 64),
+        ("all-reduce", 64),
+    ]
+    assert len(result["rows"]) == 9 and all("mpi_ms" in r and "gloo_ms" in r for r in result["rows"])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 AXES = ("row", "col", "depth")
+TRANSPORTS = ("auto", "torch", "mpi")
 
 
 class Mesh:
@@ -36,11 +38,21 @@ class Mesh:
     the same arguments, in the same order as its other meshes. A ``q=1, depth=1`` mesh needs no
     process group at all and runs as plain torch. Groups of one rank are never created and
     communication over them is skipped.
+
+    ``transport``: what carries the mesh's collectives. "torch": torch.distributed (gloo, NCCL);
+    "mpi": MPI communicators through mpi4py (``comm/mpi.py``; CPU under gloo, launched by
+    ``mpiexec``), whose waits cost about half of gloo's when ranks share cores; "auto" (default,
+    or ``$OPTIMUS2D_TRANSPORT``): "mpi" where it can run, else "torch".
     """
 
-    def __init__(self, q: int, depth: int = 1, ranks: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, q: int, depth: int = 1, ranks: Sequence[int] | None = None, *, transport: str | None = None
+    ) -> None:
         if not isinstance(q, int) or not isinstance(depth, int) or q < 1 or depth < 1:
             raise ValueError(f"Mesh needs positive integers q and depth, got q={q!r}, depth={depth!r}")
+        transport = transport or os.environ.get("OPTIMUS2D_TRANSPORT") or "auto"
+        if transport not in TRANSPORTS:
+            raise ValueError(f"Mesh: transport {transport!r} is not one of {TRANSPORTS}")
         size = depth * q * q
         initialized = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialized else 1
@@ -72,7 +84,13 @@ class Mesh:
         if rank in self.ranks:
             n = self.ranks.index(rank)
             self.coord = (n // (q * q), (n % (q * q)) // q, n % q)
-        self._build_groups()
+        self.mpi = None  # an MpiTransport when MPI carries the collectives
+        self._build_groups(transport, world)
+
+    @property
+    def transport(self) -> str:
+        """ "mpi" or "torch": what carries this mesh's collectives."""
+        return "mpi" if self.mpi is not None else "torch"
 
     # ---- coordinates --------------------------------------------------------------------------
     @property
@@ -117,7 +135,7 @@ class Mesh:
             return self.rank
         return dist.get_global_rank(group, index)
 
-    def _build_groups(self) -> None:
+    def _build_groups(self, transport: str, world: int) -> None:
         q, d = self.q, self.depth
         layouts = {
             "row": [[self.rank_at(k, i, j) for j in range(q)] for k in range(d) for i in range(q)],
@@ -140,6 +158,19 @@ class Mesh:
                     group = dist.new_group(members, sort_ranks=False)
                 if self.rank in members:
                     self._groups[axis] = group
+        if transport != "torch" and self.size > 1:
+            from optimus2d.comm import mpi
+
+            usable = self.backend == "gloo" and mpi.available(world, self.rank)
+            if transport == "mpi" and not usable:
+                raise ValueError(
+                    f"Mesh(transport='mpi') needs the gloo backend under mpiexec (MPI's COMM_WORLD = the "
+                    f"torch world); backend here is {self.backend!r}"
+                )
+            if usable:
+                from optimus2d.launch import collective_timeout
+
+                self.mpi = mpi.MpiTransport(layouts, self.rank, collective_timeout())
 
     def members(self, axis: str) -> tuple[int, ...]:
         """Global ranks of this rank's ``axis`` group, in group order."""
@@ -157,7 +188,8 @@ class Mesh:
         where = f", coord(k,i,j)={self.coord}" if self.coord is not None else ""
         r = self.ranks
         ranks = f"{r[0]}..{r[-1]}" if r == tuple(range(r[0], r[-1] + 1)) else list(r)
-        return f"Mesh(q={self.q}, depth={self.depth}, ranks={ranks}{where})"
+        via = ", transport=mpi" if self.mpi is not None else ""
+        return f"Mesh(q={self.q}, depth={self.depth}, ranks={ranks}{where}{via})"
 
 
 def _axis(axis: str) -> str:

@@ -2,7 +2,9 @@
 
 A group of one rank sends nothing: the helpers return at once (async ones return a finished
 handle), so a 1-rank mesh is plain torch. Roots are given as an index within the axis group and
-turned into a global rank by the group itself (``Mesh.global_rank``).
+turned into a global rank by the group itself (``Mesh.global_rank``). On a mesh whose transport
+is MPI (``comm/mpi.py``) the same calls go through its communicators; a reduction of a dtype MPI
+cannot add (bf16, fp16) goes through torch, the same choice on every rank.
 """
 
 from __future__ import annotations
@@ -21,12 +23,26 @@ class Done:
         return True
 
 
+def _mpi_reduces(mesh: Mesh, t: torch.Tensor) -> bool:
+    return mesh.mpi is not None and mesh.mpi.reducible(t)
+
+
+def _finished(handle, async_op: bool):
+    """``handle`` for an async call; otherwise wait here (an MPI request) and return None."""
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
 def broadcast(t: torch.Tensor, mesh: Mesh, axis: str, root: int, async_op: bool = False):
     """In place: ``t`` takes the value of member ``root`` of this rank's ``axis`` group."""
     group = mesh.group(axis)
     if group is None:
         return Done() if async_op else None
     record("broadcast", axis, t)
+    if mesh.mpi is not None and t.device.type == "cpu":
+        return _finished(mesh.mpi.broadcast(t, axis, root), async_op)
     return dist.broadcast(t, src=mesh.global_rank(axis, root), group=group, async_op=async_op)
 
 
@@ -36,6 +52,8 @@ def reduce(t: torch.Tensor, mesh: Mesh, axis: str, root: int, async_op: bool = F
     if group is None:
         return Done() if async_op else None
     record("reduce", axis, t)
+    if _mpi_reduces(mesh, t):
+        return _finished(mesh.mpi.reduce(t, axis, root, dist.ReduceOp.SUM), async_op)
     return dist.reduce(t, dst=mesh.global_rank(axis, root), group=group, async_op=async_op)
 
 
@@ -45,6 +63,8 @@ def all_reduce(t: torch.Tensor, mesh: Mesh, axis: str, op: dist.ReduceOp = dist.
     if group is None:
         return Done() if async_op else None
     record("all_reduce", axis, t)
+    if _mpi_reduces(mesh, t):
+        return _finished(mesh.mpi.all_reduce(t, axis, op), async_op)
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
@@ -112,9 +132,8 @@ def transpose(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     t = t.contiguous()
     out = torch.empty_like(t)
     record("transpose", "mesh", t)
-    partner = mesh.global_rank("mesh", (k * mesh.q + j) * mesh.q + i)
-    group = mesh.group("mesh")
-    for handle in (dist.isend(t, partner, group=group), dist.irecv(out, partner, group=group)):
+    partner = (k * mesh.q + j) * mesh.q + i
+    for handle in (isend(t, mesh, "mesh", partner), irecv(out, mesh, "mesh", partner)):
         handle.wait()
     return out
 
@@ -145,10 +164,9 @@ class Blocks:
             self.blocks = dict(enumerate(_gather_single(t, mesh, axis).chunk(n)))
             return
         for member in self.order[1:]:
-            peer = mesh.global_rank(axis, member)
-            self._sends.append(dist.isend(t, peer, group=self.group, tag=_BLOCKS_TAG))
+            self._sends.append(isend(t, mesh, axis, member, _BLOCKS_TAG))
             self.blocks[member] = torch.empty_like(t)
-            self._handles[member] = dist.irecv(self.blocks[member], peer, group=self.group, tag=_BLOCKS_TAG)
+            self._handles[member] = irecv(self.blocks[member], mesh, axis, member, _BLOCKS_TAG)
 
     def get(self, member: int) -> torch.Tensor:
         handle = self._handles.pop(member, None)
@@ -185,15 +203,13 @@ class PartialSums:
         for member in range(n):
             if member != self.me:
                 self.partials[member] = like.new_empty(shape)
-                peer = mesh.global_rank(axis, member)
-                self._handles.append(dist.irecv(self.partials[member], peer, group=self.group, tag=_PARTIALS_TAG))
+                self._handles.append(irecv(self.partials[member], mesh, axis, member, _PARTIALS_TAG))
 
     def put(self, member: int, partial: torch.Tensor) -> None:
         if member == self.me or not _direct(self.mesh):
             self.partials[member if member != self.me else -1] = partial
             return
-        peer = self.mesh.global_rank(self.axis, member)
-        self._handles.append(dist.isend(partial.contiguous(), peer, group=self.group, tag=_PARTIALS_TAG))
+        self._handles.append(isend(partial, self.mesh, self.axis, member, _PARTIALS_TAG))
 
     def result(self) -> torch.Tensor:
         own = self.partials.pop(-1)
@@ -226,15 +242,26 @@ def _direct(mesh: Mesh) -> bool:
 
 def _exchange(mesh: Mesh, axis: str, send: list[torch.Tensor], recv: list[torch.Tensor]) -> None:
     """Send ``send[m]`` to and receive ``recv[m]`` from every other member m of ``axis``, all at once."""
-    group, me = mesh.group(axis), mesh.index(axis)
-    handles = []
+    me, handles = mesh.index(axis), []
     for member in range(mesh.axis_size(axis)):
         if member != me:
-            peer = mesh.global_rank(axis, member)
-            handles.append(dist.isend(send[member].contiguous(), peer, group=group))
-            handles.append(dist.irecv(recv[member], peer, group=group))
+            handles += [isend(send[member], mesh, axis, member), irecv(recv[member], mesh, axis, member)]
     for handle in handles:
         handle.wait()
+
+
+def isend(t: torch.Tensor, mesh: Mesh, axis: str, member: int, tag: int = 0):
+    """Send ``t`` to member ``member`` of this rank's ``axis`` group (over MPI on an MPI mesh)."""
+    if mesh.mpi is not None:
+        return mesh.mpi.isend(t, axis, member, tag)
+    return dist.isend(t.contiguous(), mesh.global_rank(axis, member), group=mesh.group(axis), tag=tag)
+
+
+def irecv(t: torch.Tensor, mesh: Mesh, axis: str, member: int, tag: int = 0):
+    """Receive into ``t`` (contiguous) from member ``member`` of this rank's ``axis`` group."""
+    if mesh.mpi is not None:
+        return mesh.mpi.irecv(t, axis, member, tag)
+    return dist.irecv(t, mesh.global_rank(axis, member), group=mesh.group(axis), tag=tag)
 
 
 def split(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""What a sync point costs over each transport (MPI, gloo) with every rank busy between them.
+
+    mpiexec -n 4 python -m benchmarks transport
+
+Each rank repeats: a piece of work (a 256×1024 by 1024×1024 matmul), then one collective of the
+mesh (an exchange with a partner, a broadcast over row, an all-reduce over the mesh), through
+``optimus2d.comm.primitives`` on a mesh of each transport. Reported: the median time one round
+takes beyond the work alone, per transport and message size, and gloo's ÷ MPI's, from interleaved
+repeats in the same run. Only where MPI launched the ranks is there an MPI row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import optimus2d
+from benchmarks import compare
+from optimus2d.comm import primitives as P
+
+SIZES = (16, 256 * 1024, 1024 * 1024)  # float32 elements: 64 B, 1 MiB, 4 MiB
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved repeats (median)")
+    parser.add_argument("--steps", type=int, default=20, help="work + collective pairs a repeat")
+
+
+def _ops(mesh: optimus2d.Mesh, n: int) -> dict:
+    send, recv = torch.randn(n), torch.empty(n)
+    partner = mesh.size - 1 - mesh.index("mesh")
+
+    def exchange() -> None:
+        if partner != mesh.index("mesh"):
+            for handle in (P.isend(send, mesh, "mesh", partner), P.irecv(recv, mesh, "mesh", partner)):
+                handle.wait()
+
+    return {
+        "exchange": exchange,
+        "broadcast": lambda: P.broadcast(recv, mesh, "row", 0),
+        "all-reduce": lambda: P.all_reduce(recv, mesh, "mesh"),
+    }
+
+
+def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
+    meshes = {"mpi": mesh} if mesh.transport == "mpi" else {}
+    meshes["gloo"] = mesh if mesh.transport == "torch" else optimus2d.Mesh(mesh.q, mesh.depth, transport="torch")
+    a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
+    cases = {"work alone": lambda: None}
+    for n in SIZES:
+        for transport, m in meshes.items():
+            for op, fn in _ops(m, n).items():
+                cases[f"{op} {4 * n} B {transport}"] = fn
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(args.rounds):
+        for name, fn in cases.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                a @ b
+                fn()
+            times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+        compare.progress("transport", r + 1, args.rounds)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    alone = median.pop("work alone")
+    rows = []
+    for n in SIZES:
+        for op in ("exchange", "broadcast", "all-reduce"):
+            row = {"op": op, "bytes": 4 * n}
+            for transport in meshes:
+                row[f"{transport}_ms"] = median[f"{op} {4 * n} B {transport}"] - alone
+            if "mpi" in meshes and row["mpi_ms"] > 0.1:  # below that, the difference of two noisy medians
+                row["gloo_over_mpi"] = row["gloo_ms"] / row["mpi_ms"]
+            rows.append(row)
+    if world.rank == 0:
+        print(f"\nms a sync point beyond {alone:.2f} ms of work, {mesh.size} ranks ({mesh}), every rank busy")
+        print("{:<12}{:>10}".format("op", "bytes") + "".join(f"{t:>10}" for t in meshes) + "  gloo ÷ mpi")
+        for row in rows:
+            line = f"{row['op']:<12}{row['bytes']:>10,}" + "".join(f"{row[f'{t}_ms']:>10.2f}" for t in meshes)
+            print(line + (f"{row['gloo_over_mpi']:>11.2f}" if "gloo_over_mpi" in row else ""))
+    return {"config": vars(args), "ranks": mesh.size, "work_ms": alone, "rows": rows}

@@ -1,0 +1,151 @@
+"""The MPI transport: the mesh's CPU collectives over mpi4py (MPI's shared memory) instead of gloo.
+
+Under ``mpiexec`` on CPU, ``Mesh`` sends its tensors through MPI communicators, one per axis,
+split from ``MPI.COMM_WORLD`` in the mesh's own member order (torch.distributed still carries
+everything else: barriers, checkpoints, other libraries). Why: with ranks sharing cores, a sync
+point costs mostly waiting, and MPI's waits cost about half of gloo's (``python -m benchmarks
+transport``: 4 ranks on 2 cores, every rank busy between exchanges; ``benchmarks/RESULTS.md``).
+
+* Waits poll ``Testall`` with a 50 µs sleep: a blocking MPI wait spins a whole core that a rank
+  sharing it needs. A wait longer than the collective timeout cancels what it can and raises
+  ``TimeoutError``, so a lost peer is an error, not a hang.
+* Broadcasts and point-to-point messages move bytes, any dtype; reductions need an MPI datatype
+  (fp32, fp64, int32, int64) — the tier-1 helpers send the others (bf16, fp16) over torch.
+* Non-contiguous tensors travel through a contiguous copy, copied back when the wait ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+_POLL_S = 5e-5
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+def available(world_size: int, rank: int) -> bool:
+    """Whether this process runs under an initialised MPI whose COMM_WORLD is torch's world, rank for rank."""
+    import sys
+
+    if "mpi4py.MPI" not in sys.modules:  # launched without MPI: do not start it now
+        return False
+    mpi = _mpi()
+    world = mpi.COMM_WORLD
+    return bool(mpi.Is_initialized() and world.Get_size() == world_size and world.Get_rank() == rank)
+
+
+class Request:
+    """An MPI operation in flight; ``wait()`` polls it to the end (and raises after ``timeout`` s)."""
+
+    def __init__(
+        self, requests: list, what: str, timeout: float, buffers: list, done: Callable[[], None] | None = None
+    ) -> None:
+        self._requests, self._what, self._timeout, self._done = requests, what, timeout, done
+        self._buffers = buffers  # alive until the operation ends
+
+    def wait(self) -> bool:
+        if self._requests is None:
+            return True
+        mpi = _mpi()
+        deadline = None
+        while not mpi.Request.Testall(self._requests):
+            now = time.monotonic()
+            deadline = deadline or now + self._timeout
+            if now > deadline:
+                for request in self._requests:
+                    if request != mpi.REQUEST_NULL:
+                        request.Cancel()
+                raise TimeoutError(f"MPI {self._what} did not complete within {self._timeout:g} s: is a peer lost?")
+            time.sleep(_POLL_S)
+        self._requests = self._buffers = None
+        if self._done is not None:
+            self._done()
+        return True
+
+
+class MpiTransport:
+    """One MPI communicator per mesh axis (members in mesh order); every call returns a ``Request``."""
+
+    def __init__(self, layouts: dict[str, list[list[int]]], rank: int, timeout: float) -> None:
+        """Collective over COMM_WORLD: every rank splits every axis, in the same order."""
+        mpi = _mpi()
+        self.timeout = timeout
+        self.comms: dict[str, object] = {}
+        for axis, groups in layouts.items():
+            color, key = mpi.UNDEFINED, 0
+            for n, members in enumerate(groups):
+                if rank in members and len(members) > 1:
+                    color, key = n, members.index(rank)
+            comm = mpi.COMM_WORLD.Split(color, key)
+            if comm != mpi.COMM_NULL:
+                self.comms[axis] = comm
+
+    @staticmethod
+    def reducible(t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64, torch.int32, torch.int64)
+
+    def broadcast(self, t: torch.Tensor, axis: str, root: int) -> Request:
+        buf, done = _contiguous(t)
+        request = self.comms[axis].Ibcast(_bytes(buf), root=root)
+        return Request([request], f"broadcast over {axis}", self.timeout, [buf], done)
+
+    def reduce(self, t: torch.Tensor, axis: str, root: int, op: dist.ReduceOp) -> Request:
+        mpi, comm = _mpi(), self.comms[axis]
+        buf, done = _contiguous(t)
+        data = [buf.detach().numpy(), _datatype(buf)]
+        if comm.Get_rank() == root:
+            request = comm.Ireduce(mpi.IN_PLACE, data, op=_op(op), root=root)
+        else:
+            request = comm.Ireduce(data, None, op=_op(op), root=root)
+        return Request([request], f"reduce over {axis}", self.timeout, [buf], done)
+
+    def all_reduce(self, t: torch.Tensor, axis: str, op: dist.ReduceOp) -> Request:
+        buf, done = _contiguous(t)
+        request = self.comms[axis].Iallreduce(_mpi().IN_PLACE, [buf.detach().numpy(), _datatype(buf)], op=_op(op))
+        return Request([request], f"all-reduce over {axis}", self.timeout, [buf], done)
+
+    def isend(self, t: torch.Tensor, axis: str, member: int, tag: int) -> Request:
+        buf = t.contiguous()
+        request = self.comms[axis].Isend(_bytes(buf), member, tag)
+        return Request([request], f"send over {axis}", self.timeout, [buf])
+
+    def irecv(self, t: torch.Tensor, axis: str, member: int, tag: int) -> Request:
+        buf, done = _contiguous(t)
+        request = self.comms[axis].Irecv(_bytes(buf), member, tag)
+        return Request([request], f"receive over {axis}", self.timeout, [buf], done)
+
+
+def _contiguous(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A contiguous buffer for in-place ``t``, and what copies it back when the operation ends."""
+    if t.is_contiguous():
+        return t, None
+    buf = t.contiguous()
+    return buf, lambda: t.copy_(buf)
+
+
+def _bytes(t: torch.Tensor):
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _datatype(t: torch.Tensor):
+    mpi = _mpi()
+    return {torch.float32: mpi.FLOAT, torch.float64: mpi.DOUBLE, torch.int32: mpi.INT32_T, torch.int64: mpi.INT64_T}[
+        t.dtype
+    ]
+
+
+def _op(op: dist.ReduceOp):
+    mpi = _mpi()
+    if op == dist.ReduceOp.SUM:
+        return mpi.SUM
+    if op == dist.ReduceOp.MAX:
+        return mpi.MAX
+    raise ValueError(f"the MPI transport reduces with SUM or MAX, not {op}")

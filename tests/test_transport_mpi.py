@@ -1,0 +1,72 @@
+"""The MPI transport (``comm/mpi.py``): taken under mpiexec, the same numbers as torch.distributed's,
+and a lost peer is a TimeoutError."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import assert_close
+from torch import nn
+
+from optimus2d import MLP2D, Mesh, gather, scatter
+from optimus2d.comm import primitives as P
+
+pytestmark = pytest.mark.mpi
+
+_torch_meshes: dict = {}
+
+
+def _torch_mesh(mesh: Mesh) -> Mesh:
+    """The same mesh shape with torch.distributed carrying it (built collectively, once)."""
+    shape = (mesh.q, mesh.depth)
+    if shape not in _torch_meshes:
+        _torch_meshes[shape] = Mesh(*shape, transport="torch")
+    return _torch_meshes[shape]
+
+
+def test_a_mesh_under_mpiexec_takes_mpi_unless_told_otherwise(mesh):
+    told = os.environ.get("OPTIMUS2D_TRANSPORT", "auto")
+    assert mesh.transport == ("mpi" if mesh.size > 1 and told != "torch" else "torch")
+    assert _torch_mesh(mesh).transport == "torch" and _torch_mesh(mesh).mpi is None
+    with pytest.raises(ValueError, match="transport 'tcp' is not one of"):
+        Mesh(mesh.q, mesh.depth, transport="tcp")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("algorithm", ["summa", "stationary"])
+def test_both_transports_give_the_same_mlp(mesh, algorithm, dtype):
+    """bf16 has no MPI datatype: its reductions go through torch, the rest through MPI."""
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(12, 48), nn.GELU(), nn.Linear(48, 12)).to(dtype)
+    x = torch.randn(2 * mesh.depth * mesh.q, 5, 12, dtype=dtype)
+    results = []
+    for m in (mesh, _torch_mesh(mesh)):
+        mlp = MLP2D.from_serial(serial, m)
+        mlp.fc1.algorithm = mlp.fc2.algorithm = algorithm
+        x_local = scatter(x, m).clone().requires_grad_()
+        y = mlp(x_local)
+        (y * torch.arange(y.numel()).view_as(y).to(dtype)).sum().backward()
+        grads = {name: p.grad for name, p in mlp.named_parameters()}
+        results.append((gather(y.detach(), m), gather(x_local.grad, m), grads))
+    (y, dx, grads), (y_t, dx_t, grads_t) = results
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    assert_close(y, y_t, tol, "output")
+    assert_close(dx, dx_t, tol, "input grad")
+    for name in grads:
+        assert_close(grads[name], grads_t[name], tol, f"{name} grad")
+
+
+def test_a_lost_peer_is_a_timeout_not_a_hang(mesh):
+    if mesh.mpi is None:
+        pytest.skip("torch.distributed's own timeout covers torch meshes (tests/test_launch.py)")
+    timeout, mesh.mpi.timeout = mesh.mpi.timeout, 0.3
+    try:
+        if mesh.index("mesh") == 0:  # waits for a message that member 1 never sends
+            with pytest.raises(TimeoutError, match=r"MPI receive over mesh did not complete within 0\.3 s"):
+                P.irecv(torch.empty(4), mesh, "mesh", 1, tag=77).wait()
+    finally:
+        mesh.mpi.timeout = timeout
+    dist.barrier()
