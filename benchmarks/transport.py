@@ -3,7 +3,7 @@
     mpiexec -n 4 python -m benchmarks transport
 
 Each rank repeats: a piece of work (a 256×1024 by 1024×1024 matmul), then one collective of the
-mesh (an exchange with a partner, a broadcast over row, an all-reduce over the mesh), through
+mesh (an exchange with a partner, a broadcast and an all-reduce over the mesh), through
 ``optimus2d.comm.primitives`` on a mesh of each transport. Reported: the median time one round
 takes beyond the work alone, per transport and message size, and gloo's ÷ MPI's, from interleaved
 repeats in the same run. Only where MPI launched the ranks is there an MPI row.
@@ -41,7 +41,7 @@ def _ops(mesh: optimus2d.Mesh, n: int) -> dict:
 
     return {
         "exchange": exchange,
-        "broadcast": lambda: P.broadcast(recv, mesh, "row", 0),
+        "broadcast": lambda: P.broadcast(recv, mesh, "mesh", 0),
         "all-reduce": lambda: P.all_reduce(recv, mesh, "mesh"),
     }
 

@@ -45,15 +45,18 @@ def linear_2d_stationary_elements(
     return total
 
 
-def linear_2d_algorithm(rows: int, fin: int, fout: int, q: int, depth: int = 1) -> str:
+def linear_2d_algorithm(rows: int, fin: int, fout: int, q: int, depth: int = 1, *, dx=True, dw=True) -> str:
     """Returns "stationary" when it moves fewer elements than SUMMA, else "summa".
 
-    Stationary wins when the rows are fewer than about 1–1.5 × the smaller feature size.
+    Stationary wins when the rows are fewer than about 1–1.5 × the smaller feature size. ``dx``,
+    ``dw``: whether backward computes the input's and the weight's gradient (neither: inference).
 
-    Depends only on global sizes, so every rank of a mesh makes the same choice.
+    Depends only on global sizes and on what needs a gradient, so every rank of a mesh makes the
+    same choice (the stationary count is an off-diagonal rank's, whose exchanges are not free).
     """
-    stationary = linear_2d_stationary_elements(rows, fin, fout, q, depth)
-    return "stationary" if stationary < linear_2d_summa_elements(rows, fin, fout, q, depth) else "summa"
+    stationary = linear_2d_stationary_elements(rows, fin, fout, q, depth, dx=dx, dw=dw)
+    summa = linear_2d_summa_elements(rows, fin, fout, q, depth, dx=dx, dw=dw)
+    return "stationary" if stationary < summa else "summa"
 
 
 def linear_2d_elements(
@@ -76,7 +79,7 @@ def linear_2d_elements(
     (out/q). ``on_diagonal``: this rank is (k, i, i), whose exchanges send nothing.
     """
     if algorithm == "auto":
-        algorithm = linear_2d_algorithm(rows, fin, fout, q, depth)
+        algorithm = linear_2d_algorithm(rows, fin, fout, q, depth, dx=dx, dw=dw)
     if algorithm == "summa":
         total = linear_2d_summa_elements(rows, fin, fout, q, depth, dx=dx, dw=dw)
     else:

@@ -95,7 +95,7 @@ def _linear_comm(
 ) -> list[tuple[str, int, float, int]]:
     """One Linear2D's products, fwd+bwd, by ``algorithm`` ("auto": as ``Linear2D`` picks), off the diagonal."""
     if algorithm == "auto":
-        algorithm = linear_2d_algorithm(r, i, o, q, depth)
+        algorithm = linear_2d_algorithm(r, i, o, q, depth, dx=dx)
     if algorithm == "summa":
         act, block = r * min(i, o) // (depth * q), i * o // (q * q)
         products = 2 + int(dx)

@@ -144,6 +144,27 @@ def test_comm_volume_meets_formula(mesh, features, batch, algorithm):
         assert counter.count() == 0
 
 
+@pytest.mark.parametrize("batch", [2, 12], ids=["small", "large"])
+@pytest.mark.parametrize("case", ["input without grad", "no_grad"])
+def test_auto_prices_only_the_gradients_backward_will_make(mesh, batch, case):
+    """"auto" counts what this call moves: no dX for an input without grad, no backward under no_grad."""
+    fin, fout = 12, 30
+    torch.manual_seed(0)
+    layer = Linear2D(fin, fout, mesh=mesh)
+    x = scatter(torch.randn(batch * mesh.depth * mesh.q, SEQ, fin), mesh)
+    needs = {"dx": False} if case == "input without grad" else {"dx": False, "dw": False}
+    with count_comm() as counter:
+        if case == "no_grad":
+            with torch.no_grad():
+                layer(x)
+        else:
+            layer(x).sum().backward()
+    rows = x.shape[0] * x.shape[1] * mesh.depth * mesh.q
+    assert counter.numel == _linear_elements(mesh, rows, fin, fout, algorithm="auto", **needs)
+    both = [_linear_elements(mesh, rows, fin, fout, algorithm=a, **needs) for a in ("summa", "stationary")]
+    assert counter.numel == min(both) or mesh.i == mesh.j  # the diagonal's exchanges are free
+
+
 @ALGORITHMS
 def test_frozen_weight_sends_no_weight_gradient(mesh, algorithm):
     torch.manual_seed(0)

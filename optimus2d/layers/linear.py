@@ -240,7 +240,8 @@ def linear_2d(
     ``summa`` says which block the weight is ("ab": W[out blk j, in blk i]; "abt": W[out blk i,
     in blk j]). ``algorithm``: "summa" moves weight and activation blocks (``comm/summa.py``),
     "stationary" only activations (``comm/stationary.py``); "auto" takes the one that moves fewer
-    elements for this call's rows (``optimus2d.cost.linear_2d_algorithm``). Under autocast the
+    elements for this call's rows and the gradients it will need (none under ``no_grad``;
+    ``optimus2d.cost.linear_2d_algorithm``). Under autocast the
     three are cast as autocast casts F.linear's inputs, so the collectives move the low-precision
     tensors. ``input_activation``: F.linear(act(x), ...) with x kept for backward instead of act(x)
     (on q = 1 too, through the products, which then send nothing).
@@ -261,9 +262,11 @@ def linear_2d(
         bias = reduce_grad(bias, mesh, ("depth",)) if bias is not None else None
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    if algorithm == "auto":
+    if algorithm == "auto":  # by what this call moves: its rows, and the gradients backward will make
         fin, fout = x.shape[-1] * mesh.q, weight.shape[0] * mesh.q
-        algorithm = linear_2d_algorithm(rows.shape[0] * mesh.depth * mesh.q, fin, fout, mesh.q, mesh.depth)
+        grad = torch.is_grad_enabled()
+        needs = {"dx": grad and x.requires_grad, "dw": grad and weight.requires_grad}
+        algorithm = linear_2d_algorithm(rows.shape[0] * mesh.depth * mesh.q, fin, fout, mesh.q, mesh.depth, **needs)
     act = {"activation": input_activation}
     if algorithm == "stationary":
         y = stationary_ab(rows, weight.t(), mesh, **act) if summa == "ab" else stationary_abt(rows, weight, mesh, **act)
