@@ -30,8 +30,8 @@ def optimus(name: str, model: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, 
 def optimus_twins(
     serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: torch.Tensor, build=optimus2d.parallelize
 ) -> list[Peer]:
-    """optimus2d as it chooses ("auto"), with SUMMA only, and over gloo on an MPI mesh (what the
-    choice of algorithm and of transport gain).
+    """optimus2d as it chooses ("auto"), with SUMMA only, and over the other transport where MPI
+    launched the ranks (what the choice of algorithm and of transport gain).
 
     ``build(serial, mesh)`` makes the 2D module (``parallelize``, or a layer's ``from_serial``)."""
     name = f"optimus2d {'2D' if mesh.depth == 1 else '2.5D'}"
@@ -42,10 +42,21 @@ def optimus_twins(
             if isinstance(layer, optimus2d.Linear2D):
                 layer.algorithm = "summa"
         peers.append(optimus(f"{name} SUMMA", summa, mesh, x, grad))
-    if mesh.transport == "mpi":  # the same, its collectives over gloo: what the MPI transport gains
-        gloo = optimus2d.Mesh(mesh.q, mesh.depth, transport="torch")
-        peers.append(optimus(f"{name} over gloo", build(copy.deepcopy(serial), gloo), gloo, x, grad))
+    other = other_transport(mesh)
+    if other is not None:  # the same over the other transport: what the choice of transport gains
+        twin = optimus2d.Mesh(mesh.q, mesh.depth, transport=other)
+        label = "over gloo" if other == "torch" else "over MPI"
+        peers.append(optimus(f"{name} {label}", build(copy.deepcopy(serial), twin), twin, x, grad))
     return peers
+
+
+def other_transport(mesh: optimus2d.Mesh) -> str | None:
+    """The transport this mesh did not take, where both can run (MPI launched the CPU ranks)."""
+    from optimus2d.comm import mpi
+
+    if mesh.size == 1 or mesh.backend != "gloo" or not mpi.available(dist.get_world_size(), dist.get_rank()):
+        return None
+    return "torch" if mesh.transport == "mpi" else "mpi"
 
 
 def dtensor_1d(

@@ -81,6 +81,23 @@ def _calibration_table(data: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _transport_table(name: str, data: dict) -> list[str]:
+    transports = [t for t in ("mpi", "gloo") if f"{t}_ms" in data["rows"][0]]
+    lines = [
+        f"### {name}: ms a sync point, beyond {data['work_ms']:.2f} ms of work (auto took {data.get('auto', '?')})",
+        "",
+        f"`{_command(data)}`",
+        "",
+        "| op | bytes | " + " | ".join(transports) + " | gloo ÷ mpi |",
+        "|---|---|" + "---|" * (len(transports) + 1),
+    ]
+    for r in data["rows"]:
+        ratio = f"{r['gloo_over_mpi']:.2f}" if "gloo_over_mpi" in r else "—"
+        cells = " | ".join(f"{r[f'{t}_ms']:.2f}" for t in transports)
+        lines.append(f"| {r['op']} | {r['bytes']:,} | {cells} | {ratio} |")
+    return [*lines, ""]
+
+
 def _plots(results: dict[str, dict], folder: Path) -> list[str]:
     try:
         import matplotlib
@@ -185,6 +202,8 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             lines += _peer_table(name, data)
         elif name.startswith("calibrate"):
             lines += _calibration_table(data)
+        elif name.startswith("transport"):
+            lines += _transport_table(name, data)
     lines += ["## Plots", "", *_plots(results, args.results), ""]
     out = args.results / "report.md"
     out.write_text("\n".join(lines))

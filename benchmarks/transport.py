@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import optimus2d
-from benchmarks import compare
+from benchmarks import compare, peers
 from optimus2d.comm import primitives as P
 
 SIZES = (16, 256 * 1024, 1024 * 1024)  # float32 elements: 64 B, 1 MiB, 4 MiB
@@ -47,8 +47,10 @@ def _ops(mesh: optimus2d.Mesh, n: int) -> dict:
 
 
 def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
-    meshes = {"mpi": mesh} if mesh.transport == "mpi" else {}
-    meshes["gloo"] = mesh if mesh.transport == "torch" else optimus2d.Mesh(mesh.q, mesh.depth, transport="torch")
+    other = peers.other_transport(mesh)
+    twin = optimus2d.Mesh(mesh.q, mesh.depth, transport=other) if other else None
+    meshes = {"mpi": mesh if mesh.transport == "mpi" else twin} if other else {}
+    meshes["gloo"] = mesh if mesh.transport == "torch" else twin
     a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
     cases = {"work alone": lambda: None}
     for n in SIZES:
@@ -77,9 +79,10 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
                 row["gloo_over_mpi"] = row["gloo_ms"] / row["mpi_ms"]
             rows.append(row)
     if world.rank == 0:
-        print(f"\nms a sync point beyond {alone:.2f} ms of work, {mesh.size} ranks ({mesh}), every rank busy")
+        shape = f"Mesh(q={mesh.q}, depth={mesh.depth})"
+        print(f"\nms a sync point beyond {alone:.2f} ms of work, {mesh.size} ranks as {shape}, every rank busy")
         print("{:<12}{:>10}".format("op", "bytes") + "".join(f"{t:>10}" for t in meshes) + "  gloo ÷ mpi")
         for row in rows:
             line = f"{row['op']:<12}{row['bytes']:>10,}" + "".join(f"{row[f'{t}_ms']:>10.2f}" for t in meshes)
             print(line + (f"{row['gloo_over_mpi']:>11.2f}" if "gloo_over_mpi" in row else ""))
-    return {"config": vars(args), "ranks": mesh.size, "work_ms": alone, "rows": rows}
+    return {"config": vars(args), "ranks": mesh.size, "auto": mesh.transport, "work_ms": alone, "rows": rows}

@@ -13,6 +13,9 @@ rounds=${ROUNDS:-10}
 run() { local n=$1; shift; echo "== mpiexec -n $n python -m benchmarks $*"; mpiexec -n "$n" python -m benchmarks "$@"; }
 rm -f benchmarks/results/*.json
 run 1 mlp --rounds "$rounds"                                  # 1-rank overhead against plain torch
+run 2 --depth 2 transport                                     # a core per rank: a sync point over MPI and gloo
+run 2 --depth 2 mlp --rounds "$rounds"                        # ... and a whole 1×1×2 step over each
+run 4 transport                                               # 4 ranks sharing 2 cores
 run 4 linear --rounds "$rounds"
 if [ -x .venv-peers/bin/python ]; then  # megatron-core and Colossal-AI beside (scripts/setup_peers.sh)
   echo "== .venv-peers: mpiexec -n 4 python -m benchmarks mlp"

@@ -147,7 +147,7 @@ def test_comm_volume_meets_formula(mesh, features, batch, algorithm):
 @pytest.mark.parametrize("batch", [2, 12], ids=["small", "large"])
 @pytest.mark.parametrize("case", ["input without grad", "no_grad"])
 def test_auto_prices_only_the_gradients_backward_will_make(mesh, batch, case):
-    """"auto" counts what this call moves: no dX for an input without grad, no backward under no_grad."""
+    """ "auto" counts what this call moves: no dX for an input without grad, no backward under no_grad."""
     fin, fout = 12, 30
     torch.manual_seed(0)
     layer = Linear2D(fin, fout, mesh=mesh)

@@ -16,21 +16,30 @@ from optimus2d.comm import primitives as P
 
 pytestmark = pytest.mark.mpi
 
-_torch_meshes: dict = {}
+_meshes: dict = {}
 
 
-def _torch_mesh(mesh: Mesh) -> Mesh:
-    """The same mesh shape with torch.distributed carrying it (built collectively, once)."""
-    shape = (mesh.q, mesh.depth)
-    if shape not in _torch_meshes:
-        _torch_meshes[shape] = Mesh(*shape, transport="torch")
-    return _torch_meshes[shape]
+def _over(mesh: Mesh, transport: str) -> Mesh:
+    """The same mesh shape carried by ``transport`` (built collectively, once)."""
+    key = (mesh.q, mesh.depth, transport)
+    if key not in _meshes:
+        _meshes[key] = Mesh(mesh.q, mesh.depth, transport=transport)
+    return _meshes[key]
 
 
-def test_a_mesh_under_mpiexec_takes_mpi_unless_told_otherwise(mesh):
+def test_the_transport_is_what_was_asked_and_the_same_on_every_rank(mesh):
+    from optimus2d.comm.mpi import one_core_each
+
     told = os.environ.get("OPTIMUS2D_TRANSPORT", "auto")
-    assert mesh.transport == ("mpi" if mesh.size > 1 and told != "torch" else "torch")
-    assert _torch_mesh(mesh).transport == "torch" and _torch_mesh(mesh).mpi is None
+    if mesh.size == 1 or told == "torch":
+        assert mesh.transport == "torch"
+    else:  # auto: MPI only where every rank has a core of its own
+        assert mesh.transport == ("mpi" if told == "mpi" or one_core_each() else "torch")
+    transports = [None] * dist.get_world_size()
+    dist.all_gather_object(transports, mesh.transport)
+    assert set(transports) == {mesh.transport}
+    assert _over(mesh, "torch").transport == "torch" and _over(mesh, "torch").mpi is None
+    assert _over(mesh, "mpi").transport == ("mpi" if mesh.size > 1 else "torch")
     with pytest.raises(ValueError, match="transport 'tcp' is not one of"):
         Mesh(mesh.q, mesh.depth, transport="tcp")
 
@@ -43,7 +52,7 @@ def test_both_transports_give_the_same_mlp(mesh, algorithm, dtype):
     serial = nn.Sequential(nn.Linear(12, 48), nn.GELU(), nn.Linear(48, 12)).to(dtype)
     x = torch.randn(2 * mesh.depth * mesh.q, 5, 12, dtype=dtype)
     results = []
-    for m in (mesh, _torch_mesh(mesh)):
+    for m in (_over(mesh, "mpi"), _over(mesh, "torch")):
         mlp = MLP2D.from_serial(serial, m)
         mlp.fc1.algorithm = mlp.fc2.algorithm = algorithm
         x_local = scatter(x, m).clone().requires_grad_()
@@ -60,8 +69,9 @@ def test_both_transports_give_the_same_mlp(mesh, algorithm, dtype):
 
 
 def test_a_lost_peer_is_a_timeout_not_a_hang(mesh):
+    mesh = _over(mesh, "mpi")
     if mesh.mpi is None:
-        pytest.skip("torch.distributed's own timeout covers torch meshes (tests/test_launch.py)")
+        pytest.skip("a 1-rank mesh sends nothing")
     timeout, mesh.mpi.timeout = mesh.mpi.timeout, 0.3
     try:
         if mesh.index("mesh") == 0:  # waits for a message that member 1 never sends
