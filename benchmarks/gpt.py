@@ -1,10 +1,15 @@
-"""A GPT (transformers' ``GPT2LMHeadModel``, tied head) trained on next-token loss: optimus2d
-against the same model in torch on one rank.
+"""A GPT trained on next-token loss: transformers' ``GPT2LMHeadModel`` (tied head) or
+``LlamaForCausalLM`` (RMSNorm, rotary, SwiGLU), optimus2d against torch on one rank, and for
+LLaMA against DTensor 1D under the model's own tensor-parallel plan (``base_model_tp_plan``).
 
-    mpiexec -n 4 python -m benchmarks gpt            # 4 layers, h=256, 8 heads, vocab 1024, 8 × 128
+    mpiexec -n 4 python -m benchmarks gpt                  # GPT-2: 4 layers, h=256, 8 heads, vocab 1024, 8 × 128
+    mpiexec -n 4 python -m benchmarks gpt --model llama    # the same sizes, ffn 4h, with a 1D peer
 
-``optimus2d.parallelize`` converts the model; the loss is ``optimus2d.cross_entropy`` on the
-sharded logits. Reported as for ``mlp``, with tokens/s of a whole training step's fwd+bwd.
+``optimus2d.parallelize`` converts the model; its loss is ``optimus2d.cross_entropy`` on the
+sharded logits. GPT-2's ``Conv1D`` layers have no DTensor plan (``ColwiseParallel`` takes
+``nn.Linear`` only and transformers ships none for GPT-2), hence LLaMA for the 1D comparison; its
+1D peer keeps the embedding, final norm and head replicated, as that plan does. Reported as for
+``mlp``, with tokens/s of a whole training step's fwd+bwd.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import copy
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import optimus2d
@@ -25,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--model", choices=("gpt2", "llama"), default="gpt2")
     compare.add_run_arguments(parser)
 
 
@@ -33,10 +40,21 @@ def _serial_loss(model, ids):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
-def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
+def _model(args: argparse.Namespace):
     import transformers
 
-    p, device = world.size, mesh.device
+    if args.model == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=4 * args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.heads,
+            max_position_embeddings=args.seq,
+            attn_implementation="sdpa",
+        )
+        return transformers.LlamaForCausalLM(config)
     config = transformers.GPT2Config(
         vocab_size=args.vocab,
         n_positions=args.seq,
@@ -47,8 +65,25 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _dtensor_1d(serial, ids: torch.Tensor) -> Peer:
+    """The model under its own tensor-parallel plan on a 1D mesh of every rank (the full batch)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {name: styles[style]() for name, style in serial.config.base_model_tp_plan.items()}
+    model = copy.deepcopy(serial)
+    parallelize_module(model.model, init_device_mesh(ids.device.type, (dist.get_world_size(),)), plan)
+    return Peer("DTensor 1D", model, lambda: _serial_loss(model, ids), lambda loss: loss.backward(), lambda x: x)
+
+
+def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
+    p, device = world.size, mesh.device
     torch.manual_seed(0)
-    serial = transformers.GPT2LMHeadModel(config).to(device)
+    serial = _model(args).to(device)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     with torch.no_grad():
         reference = _serial_loss(serial, ids)
@@ -62,16 +97,18 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         return optimus2d.cross_entropy(logits[:, :-1], ids_local[:, 1:], mesh)
 
     twin = copy.deepcopy(serial)
-    group = [
-        Peer(name, parallel, parallel_loss, lambda loss: loss.backward(), lambda loss: loss),
-        Peer("torch, 1 rank", twin, lambda: _serial_loss(twin, ids), lambda loss: loss.backward(), lambda x: x, True),
-    ]
+    group = [Peer(name, parallel, parallel_loss, lambda loss: loss.backward(), lambda loss: loss)]
+    if args.model == "llama" and p > 1:
+        group.append(_dtensor_1d(serial, ids))
+    group.append(
+        Peer("torch, 1 rank", twin, lambda: _serial_loss(twin, ids), lambda loss: loss.backward(), lambda x: x, True)
+    )
     compare.check(group, reference, tol=1e-5)
     with optimus2d.count_comm() as counter:
         parallel_loss().backward()
     parallel.zero_grad(set_to_none=True)
     tokens = args.batch * args.seq
-    what = f"GPT-2 {args.layers}×{args.hidden}, vocab {args.vocab}"
+    what = f"{'LLaMA' if args.model == 'llama' else 'GPT-2'} {args.layers}×{args.hidden}, vocab {args.vocab}"
     compare.time_rounds(group, args.rounds, device, what)
     results = compare.summarize(group, tokens, args.batch, args.cap_mib)
     results[0]["elements_measured"] = counter.numel

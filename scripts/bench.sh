@@ -26,6 +26,7 @@ fi
 run 4 --name mlp-b2 mlp --batch 2 --rounds "$rounds"          # few rows: the weight-stationary regime
 run 4 block --rounds "$rounds"
 run 4 gpt --rounds "$rounds"
+run 4 --name llama gpt --model llama --rounds "$rounds"       # a LLaMA, with DTensor 1D under its own TP plan
 run 4 memory
 run 4 calibrate --rounds "$rounds"
 if [ -x .venv-peers/bin/python ]; then

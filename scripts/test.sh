@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: serial tests, then the MPI tests under mpiexec at 1, 4, 8 and 9 ranks
-# (meshes 1, 2×2 and 1×1×4, 2×2×2 and 1×1×8, 3×3 and 1×1×9), again at 4 and 9 with MPI carrying
-# the meshes (OPTIMUS2D_TRANSPORT=mpi; "auto" takes gloo where ranks share cores), then timm's ViT in a second
+# (meshes 1, 2×2 and 1×1×4, 2×2×2 and 1×1×8, 3×3 and 1×1×9; MPI carries the meshes), again at 4
+# and 9 with gloo carrying them (OPTIMUS2D_TRANSPORT=torch), then timm's ViT in a second
 # environment (scripts/setup_timm.sh). Extra arguments go to every pytest of the main runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,9 +13,9 @@ for n in 1 4 8 9; do
   echo "== mpiexec -n $n"
   mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider "$@"
 done
-for n in 4 9; do  # the same tests with the MPI transport (comm/mpi.py) carrying the meshes
-  echo "== mpiexec -n $n, OPTIMUS2D_TRANSPORT=mpi"
-  OPTIMUS2D_TRANSPORT=mpi mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider "$@"
+for n in 4 9; do  # the same tests with torch.distributed (gloo) carrying the meshes, not MPI
+  echo "== mpiexec -n $n, OPTIMUS2D_TRANSPORT=torch"
+  OPTIMUS2D_TRANSPORT=torch mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider "$@"
 done
 # timm needs torchvision, which needs another torch: a second environment, when the disk allows it
 free_gb=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')

@@ -28,13 +28,8 @@ def _over(mesh: Mesh, transport: str) -> Mesh:
 
 
 def test_the_transport_is_what_was_asked_and_the_same_on_every_rank(mesh):
-    from optimus2d.comm.mpi import one_core_each
-
     told = os.environ.get("OPTIMUS2D_TRANSPORT", "auto")
-    if mesh.size == 1 or told == "torch":
-        assert mesh.transport == "torch"
-    else:  # auto: MPI only where every rank has a core of its own
-        assert mesh.transport == ("mpi" if told == "mpi" or one_core_each() else "torch")
+    assert mesh.transport == ("mpi" if mesh.size > 1 and told != "torch" else "torch")  # mpiexec launched us
     transports = [None] * dist.get_world_size()
     dist.all_gather_object(transports, mesh.transport)
     assert set(transports) == {mesh.transport}

@@ -41,8 +41,8 @@ class Mesh:
 
     ``transport``: what carries the mesh's collectives. "torch": torch.distributed (gloo, NCCL);
     "mpi": MPI communicators through mpi4py (``comm/mpi.py``; CPU under gloo, launched by
-    ``mpiexec``); "auto" (default, or ``$OPTIMUS2D_TRANSPORT``): "mpi" where it can run and every
-    rank has a core of its own (there its sync points cost 2.4–6× less), else "torch".
+    ``mpiexec``), whose sync points cost 1.4–6× less than gloo's; "auto" (default, or
+    ``$OPTIMUS2D_TRANSPORT``): "mpi" where it can run, else "torch".
     """
 
     def __init__(
@@ -167,7 +167,7 @@ class Mesh:
                     f"Mesh(transport='mpi') needs the gloo backend under mpiexec (MPI's COMM_WORLD = the "
                     f"torch world); backend here is {self.backend!r}"
                 )
-            if usable and (transport == "mpi" or mpi.one_core_each()):
+            if usable:
                 from optimus2d.launch import collective_timeout
 
                 self.mpi = mpi.MpiTransport(layouts, self.rank, collective_timeout())
