@@ -41,7 +41,7 @@ class Mesh:
 
     ``transport``: what carries the mesh's collectives. "torch": torch.distributed (gloo, NCCL);
     "mpi": MPI communicators through mpi4py (``comm/mpi.py``; CPU under gloo, launched by
-    ``mpiexec``), whose sync points cost 1.4–6× less than gloo's; "auto" (default, or
+    ``mpiexec``), whose sync points cost 1.6–14× less than gloo's; "auto" (default, or
     ``$OPTIMUS2D_TRANSPORT``): "mpi" where it can run, else "torch".
     """
 

@@ -4,8 +4,8 @@ Under ``mpiexec`` on CPU, a ``Mesh`` may send its tensors through MPI communicat
 axis, split from ``MPI.COMM_WORLD`` in the mesh's own member order (torch.distributed still
 carries everything else: barriers, checkpoints, other libraries). ``python -m benchmarks
 transport`` (every rank busy between sync points; ``benchmarks/RESULTS.md``): a sync point over
-MPI costs 2.4–6× less than over gloo with a core per rank, 1.4–3.7× less with 4 ranks on 2
-cores. In whole steps (4 ranks on 2 cores) a transformer block runs 6–22 % faster over MPI, whose
+MPI costs 1.8–14× less than over gloo with a core per rank, 1.6–4.5× less with 4 ranks on 2
+cores. In whole steps (4 and 8 ranks on 2 cores) a transformer block runs 6–22 % faster over MPI, whose
 small all-reduces (norm statistics, bias gradients) gain most; an MLP, whose large messages gloo's
 threads move during the matmuls (MPICH moves a message only inside MPI calls, our waits), runs
 the same within noise. ``Mesh``'s "auto" takes MPI wherever it can run.
