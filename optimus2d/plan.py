@@ -176,10 +176,11 @@ def activation_elements(layer: Layer, scheme: str, p: int) -> float:
     """Saved activations per rank, in elements, from the per-token census of a pre-norm layer.
 
     A layer saves per token about 8h replicable (norm inputs/outputs, attention input/output,
-    residual-side tensors) + 3h (q, k, v) + 2f (fc1 output, activation output; optimus2d keeps
-    only fc1's and recomputes the activation, ``MLP2D``) + the attention probabilities' s·heads
-    are not saved by flash/SDPA kernels. 1D splits only q/k/v and the f-wide tensors; 1D+SP and
-    2D split everything (2.5D: by depth·q² too).
+    residual-side tensors) + 3h (q, k, v) + 2f (fc1 output, activation output; optimus2d's
+    ``MLP2D`` and blocks keep only fc1's and recompute the activation, when no dropout is active
+    between them; converted transformers models keep both, which this count does not cover) +
+    the attention probabilities' s·heads are not saved by flash/SDPA kernels. 1D splits only
+    q/k/v and the f-wide tensors; 1D+SP and 2D split everything (2.5D: by depth·q² too).
     """
     r, h, f = layer.rows, layer.hidden, layer.ffn
     replicable, splittable = 8 * h, 3 * h + (2 if scheme.startswith("1d") else 1) * f

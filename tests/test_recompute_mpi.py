@@ -93,3 +93,25 @@ def test_random_activation_is_not_recomputed(mesh):
     x = scatter(_data(mesh, 12), mesh).clone().requires_grad_()  # its own storage
     rows = x.numel() // (12 // mesh.q)
     assert saved_activation_bytes(mlp, x) >= 4 * rows * (12 + 2 * 48) // mesh.q
+
+
+def test_an_in_place_activation_runs_as_torch(mesh):
+    """nn.ReLU(inplace=True) rewrites fc1's output, so it is not recomputed from it."""
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(12, 48), nn.ReLU(inplace=True), nn.Linear(48, 12))
+    parallel = MLP2D.from_serial(serial, mesh)
+    y, y_ref, dx, dx_ref = step_both(serial, parallel, _data(mesh, 12), mesh)
+    state = serial_state_dict(parallel)
+    assert_close(y, y_ref, what="output")
+    assert_close(dx, dx_ref, what="input grad")
+    for ours, theirs in (("fc1", 0), ("fc2", 2)):
+        for name in ("weight", "bias"):
+            assert_close(state[f"{ours}.{name}"], getattr(serial[theirs], name), what=f"{ours}.{name}")
+
+
+def test_an_activation_with_parameters_is_refused(mesh):
+    serial = nn.Sequential(nn.Linear(12, 48), nn.PReLU(), nn.Linear(48, 12))
+    with pytest.raises(TypeError, match="activation PReLU has parameters"):
+        MLP2D.from_serial(serial, mesh)
+    with pytest.raises(TypeError, match="activation PReLU has parameters"):
+        MLP2D(12, 48, activation=nn.PReLU(), mesh=mesh)

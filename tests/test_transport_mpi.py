@@ -63,6 +63,18 @@ def test_both_transports_give_the_same_mlp(mesh, algorithm, dtype):
         assert_close(grads[name], grads_t[name], tol, f"{name} grad")
 
 
+def test_what_mpi_cannot_reduce_goes_through_torch(mesh):
+    """MIN has no place in the MPI path and bf16 no MPI datatype: both still reduce, on every rank alike."""
+    mpi_mesh = _over(mesh, "mpi")
+    n = mpi_mesh.index("mesh") if mpi_mesh.size > 1 else 0
+    for dtype in (torch.float32, torch.bfloat16):
+        t = torch.full((3,), float(n + 1), dtype=dtype)
+        P.all_reduce(t, mpi_mesh, "mesh", op=dist.ReduceOp.MIN)
+        assert torch.equal(t, torch.ones(3, dtype=dtype))
+        P.all_reduce(t, mpi_mesh, "mesh")
+        assert torch.equal(t, torch.full((3,), float(mpi_mesh.size), dtype=dtype))
+
+
 def test_a_lost_peer_is_a_timeout_not_a_hang(mesh):
     mesh = _over(mesh, "mpi")
     if mesh.mpi is None:

@@ -162,6 +162,10 @@ class Mesh:
             from optimus2d.comm import mpi
 
             usable = self.backend == "gloo" and mpi.available(world, self.rank)
+            if self.backend == "gloo":  # every rank, or none, splits COMM_WORLD
+                agreed = torch.tensor([int(usable)])
+                dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+                usable = bool(agreed.item())
             if transport == "mpi" and not usable:
                 raise ValueError(
                     f"Mesh(transport='mpi') needs the gloo backend under mpiexec (MPI's COMM_WORLD = the "

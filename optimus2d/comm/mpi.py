@@ -5,16 +5,17 @@ axis, split from ``MPI.COMM_WORLD`` in the mesh's own member order (torch.distri
 carries everything else: barriers, checkpoints, other libraries). ``python -m benchmarks
 transport`` (every rank busy between sync points; ``benchmarks/RESULTS.md``): a sync point over
 MPI costs 1.8–14× less than over gloo with a core per rank, 1.6–4.5× less with 4 ranks on 2
-cores. In whole steps (4 and 8 ranks on 2 cores) a transformer block runs 6–22 % faster over MPI, whose
-small all-reduces (norm statistics, bias gradients) gain most; an MLP, whose large messages gloo's
-threads move during the matmuls (MPICH moves a message only inside MPI calls, our waits), runs
-the same within noise. ``Mesh``'s "auto" takes MPI wherever it can run.
+cores. In whole steps (4 and 8 ranks on 2 cores) a transformer block runs 6–22 % faster over MPI,
+whose small all-reduces (norm statistics, bias gradients) gain most; a 2×2 MLP, whose large
+messages gloo's threads move during the matmuls (MPICH moves a message only inside MPI calls, our
+waits), runs between 1 % faster and 12 % slower over five runs. ``Mesh``'s "auto" takes MPI wherever it can run.
 
 * Waits poll ``Testall`` with a 50 µs sleep: a blocking MPI wait spins a whole core that a rank
   sharing it needs. A wait longer than the collective timeout cancels what it can and raises
   ``TimeoutError``, so a lost peer is an error, not a hang.
 * Broadcasts and point-to-point messages move bytes, any dtype; reductions need an MPI datatype
-  (fp32, fp64, int32, int64) — the tier-1 helpers send the others (bf16, fp16) over torch.
+  (fp32, fp64, int32, int64) and SUM or MAX — the tier-1 helpers send the others (bf16, fp16,
+  other ops) and anything not in CPU memory over torch, a choice every rank makes alike.
 * Non-contiguous tensors travel through a contiguous copy, copied back when the wait ends.
 """
 
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 _POLL_S = 5e-5
+_ABANDONED: list = []  # timed-out operations: MPI may still write into their buffers
 
 
 def _mpi():
@@ -50,10 +52,18 @@ class Request:
     """An MPI operation in flight; ``wait()`` polls it to the end (and raises after ``timeout`` s)."""
 
     def __init__(
-        self, requests: list, what: str, timeout: float, buffers: list, done: Callable[[], None] | None = None
+        self,
+        requests: list,
+        what: str,
+        timeout: float,
+        buffers: list,
+        done: Callable[[], None] | None = None,
+        *,
+        point_to_point: bool = False,
     ) -> None:
         self._requests, self._what, self._timeout, self._done = requests, what, timeout, done
         self._buffers = buffers  # alive until the operation ends
+        self._point_to_point = point_to_point
 
     def wait(self) -> bool:
         if self._requests is None:
@@ -64,9 +74,11 @@ class Request:
             now = time.monotonic()
             deadline = deadline or now + self._timeout
             if now > deadline:
-                for request in self._requests:
-                    if request != mpi.REQUEST_NULL:
-                        request.Cancel()
+                if self._point_to_point:  # cancelling a collective is erroneous in MPI
+                    for request in self._requests:
+                        if request != mpi.REQUEST_NULL:
+                            request.Cancel()
+                _ABANDONED.append((self._requests, self._buffers))
                 raise TimeoutError(f"MPI {self._what} did not complete within {self._timeout:g} s: is a peer lost?")
             time.sleep(_POLL_S)
         self._requests = self._buffers = None
@@ -93,8 +105,15 @@ class MpiTransport:
                 self.comms[axis] = comm
 
     @staticmethod
-    def reducible(t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64, torch.int32, torch.int64)
+    def carries(t: torch.Tensor) -> bool:
+        """Whether MPI moves ``t`` (CPU memory); the same answer on every rank of a mesh."""
+        return t.device.type == "cpu"
+
+    @staticmethod
+    def reducible(t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> bool:
+        """Whether MPI can reduce ``t`` with ``op``: CPU, fp32/fp64/int32/int64, SUM or MAX."""
+        dtypes = (torch.float32, torch.float64, torch.int32, torch.int64)
+        return t.device.type == "cpu" and t.dtype in dtypes and op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX)
 
     def broadcast(self, t: torch.Tensor, axis: str, root: int) -> Request:
         buf, done = _contiguous(t)
@@ -119,12 +138,12 @@ class MpiTransport:
     def isend(self, t: torch.Tensor, axis: str, member: int, tag: int) -> Request:
         buf = t.contiguous()
         request = self.comms[axis].Isend(_bytes(buf), member, tag)
-        return Request([request], f"send over {axis}", self.timeout, [buf])
+        return Request([request], f"send over {axis}", self.timeout, [buf], point_to_point=True)
 
     def irecv(self, t: torch.Tensor, axis: str, member: int, tag: int) -> Request:
         buf, done = _contiguous(t)
         request = self.comms[axis].Irecv(_bytes(buf), member, tag)
-        return Request([request], f"receive over {axis}", self.timeout, [buf], done)
+        return Request([request], f"receive over {axis}", self.timeout, [buf], done, point_to_point=True)
 
 
 def _contiguous(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:

@@ -23,8 +23,8 @@ class Done:
         return True
 
 
-def _mpi_reduces(mesh: Mesh, t: torch.Tensor) -> bool:
-    return mesh.mpi is not None and mesh.mpi.reducible(t)
+def _mpi_reduces(mesh: Mesh, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> bool:
+    return mesh.mpi is not None and mesh.mpi.reducible(t, op)
 
 
 def _finished(handle, async_op: bool):
@@ -41,7 +41,7 @@ def broadcast(t: torch.Tensor, mesh: Mesh, axis: str, root: int, async_op: bool 
     if group is None:
         return Done() if async_op else None
     record("broadcast", axis, t)
-    if mesh.mpi is not None and t.device.type == "cpu":
+    if mesh.mpi is not None and mesh.mpi.carries(t):
         return _finished(mesh.mpi.broadcast(t, axis, root), async_op)
     return dist.broadcast(t, src=mesh.global_rank(axis, root), group=group, async_op=async_op)
 
@@ -63,7 +63,7 @@ def all_reduce(t: torch.Tensor, mesh: Mesh, axis: str, op: dist.ReduceOp = dist.
     if group is None:
         return Done() if async_op else None
     record("all_reduce", axis, t)
-    if _mpi_reduces(mesh, t):
+    if _mpi_reduces(mesh, t, op):
         return _finished(mesh.mpi.all_reduce(t, axis, op), async_op)
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
@@ -252,14 +252,14 @@ def _exchange(mesh: Mesh, axis: str, send: list[torch.Tensor], recv: list[torch.
 
 def isend(t: torch.Tensor, mesh: Mesh, axis: str, member: int, tag: int = 0):
     """Send ``t`` to member ``member`` of this rank's ``axis`` group (over MPI on an MPI mesh)."""
-    if mesh.mpi is not None:
+    if mesh.mpi is not None and mesh.mpi.carries(t):
         return mesh.mpi.isend(t, axis, member, tag)
     return dist.isend(t.contiguous(), mesh.global_rank(axis, member), group=mesh.group(axis), tag=tag)
 
 
 def irecv(t: torch.Tensor, mesh: Mesh, axis: str, member: int, tag: int = 0):
     """Receive into ``t`` (contiguous) from member ``member`` of this rank's ``axis`` group."""
-    if mesh.mpi is not None:
+    if mesh.mpi is not None and mesh.mpi.carries(t):
         return mesh.mpi.irecv(t, axis, member, tag)
     return dist.irecv(t, mesh.global_rank(axis, member), group=mesh.group(axis), tag=tag)
 

@@ -71,7 +71,7 @@ class TransformerBlock2D(nn.Module):
         module.norm2 = LayerNorm2D.from_serial(layer.norm2, mesh)
         module.dropout1 = Dropout2D(layer.dropout1.p, mesh=mesh)
         module.dropout2 = Dropout2D(layer.dropout2.p, mesh=mesh)
-        module.activation = layer.activation
+        module.activation = activation_fn(layer.activation)
         return module
 
     def forward(
@@ -121,7 +121,7 @@ class TransformerDecoderBlock2D(nn.Module):
         for n in (1, 2, 3):
             setattr(module, f"norm{n}", LayerNorm2D.from_serial(getattr(layer, f"norm{n}"), mesh))
             setattr(module, f"dropout{n}", Dropout2D(getattr(layer, f"dropout{n}").p, mesh=mesh))
-        module.activation = layer.activation
+        module.activation = activation_fn(layer.activation)
         return module
 
     def forward(

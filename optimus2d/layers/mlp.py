@@ -19,6 +19,16 @@ _RANDOM_ACTIVATIONS = (nn.RReLU, nn.modules.dropout._DropoutNd)  # recomputing t
 
 
 def activation_fn(activation: str | Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The element-wise function for ``activation`` (a name or a callable without parameters).
+
+    An activation with parameters (``nn.PReLU``) is refused: applied block by block its gradient
+    would need a sum over the mesh that nothing here makes.
+    """
+    if isinstance(activation, nn.Module) and any(True for _ in activation.parameters()):
+        raise TypeError(
+            f"activation {type(activation).__name__} has parameters: a 2D feed-forward cannot sum their "
+            "gradient over the mesh; use a parameter-free activation"
+        )
     if callable(activation):
         return activation
     if activation not in ACTIVATIONS:
@@ -35,18 +45,25 @@ def feed_forward(
     *,
     recompute: bool = True,
 ) -> torch.Tensor:
-    """``fc2(dropout(activation(fc1(x))))``, the same value whether or not ``recompute``.
+    """``fc2(dropout(activation(fc1(x))))``, with the same gradients whether or not ``recompute``.
 
-    ``recompute`` (with no dropout active between): fc2 keeps fc1's output for backward and
-    recomputes the activation there (``Linear2D``'s ``input_activation``), so the ffn-wide tensor
-    is kept once a row instead of twice (torch keeps the activation's input and its output).
+    ``recompute``: fc2 keeps fc1's output for backward and recomputes the activation there
+    (``Linear2D``'s ``input_activation``), so the ffn-wide tensor is kept once a row instead of
+    twice (torch keeps the activation's input and its output). Not when a dropout is active
+    between the two, nor for an activation that draws random numbers (``nn.RReLU``) or works in
+    place (``inplace=True``): those run as torch.
     """
     h = fc1(x)
-    dropout_active = dropout is not None and dropout.training and dropout.p > 0
-    if recompute and not dropout_active and not isinstance(activation, _RANDOM_ACTIVATIONS):
+    if recompute and _recomputable(activation, dropout):
         return fc2(h, input_activation=activation)
     g = activation(h)
     return fc2(dropout(g) if dropout is not None else g)
+
+
+def _recomputable(activation: Callable[[torch.Tensor], torch.Tensor], dropout: Dropout2D | None) -> bool:
+    if dropout is not None and dropout.training and dropout.p > 0:
+        return False
+    return not isinstance(activation, _RANDOM_ACTIVATIONS) and not getattr(activation, "inplace", False)
 
 
 class MLP2D(nn.Module):
@@ -96,7 +113,7 @@ class MLP2D(nn.Module):
         nn.Module.__init__(module)
         module.fc1 = Linear2D.from_serial(layers[0], mesh)
         module.fc2 = Linear2D.from_serial(layers[2], mesh)
-        module.activation = layers[1]
+        module.activation = activation_fn(layers[1])
         module.dropout = Dropout2D(layers[3].p if len(layers) == 4 else 0.0, mesh=mesh)
         module.recompute_activation = recompute_activation
         return module
