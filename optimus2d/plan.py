@@ -19,12 +19,13 @@ from optimus2d.cost import linear_2d_algorithm, linear_2d_elements
 
 @dataclass(frozen=True)
 class Layer:
-    """One pre-norm transformer layer: batch b, sequence s, hidden h, feed-forward f."""
+    """One pre-norm transformer layer: batch b, sequence s, hidden h, feed-forward f, attention heads."""
 
     batch: int
     seq: int
     hidden: int
     ffn: int
+    heads: int = 0  # only for the memory count (one log-sum-exp a head and token); 0: not counted
 
     @property
     def rows(self) -> int:
@@ -173,20 +174,27 @@ def step_time(layer: Layer, scheme: str, p: int, hw: Hardware) -> dict[str, floa
 
 
 def activation_elements(layer: Layer, scheme: str, p: int) -> float:
-    """Saved activations per rank, in elements, from the per-token census of a pre-norm layer.
+    """Saved activations per rank, in elements, of a pre-norm layer's forward (dropout 0, SDPA).
 
-    A layer saves per token about 8h replicable (norm inputs/outputs, attention input/output,
-    residual-side tensors) + 3h (q, k, v) + 2f (fc1 output, activation output; optimus2d's
-    ``MLP2D`` and blocks keep only fc1's and recompute the activation, when no dropout is active
-    between them; converted transformers models keep both, which this count does not cover) +
-    the attention probabilities' s·heads are not saved by flash/SDPA kernels. 1D splits only
-    q/k/v and the f-wide tensors; 1D+SP and 2D split everything (2.5D: by depth·q² too).
+    Per token, as torch's ``nn.TransformerEncoderLayer`` saves them: 4h at the two norms (each
+    one's input and output, the output being the next projection's input), 4h for attention (q, k,
+    v and its output, the out-projection's input), 2f for the MLP (fc1's output and the
+    activation's; optimus2d keeps only fc1's and recomputes the activation, ``MLP2D``), and per
+    row 2 statistics a norm and one log-sum-exp a head. 1D keeps the norms' 4h whole and splits the
+    rest p ways; 1D+SP splits the norms' inputs but its column-parallel projections keep their
+    gathered inputs whole; 2D and 2.5D split all of it p ways, the statistics over the rows only
+    (d·q ways; the heads over q). ``tests/test_plan_mpi.py`` checks 2D and serial to the element;
+    a 2D rank off the diagonal whose out-projection takes the weight-stationary form keeps h/q a
+    row more (the block it received from rank (k, j, i), besides SDPA's output).
     """
-    r, h, f = layer.rows, layer.hidden, layer.ffn
-    replicable, splittable = 8 * h, 3 * h + (2 if scheme.startswith("1d") else 1) * f
-    if scheme == "1d":
-        return r * (replicable + splittable / p)
-    return r * (replicable + splittable) / p
+    r, h, f, heads = layer.rows, layer.hidden, layer.ffn, layer.heads
+    if scheme in ("1d", "1d-sp"):
+        split = 4 * h + 2 * f + heads
+        if scheme == "1d":
+            return r * (4 * h + 4 + split / p)
+        return r * (2 * h + (2 * h + split) / p + 4 / p)
+    q, depth = _mesh_shape(scheme, p)
+    return r * ((4 * h + 4 * h + f) / p + (4 + heads / q) / (depth * q))
 
 
 def efficiency(layer: Layer, scheme: str, p: int, hw: Hardware) -> float:

@@ -7,9 +7,12 @@ import torch
 from torch import nn
 
 from optimus2d import TransformerBlock2D, count_comm, scatter
+from optimus2d.cost import linear_2d_algorithm
+from optimus2d.memory import saved_activation_bytes
 from optimus2d.plan import (
     Hardware,
     Layer,
+    activation_elements,
     efficiency,
     isoefficiency_hidden,
     layer_comm,
@@ -30,6 +33,27 @@ def test_transformer_layer_elements_match_the_counter(mesh):
         block(x, is_causal=True).square().sum().backward()
     layer = Layer(b, s, h, 4 * h)
     assert counter.numel == transformer_layer_elements(layer, mesh.q, mesh.depth, on_diagonal=mesh.i == mesh.j)
+
+
+@pytest.mark.mpi
+def test_activation_elements_are_what_the_block_and_torch_save(mesh):
+    h, heads, s = 24, 6, 5
+    b = 2 * mesh.depth * mesh.q
+    torch.manual_seed(0)
+    serial = nn.TransformerEncoderLayer(
+        h, heads, 4 * h, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+    )
+    block = TransformerBlock2D.from_serial(serial, mesh)
+    x = torch.randn(b, s, h, requires_grad=True)
+    layer = Layer(b, s, h, 4 * h, heads)
+    scheme = "2d" if mesh.depth == 1 else f"2.5d:{mesh.depth}"
+    ours = saved_activation_bytes(block, scatter(x, mesh).detach().clone().requires_grad_())
+    # off the diagonal a weight-stationary out-projection keeps the block it received from rank
+    # (k, j, i) besides its own input, which SDPA keeps as its output anyway: h/q more a row
+    stationary = linear_2d_algorithm(b * s, h, h, mesh.q, mesh.depth) == "stationary"
+    extra = b * s // (mesh.depth * mesh.q) * h // mesh.q if stationary and mesh.i != mesh.j else 0
+    assert ours == 4 * (round(activation_elements(layer, scheme, mesh.size)) + extra)
+    assert saved_activation_bytes(serial, x) == 4 * round(activation_elements(layer, "1d", 1))
 
 
 def test_projection_orders_layouts_as_the_formulas_say():
