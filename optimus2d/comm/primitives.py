@@ -3,8 +3,9 @@
 A group of one rank sends nothing: the helpers return at once (async ones return a finished
 handle), so a 1-rank mesh is plain torch. Roots are given as an index within the axis group and
 turned into a global rank by the group itself (``Mesh.global_rank``). On a mesh whose transport
-is MPI (``comm/mpi.py``) the same calls go through its communicators; a reduction of a dtype MPI
-cannot add (bf16, fp16) goes through torch, the same choice on every rank.
+is MPI (``comm/mpi.py``) the same calls go through its communicators; a reduction MPI cannot
+make (bf16, fp16, an op other than SUM and MAX) and a tensor not in CPU memory go through torch,
+the same choice on every rank.
 """
 
 from __future__ import annotations

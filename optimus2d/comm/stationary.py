@@ -38,7 +38,7 @@ from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
-from optimus2d.comm.recompute import Activation, Recomputed, activated
+from optimus2d.recompute import Activation, Recomputed, activated
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -91,7 +91,7 @@ class _StationaryAB(Function):
     def forward(ctx, a, b, mesh, activation):
         ctx.mesh, ctx.activation = mesh, activation
         a_swapped = P.transpose(a.contiguous(), mesh)  # A[batch blk j, blk i] on rank (k, i, j)
-        ctx.save_for_backward(a_swapped, b)  # before the activation (comm/recompute.py)
+        ctx.save_for_backward(a_swapped, b)  # before the activation (optimus2d/recompute.py)
         out = P.PartialSums(mesh, "col", (a.shape[0], b.shape[1]), a)  # batch block t → col member t
         _products(P.Blocks(activated(a_swapped, activation), mesh, "row"), b, out)  # row member t: batch block t
         return out.result()
@@ -119,7 +119,7 @@ class _StationaryABT(Function):
     def forward(ctx, a, b, mesh, activation):
         ctx.mesh, ctx.activation = mesh, activation
         a = a.contiguous()
-        ctx.save_for_backward(a, b)  # before the activation (comm/recompute.py)
+        ctx.save_for_backward(a, b)  # before the activation (optimus2d/recompute.py)
         out = P.PartialSums(mesh, "row", (a.shape[0], b.shape[0]), a)  # batch block t → row member t
         _products(P.Blocks(activated(a, activation), mesh, "col"), b.t(), out)  # col member t: batch block t
         return P.transpose(out.result(), mesh)
@@ -153,7 +153,7 @@ def stationary_ab(a: torch.Tensor, b: torch.Tensor, mesh: Mesh, *, activation: A
     forward: exchange with rank (k, j, i), all-gather over row, reduce-scatter over col;
     backward: all-gather over col, reduce-scatter over row and exchange (dA), all-gather over row
     (dB), all-reduce of dB over depth.
-    ``activation``: C = act(A)·B, keeping A and recomputing act(A) in backward (comm/recompute.py).
+    ``activation``: C = act(A)·B, keeping A and recomputing act(A) in backward (optimus2d/recompute.py).
     """
     _check("stationary_ab", a, b, mesh, 0)
     return _StationaryAB.apply(a, b, mesh, activation)

@@ -24,7 +24,7 @@ from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
-from optimus2d.comm.recompute import Activation, Recomputed, activated
+from optimus2d.recompute import Activation, Recomputed, activated
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -114,7 +114,7 @@ class _SummaAB(Function):
     @staticmethod
     def forward(ctx, a, b, mesh, activation):
         ctx.mesh, ctx.activation = mesh, activation
-        ctx.save_for_backward(a, b)  # a before the activation (comm/recompute.py)
+        ctx.save_for_backward(a, b)  # a before the activation (optimus2d/recompute.py)
         return _ab(activated(a, activation), b, mesh)
 
     @staticmethod
@@ -131,7 +131,7 @@ class _SummaABT(Function):
     @staticmethod
     def forward(ctx, a, b, mesh, activation):
         ctx.mesh, ctx.activation = mesh, activation
-        ctx.save_for_backward(a, b)  # a before the activation (comm/recompute.py)
+        ctx.save_for_backward(a, b)  # a before the activation (optimus2d/recompute.py)
         return _abt(activated(a, activation), b, mesh)
 
     @staticmethod
@@ -175,7 +175,7 @@ def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: Mesh, *, activation: Activa
 
     forward: q broadcasts of A blocks along rows and of B blocks along columns;
     backward: dA = dC·Bᵀ (abt), dB = Aᵀ·dC (atb, all-reduced over depth).
-    ``activation``: C = act(A)·B, keeping A and recomputing act(A) in backward (comm/recompute.py).
+    ``activation``: C = act(A)·B, keeping A and recomputing act(A) in backward (optimus2d/recompute.py).
     """
     _check("summa_ab", a, b, mesh, 1, 0)
     return _SummaAB.apply(a, b, mesh, activation)

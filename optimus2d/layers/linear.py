@@ -8,10 +8,10 @@ from torch import nn
 
 from optimus2d.comm import reduce_grad, stationary_ab, stationary_abt, summa_ab, summa_abt
 from optimus2d.comm.mesh import Mesh
-from optimus2d.comm.recompute import Activation
 from optimus2d.comm.sharding import Sharding
 from optimus2d.cost import linear_2d_algorithm
 from optimus2d.layers.base import ShardedModule
+from optimus2d.recompute import Activation
 
 
 class Linear2D(ShardedModule):
@@ -123,7 +123,7 @@ class Linear2D(ShardedModule):
 
     def forward(self, x: torch.Tensor, *, input_activation: Activation = None) -> torch.Tensor:
         """``input_activation``: y = linear(act(x)) keeping x, not act(x), for backward, where act(x)
-        is recomputed (``comm/recompute.py``; act element-wise and deterministic)."""
+        is recomputed (``optimus2d/recompute.py``; act element-wise and deterministic)."""
         self._check_input(x)
         return linear_2d(x, self.weight, self.bias, self.mesh, self.summa, self.algorithm, input_activation)
 
