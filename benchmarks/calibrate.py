@@ -23,7 +23,6 @@ from torch import nn
 
 import optimus2d
 from benchmarks import compare, peers
-from optimus2d.comm import primitives as P
 from optimus2d.plan import Hardware, comm_time, mlp_comm, mlp_flops
 
 
@@ -58,12 +57,9 @@ def measure_hardware(
     share = nn.Sequential(nn.Linear(h, f // mesh.size), nn.GELU(), nn.Linear(f // mesh.size, h)).to(device)
     x = torch.randn(rows, h, device=device)
     flops = mlp_flops(rows, h, f // mesh.size) / (_median_ms(lambda: share(x).sum().backward(), repeats, device) / 1e3)
-    partner = mesh.size - 1 - mesh.index("mesh") if mesh.size > 1 else None
 
     def exchange(send: torch.Tensor, recv: torch.Tensor) -> None:  # over the mesh's transport
-        if partner is not None and partner != mesh.index("mesh"):
-            for handle in (P.isend(send, mesh, "mesh", partner), P.irecv(recv, mesh, "mesh", partner)):
-                handle.wait()
+        compare.exchange(mesh, send, recv)
 
     small, big = (torch.randn(16, device=device), torch.empty(16, device=device)), None
     n = 1024 * 1024

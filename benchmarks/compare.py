@@ -93,6 +93,18 @@ def result(args: argparse.Namespace, mesh: Mesh, serial_act: int, rows: list[dic
     }
 
 
+def exchange(mesh: Mesh, send: torch.Tensor, recv: torch.Tensor) -> None:
+    """Swap ``send`` for the partner's into ``recv``: member n and member size−1−n of the mesh, over
+    the mesh's transport (the middle rank of an odd mesh keeps its own)."""
+    from optimus2d.comm import primitives as P
+
+    me = mesh.index("mesh") if mesh.size > 1 else 0
+    partner = mesh.size - 1 - me
+    if partner != me:
+        for handle in (P.isend(send, mesh, "mesh", partner), P.irecv(recv, mesh, "mesh", partner)):
+            handle.wait()
+
+
 def collective_device() -> torch.device:
     """Where tensors for the default group's collectives live: the current GPU under NCCL."""
     if dist.get_backend() == "nccl":

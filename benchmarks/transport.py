@@ -32,15 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _ops(mesh: optimus2d.Mesh, n: int) -> dict:
     send, recv = torch.randn(n), torch.empty(n)
-    partner = mesh.size - 1 - mesh.index("mesh")
-
-    def exchange() -> None:
-        if partner != mesh.index("mesh"):
-            for handle in (P.isend(send, mesh, "mesh", partner), P.irecv(recv, mesh, "mesh", partner)):
-                handle.wait()
-
     return {
-        "exchange": exchange,
+        "exchange": lambda: compare.exchange(mesh, send, recv),
         "broadcast": lambda: P.broadcast(recv, mesh, "mesh", 0),
         "all-reduce": lambda: P.all_reduce(recv, mesh, "mesh"),
     }
