@@ -11,14 +11,18 @@ from __future__ import annotations
 def linear_2d_summa_elements(rows: int, fin: int, fout: int, q: int, depth: int = 1, *, dx=True, dw=True) -> int:
     """The SUMMA products of one ``Linear2D`` forward + backward (no bias, no depth reduction).
 
-    3·rows·min(in, out)/(d·q) + 3·in·out/q: each step moves one activation block (of the cheaper
-    form's broadcast side) and one weight block; ``dx``/``dw`` False drop the unneeded products.
+    Each product moves, every step, one activation block (of the cheaper form's broadcast side)
+    and one weight block: 3·rows·min(in, out)/(d·q) + 3·in·out/q. For in > out (C = A·Bᵀ) a
+    backward that makes both gradients broadcasts each dC block once for the two (one activation
+    term less). ``dx``/``dw`` False drop the unneeded products.
     """
     if q == 1:
         return 0
-    act = rows * min(fin, fout) // (depth * q)
+    act = rows * min(fin, fout) // (depth * q * q)  # one block
     block = fin * fout // (q * q)
-    return q * (act // q + block) * (1 + int(dx) + int(dw))
+    products = 1 + int(dx) + int(dw)
+    shared = int(dx and dw and fin > fout)
+    return q * (act * (products - shared) + block * products)
 
 
 def linear_2d_stationary_elements(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from optimus2d.cost import linear_2d_algorithm, linear_2d_elements
+from optimus2d.cost import linear_2d_algorithm, linear_2d_elements, linear_2d_summa_elements
 
 
 @dataclass(frozen=True)
@@ -98,10 +98,9 @@ def _linear_comm(
     if algorithm == "auto":
         algorithm = linear_2d_algorithm(r, i, o, q, depth, dx=dx)
     if algorithm == "summa":
-        act, block = r * min(i, o) // (depth * q), i * o // (q * q)
-        products = 2 + int(dx)
-        # each step's broadcasts are issued together: one sync stage a step
-        return [("broadcast", q, products * q * (act // q + block), products * q)]
+        # each step's broadcasts are issued together, a backward's for both gradients: one sync
+        # stage a step forward and one backward
+        return [("broadcast", q, linear_2d_summa_elements(r, i, o, q, depth, dx=dx), 2 * q)]
     big = r // depth  # rows of a depth slice
     swaps = 1 + int(dx or i > o)
     return [  # messages counted as sync stages: the backward gathers dY and the input together

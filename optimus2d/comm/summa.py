@@ -12,7 +12,9 @@ The three kernels, step t = 0..q-1 (block (i, j) of a matrix X is X_ij):
     atb:  C_tj  = Σ_i A_itᵀ · B_ij      broadcast A_it along the row, reduce to row t
 
 The broadcasts of step t+1 are issued (async, into the second of two buffers) before the local
-matmul of step t, so communication overlaps computation.
+matmul of step t, so communication overlaps computation. A backward computes both gradients in
+one pass of q steps (``_grads_of_*``): their broadcasts travel together, one sync stage a step,
+and a block both products need (dC for A·Bᵀ and Aᵀ·B) is broadcast once.
 """
 
 from __future__ import annotations
@@ -64,28 +66,39 @@ def _pipelined_broadcasts(mesh: Mesh, operands: list[tuple[torch.Tensor, str]]) 
         yield blocks
 
 
+def _accumulator(a: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A zero [rows, cols] sum for products of ``a``'s dtype (fp32 for 16-bit operands)."""
+    dtype = torch.float32 if a.dtype in _LOW_PRECISION else a.dtype
+    return torch.zeros(rows, cols, dtype=dtype, device=a.device)
+
+
+def _add_product(acc: torch.Tensor, lhs: torch.Tensor, rhs: torch.Tensor) -> None:
+    if acc.dtype == lhs.dtype:
+        acc.addmm_(lhs, rhs)
+    else:  # low precision: fp32 accumulator across steps
+        acc.add_(lhs @ rhs)
+
+
 def _ab(a: torch.Tensor, b: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """C_ij = Σ_t A_it · B_tj; a [m, k/q], b [k/q, n/q] → c [m, n/q]."""
     if mesh.q == 1:  # one step: no accumulator to fill
         return a @ b
-    acc_dtype = torch.float32 if a.dtype in _LOW_PRECISION else a.dtype
-    c = torch.zeros(a.shape[0], b.shape[1], dtype=acc_dtype, device=a.device)
+    c = _accumulator(a, a.shape[0], b.shape[1])
     for a_t, b_t in _pipelined_broadcasts(mesh, [(a, "row"), (b, "col")]):
-        if acc_dtype == a.dtype:
-            c.addmm_(a_t, b_t)
-        else:  # low precision: fp32 accumulator across steps
-            c.add_(a_t @ b_t)
+        _add_product(c, a_t, b_t)
     return c.to(a.dtype)
 
 
-def _reduce_partials(mesh: Mesh, partials: Iterator[torch.Tensor], axis: str) -> torch.Tensor:
-    """Reduce the t-th partial to member t of ``axis``; returns this rank's reduced block."""
-    mine, in_flight = None, []
-    for step, partial in enumerate(partials):
-        in_flight.append(P.reduce(partial, mesh, axis, step, async_op=True))
-        if mesh.index(axis) == step:
-            mine = partial
-        if len(in_flight) > 2:
+def _reduce_partials(mesh: Mesh, partials: Iterator[tuple[torch.Tensor, ...]], axes: tuple[str, ...]) -> list:
+    """Step t yields one partial per axis; each is reduced to member t of its axis (all in flight
+    together). Returns this rank's reduced block of each axis."""
+    mine, in_flight = [None] * len(axes), []
+    for step, parts in enumerate(partials):
+        for n, (partial, axis) in enumerate(zip(parts, axes, strict=True)):
+            in_flight.append(P.reduce(partial, mesh, axis, step, async_op=True))
+            if mesh.index(axis) == step:
+                mine[n] = partial
+        while len(in_flight) > 2 * len(axes):
             in_flight.pop(0).wait()
     for h in in_flight:
         h.wait()
@@ -95,15 +108,78 @@ def _reduce_partials(mesh: Mesh, partials: Iterator[torch.Tensor], axis: str) ->
 def _abt(a: torch.Tensor, b: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """C_it = Σ_j A_ij · B_tjᵀ; a [m, k/q], b [n/q, k/q] → c [m, n/q]."""
     blocks = _pipelined_broadcasts(mesh, [(b, "col")])
-    return _reduce_partials(mesh, (a @ b_t.t() for (b_t,) in blocks), "row")
+    return _reduce_partials(mesh, ((a @ b_t.t(),) for (b_t,) in blocks), ("row",))[0]
 
 
 def _atb(a: torch.Tensor, b: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """C_tj = Σ_i A_itᵀ · B_ij, summed over depth; a [m, k/q], b [m, n/q] → c [k/q, n/q]."""
     blocks = _pipelined_broadcasts(mesh, [(a, "row")])
-    c = _reduce_partials(mesh, (a_t.t() @ b for (a_t,) in blocks), "col")
+    (c,) = _reduce_partials(mesh, ((a_t.t() @ b,) for (a_t,) in blocks), ("col",))
     P.all_reduce(c, mesh, "depth")
     return c
+
+
+def _grads_of_ab(grad_c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mesh: Mesh, need_a: bool, need_b: bool):
+    """dA = dC·Bᵀ (abt) and dB = Aᵀ·dC (atb) of C = A·B, both in one pass of q steps.
+
+    Step t broadcasts B_tj along the column and A_it along the row together (one sync stage a
+    step, not two); dC_ij·B_tjᵀ is reduced to row member t and A_itᵀ·dC_ij to column member t.
+    """
+    if not (need_a and need_b):
+        return _abt(grad_c, b, mesh) if need_a else None, _atb(a, grad_c, mesh) if need_b else None
+    if mesh.q == 1:
+        grad_a, grad_b = grad_c @ b.t(), a.t() @ grad_c
+    else:
+        blocks = _pipelined_broadcasts(mesh, [(b, "col"), (a, "row")])
+        partials = ((grad_c @ b_t.t(), a_t.t() @ grad_c) for b_t, a_t in blocks)
+        grad_a, grad_b = _reduce_partials(mesh, partials, ("row", "col"))
+    P.all_reduce(grad_b, mesh, "depth")
+    return grad_a, grad_b
+
+
+def _grads_of_abt(grad_c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mesh: Mesh, need_a: bool, need_b: bool):
+    """dA = dC·B (ab) and dB = dCᵀ·A (atb) of C = A·Bᵀ: each dC block is broadcast once for both.
+
+    Step t broadcasts dC_it along the row and B_tj along the column; dA += dC_it·B_tj, and
+    dC_itᵀ·A_ij is reduced to column member t. Saves q broadcasts of dC and q sync stages.
+    """
+    if not (need_a and need_b):
+        return _ab(grad_c, b, mesh) if need_a else None, _atb(grad_c, a, mesh) if need_b else None
+    if mesh.q == 1:
+        grad_a, grad_b = grad_c @ b, grad_c.t() @ a
+    else:
+        grad_a = _accumulator(grad_c, grad_c.shape[0], b.shape[1])
+
+        def partials():
+            for c_t, b_t in _pipelined_broadcasts(mesh, [(grad_c, "row"), (b, "col")]):
+                _add_product(grad_a, c_t, b_t)
+                yield (c_t.t() @ a,)
+
+        (grad_b,) = _reduce_partials(mesh, partials(), ("col",))
+        grad_a = grad_a.to(grad_c.dtype)
+    P.all_reduce(grad_b, mesh, "depth")
+    return grad_a, grad_b
+
+
+def _grads_of_atb(grad_c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mesh: Mesh, need_a: bool, need_b: bool):
+    """dA = B·dCᵀ (abt) and dB = A·dC (ab) of C = Aᵀ·B: each dC block is broadcast once for both.
+
+    Step t broadcasts dC_tj along the column and A_it along the row; dB += A_it·dC_tj, and
+    B_ij·dC_tjᵀ is reduced to row member t.
+    """
+    if not (need_a and need_b):
+        return _abt(b, grad_c, mesh) if need_a else None, _ab(a, grad_c, mesh) if need_b else None
+    if mesh.q == 1:
+        return b @ grad_c.t(), a @ grad_c
+    grad_b = _accumulator(a, a.shape[0], grad_c.shape[1])
+
+    def partials():
+        for c_t, a_t in _pipelined_broadcasts(mesh, [(grad_c, "col"), (a, "row")]):
+            _add_product(grad_b, a_t, c_t)
+            yield (b @ c_t.t(),)
+
+    (grad_a,) = _reduce_partials(mesh, partials(), ("row",))
+    return grad_a, grad_b.to(a.dtype)
 
 
 def _sum_over_depth(grad: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -121,10 +197,9 @@ class _SummaAB(Function):
     def backward(ctx, grad_c):
         pre, b = ctx.saved_tensors
         a = Recomputed(pre, ctx.activation)
-        grad_c = grad_c.contiguous()
-        grad_a = a.grad(_abt(grad_c, b, ctx.mesh)) if ctx.needs_input_grad[0] else None  # dC·Bᵀ
-        grad_b = _atb(a.value, grad_c, ctx.mesh) if ctx.needs_input_grad[1] else None  # Aᵀ·dC
-        return grad_a, grad_b, None, None
+        need_a, need_b = ctx.needs_input_grad[:2]
+        grad_a, grad_b = _grads_of_ab(grad_c.contiguous(), a.value if need_b else None, b, ctx.mesh, need_a, need_b)
+        return a.grad(grad_a) if need_a else None, grad_b, None, None
 
 
 class _SummaABT(Function):
@@ -138,10 +213,9 @@ class _SummaABT(Function):
     def backward(ctx, grad_c):
         pre, b = ctx.saved_tensors
         a = Recomputed(pre, ctx.activation)
-        grad_c = grad_c.contiguous()
-        grad_a = a.grad(_ab(grad_c, b, ctx.mesh)) if ctx.needs_input_grad[0] else None  # dC·B
-        grad_b = _atb(grad_c, a.value, ctx.mesh) if ctx.needs_input_grad[1] else None  # dCᵀ·A
-        return grad_a, grad_b, None, None
+        need_a, need_b = ctx.needs_input_grad[:2]
+        grad_a, grad_b = _grads_of_abt(grad_c.contiguous(), a.value if need_b else None, b, ctx.mesh, need_a, need_b)
+        return a.grad(grad_a) if need_a else None, grad_b, None, None
 
 
 class _SummaATB(Function):
@@ -155,8 +229,7 @@ class _SummaATB(Function):
     def backward(ctx, grad_c):
         a, b = ctx.saved_tensors
         grad_c = _sum_over_depth(grad_c, ctx.mesh)  # C is replicated over depth
-        grad_a = _abt(b, grad_c, ctx.mesh) if ctx.needs_input_grad[0] else None  # B·dCᵀ
-        grad_b = _ab(a, grad_c, ctx.mesh) if ctx.needs_input_grad[1] else None  # A·dC
+        grad_a, grad_b = _grads_of_atb(grad_c, a, b, ctx.mesh, *ctx.needs_input_grad[:2])
         return grad_a, grad_b, None
 
 
@@ -174,7 +247,9 @@ def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: Mesh, *, activation: Activa
     """C = A·B. a: block of A [M, K] as [M/(d·q), K/q]; b: block of B [K, N] as [K/q, N/q].
 
     forward: q broadcasts of A blocks along rows and of B blocks along columns;
-    backward: dA = dC·Bᵀ (abt), dB = Aᵀ·dC (atb, all-reduced over depth).
+    backward: q steps, each broadcasting a B block along the column and an A block along the row,
+    reducing dA = dC·Bᵀ partials along rows and dB = Aᵀ·dC partials along columns (dB then
+    all-reduced over depth).
     ``activation``: C = act(A)·B, keeping A and recomputing act(A) in backward (optimus2d/recompute.py).
     """
     _check("summa_ab", a, b, mesh, 1, 0)
@@ -185,7 +260,8 @@ def summa_abt(a: torch.Tensor, b: torch.Tensor, mesh: Mesh, *, activation: Activ
     """C = A·Bᵀ. a: block of A [M, K] as [M/(d·q), K/q]; b: block of B [N, K] as [N/q, K/q].
 
     forward: q broadcasts of B blocks along columns, q reduces of C partials along rows;
-    backward: dA = dC·B (ab), dB = dCᵀ·A (atb, all-reduced over depth).
+    backward: q steps, each broadcasting a dC block along the row (once for both gradients) and a
+    B block along the column, reducing dB = dCᵀ·A partials along columns (then over depth).
     ``activation``: C = act(A)·Bᵀ, keeping A and recomputing act(A) in backward.
     """
     _check("summa_abt", a, b, mesh, 1, 1)
@@ -197,7 +273,9 @@ def summa_atb(a: torch.Tensor, b: torch.Tensor, mesh: Mesh) -> torch.Tensor:
 
     C [K, N] is replicated over depth, as [K/q, N/q].
     forward: q broadcasts of A blocks along rows, q reduces along columns, all-reduce over depth;
-    backward: all-reduce of dC over depth, then dA = B·dCᵀ (abt), dB = A·dC (ab).
+    backward: all-reduce of dC over depth, then q steps, each broadcasting a dC block along the
+    column (once for both gradients) and an A block along the row, reducing dA = B·dCᵀ partials
+    along rows.
     """
     _check("summa_atb", a, b, mesh, 0, 0)
     return _SummaATB.apply(a, b, mesh)
