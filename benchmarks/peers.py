@@ -84,7 +84,17 @@ def dtensor_1d(
         return torch.cat(parts, out_dim)
 
     name = "DTensor 1D + SP" if sequence_parallel else "DTensor 1D"
-    return Peer(name, model, lambda: model(x_local), lambda out: out.backward(grad_local), full)
+    return Peer(name, model, lambda: waited(model(x_local)), lambda out: out.backward(grad_local), full)
+
+
+def waited(out: torch.Tensor) -> torch.Tensor:
+    """``out`` with its collective finished. DTensor returns its last collective's output un-waited
+    (an ``AsyncCollectiveTensor``, waited when an op first reads it); a step's loss would read it
+    before backward, so the timed step waits for it too (one elementwise op: the wait, kept in
+    autograd). Without this the output's all-reduce runs unmeasured beside the backward."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return out * 1 if isinstance(out, AsyncCollectiveTensor) else out
 
 
 def mlp_plans(sequence_parallel: bool) -> dict:
