@@ -82,7 +82,9 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
                     rows, h, args.ffn, mesh.q, mesh.depth, input_grad=False, algorithm=algorithm, on_diagonal=diagonal
                 )
         elif (name.startswith("DTensor") or name.startswith("megatron")) and not args.linear:
-            r["elements_formula"] = mlp_1d_elements(rows, h, p, sequence_parallel=name.endswith("SP"))
+            # the input needs no gradient: DTensor skips its collective, megatron-core all-reduces it anyway
+            sp, dx = name.endswith("SP"), name.startswith("megatron")
+            r["elements_formula"] = mlp_1d_elements(rows, h, p, sequence_parallel=sp, input_grad=dx)
     serial_act = saved_activation_bytes(serial, x)
     if world.rank == 0:
         compare.print_table(compare.title(what, args, mesh), results, serial_act, p)

@@ -113,12 +113,15 @@ def mlp_2d_elements(
     return first + linear_2d_elements(rows, ffn, hidden, q, depth, **kw)
 
 
-def mlp_1d_elements(rows: int, hidden: int, p: int, *, sequence_parallel: bool = False) -> int:
+def mlp_1d_elements(rows: int, hidden: int, p: int, *, sequence_parallel: bool = False, input_grad: bool = True) -> int:
     """Megatron 1D MLP (column then row parallel), forward + backward, per rank.
 
-    Without sequence parallelism: an all-reduce of rows·h forward and one backward. With it: an
-    all-gather and a reduce-scatter of rows·h each way (counted as the full rows·h payload).
+    Without sequence parallelism: an all-reduce of rows·h forward, and one backward when the
+    input needs a gradient. With it: forward an all-gather of the input and a reduce-scatter of
+    the output; backward an all-gather of dY and, for the input's gradient, a reduce-scatter
+    (each counted as the full rows·h payload). DTensor's plans send exactly these (checked with
+    ``CommDebugMode`` in tests/test_peers_mpi.py).
     """
     if p == 1:
         return 0
-    return (4 if sequence_parallel else 2) * rows * hidden
+    return ((3 if sequence_parallel else 1) + int(input_grad)) * rows * hidden

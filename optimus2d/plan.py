@@ -117,9 +117,11 @@ def mlp_comm(
     if scheme in ("1d", "1d-sp"):
         if p == 1:
             return []
+        backward = int(input_grad)  # the input gradient's collective
         if scheme == "1d":
-            return [("all_reduce", p, 2 * rows * hidden, 2)]
-        return [("all_gather", p, 2 * rows * hidden, 2), ("reduce_scatter", p, 2 * rows * hidden, 2)]
+            return [("all_reduce", p, (1 + backward) * rows * hidden, 1 + backward)]
+        scattered = (1 + backward) * rows * hidden  # the output forward, dX backward
+        return [("all_gather", p, 2 * rows * hidden, 2), ("reduce_scatter", p, scattered, 1 + backward)]
     q, depth = _mesh_shape(scheme, p)
     out = []
     if q > 1:
