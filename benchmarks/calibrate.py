@@ -51,7 +51,8 @@ def measure_hardware(
     """Compute rate and point-to-point link of one rank while all ranks do the same.
 
     The rate is that of a 1/p share of the MLP (h → f/p → h, fwd+bwd on ``rows`` rows, GELU included),
-    the kernels the steps run; the link that of exchanges of 64 KiB and 4 MiB with another rank.
+    the kernels the steps run, at the slowest rank; the link that of exchanges of 64 bytes and
+    4 MiB with another rank between matmuls.
     """
     h, f = args.hidden, args.ffn
     share = nn.Sequential(nn.Linear(h, f // mesh.size), nn.GELU(), nn.Linear(f // mesh.size, h)).to(device)
@@ -61,20 +62,25 @@ def measure_hardware(
     def exchange(send: torch.Tensor, recv: torch.Tensor) -> None:  # over the mesh's transport
         compare.exchange(mesh, send, recv)
 
-    small, big = (torch.randn(16, device=device), torch.empty(16, device=device)), None
-    n = 1024 * 1024
+    # the link as a step meets it: between two pieces of work, every rank busy. A step of the
+    # loop is a matmul then an exchange; beyond the matmuls alone, a 64-byte exchange costs the
+    # latency (a wait for a partner) and a 4 MiB one the latency and 4 MiB over the bandwidth
+    small, n = (torch.randn(16, device=device), torch.empty(16, device=device)), 1024 * 1024
     big = (torch.randn(n, device=device), torch.empty(n, device=device))
-    t_big = (
-        _median_ms(lambda: exchange(*big), repeats, device) - _median_ms(lambda: exchange(*small), repeats, device)
-    ) / 1e3
-    # latency as a step meets it: a wait for a partner between two pieces of work, every rank busy
     a, b = torch.randn(256, 1024, device=device), torch.randn(1024, 1024, device=device)
     steps = 20
     alone = _median_ms(lambda: [a @ b for _ in range(steps)], repeats, device)
     synced = _median_ms(lambda: [(a @ b, exchange(*small)) for _ in range(steps)], repeats, device)
-    rates = torch.tensor([flops, t_big, (synced - alone) / 1e3 / steps], device=compare.collective_device())
-    dist.all_reduce(rates)  # the mean over ranks
-    flops, t_big, latency = (rates / dist.get_world_size()).tolist()
+    loaded = _median_ms(lambda: [(a @ b, exchange(*big)) for _ in range(steps)], repeats, device)
+    t_big = max(loaded - synced, 0.0) / 1e3 / steps
+    rates = torch.tensor([t_big, (synced - alone) / 1e3 / steps], device=compare.collective_device())
+    dist.all_reduce(rates)  # the link: the mean over ranks
+    t_big, latency = (rates / dist.get_world_size()).tolist()
+    # compute: the slowest rank's rate, as a step that syncs waits for it (ranks sharing cores
+    # finish the same work up to a third apart; their mean rate would price the fastest)
+    slowest = torch.tensor([flops], device=compare.collective_device())
+    dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
+    flops = slowest.item()
     return Hardware(flops=flops, bandwidth=4 * n / max(t_big, 1e-9), latency=max(latency, 0.0), bytes_per_element=4)
 
 
