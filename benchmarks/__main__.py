@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import optimus2d
-from benchmarks import block, calibrate, gpt, linear, memory, mlp, plan, report, transport
+from benchmarks import block, breakdown, calibrate, gpt, linear, memory, mlp, plan, report, transport
 
 SUBCOMMANDS = {
     "linear": linear,
@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "memory": memory,
     "plan": plan,
     "calibrate": calibrate,
+    "breakdown": breakdown,
     "transport": transport,
     "report": report,
 }

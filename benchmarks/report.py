@@ -98,6 +98,19 @@ def _transport_table(name: str, data: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _breakdown_table(name: str, data: dict) -> list[str]:
+    """Step, compute alone and communication alone, for 2D and 1D (``benchmarks/breakdown.py``)."""
+    lines = [f"### {name}", "", f"`{_command(data)}`", ""]
+    lines += ["| peer | step ms | compute alone | exposed comm | comm alone | elements/rank | exposed ms/MiB |"]
+    lines += ["|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['peer']} | {r['step_ms']:.1f} | {r['compute_ms']:.1f} | {r['exposed_ms']:.1f} | "
+            f"{r['comm_alone_ms']:.1f} | {r['elements']:,} | {r['exposed_ms_per_mib']:.2f} |"
+        )
+    return [*lines, ""]
+
+
 def _plots(results: dict[str, dict], folder: Path) -> list[str]:
     try:
         import matplotlib
@@ -204,6 +217,8 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             lines += _calibration_table(data)
         elif name.startswith("transport"):
             lines += _transport_table(name, data)
+        elif name.startswith("breakdown"):
+            lines += _breakdown_table(name, data)
     lines += ["## Plots", "", *_plots(results, args.results), ""]
     out = args.results / "report.md"
     out.write_text("\n".join(lines))

@@ -55,6 +55,24 @@ def test_mlp_and_block_benchmarks_count_what_the_formulas_say_then_report(tmp_pa
     assert "| optimus2d 2D SUMMA |" in report and "### block-p4-q2d1" in report
 
 
+def test_breakdown_times_compute_and_communication_apart(tmp_path):
+    _bench(tmp_path, 4, "breakdown", "--hidden", "32", "--ffn", "128", "--batch", "2", "--seq", "8", "--rounds", "1")
+    result = json.loads((tmp_path / "breakdown-p4-q2d1.json").read_text())
+    ours, one_d = result["rows"]
+    assert ours["elements"] == result["elements_formula"] and one_d["elements"] == 2 * 8 * 32  # the 1D all-reduce
+    assert len(result["times_ms"]) == 6 and all(t > 0 for t in result["times_ms"].values())
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--results", str(tmp_path), "report"],
+        cwd=ROOT,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| optimus2d 2D (SUMMA) |" in (tmp_path / "report.md").read_text()
+
+
 def test_transport_benchmark_times_both_transports(tmp_path):
     _bench(tmp_path, 4, "transport", "--rounds", "1", "--steps", "2")
     result = json.loads((tmp_path / "transport-p4-q2d1.json").read_text())
