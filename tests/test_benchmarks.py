@@ -24,6 +24,20 @@ def _bench(tmp_path: Path, n: int, *args: str) -> str:
     return out.stdout
 
 
+def _report(tmp_path: Path) -> str:
+    """``python -m benchmarks report`` over the JSON in ``tmp_path``; the report's text."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--results", str(tmp_path), "report"],
+        cwd=ROOT,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return (tmp_path / "report.md").read_text()
+
+
 def test_mlp_and_block_benchmarks_count_what_the_formulas_say_then_report(tmp_path):
     tiny = ["--hidden", "32", "--ffn", "128", "--batch", "2", "--seq", "8", "--rounds", "1"]
     _bench(tmp_path, 4, "mlp", *tiny)
@@ -42,16 +56,7 @@ def test_mlp_and_block_benchmarks_count_what_the_formulas_say_then_report(tmp_pa
     # the GELU), 1D keeps the replicated input whole
     assert mlp["optimus2d 2D"]["activation_bytes"] * 4 * (32 + 256) == mlp["torch, 1 rank"]["activation_bytes"] * 160
     assert mlp["DTensor 1D"]["activation_bytes"] > mlp["optimus2d 2D"]["activation_bytes"]
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--results", str(tmp_path), "report"],
-        cwd=ROOT,
-        env=_clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = (tmp_path / "report.md").read_text()
+    report = _report(tmp_path)
     assert "| optimus2d 2D SUMMA |" in report and "### block-p4-q2d1" in report
 
 
@@ -61,16 +66,14 @@ def test_breakdown_times_compute_and_communication_apart(tmp_path):
     ours, one_d = result["rows"]
     assert ours["elements"] == result["elements_formula"] and one_d["elements"] == 2 * 8 * 32  # the 1D all-reduce
     assert len(result["times_ms"]) == 6 and all(t > 0 for t in result["times_ms"].values())
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--results", str(tmp_path), "report"],
-        cwd=ROOT,
-        env=_clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "| optimus2d 2D (SUMMA) |" in (tmp_path / "report.md").read_text()
+    assert "| optimus2d 2D (SUMMA) |" in _report(tmp_path)
+
+
+def test_breakdown_refuses_a_mesh_without_a_2d_grid(tmp_path):
+    cmd = [str(BIN / "mpiexec"), "-n", "1", sys.executable, "-m", "benchmarks", "--results", str(tmp_path), "breakdown"]
+    out = subprocess.run(cmd, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "breakdown compares a 2D mesh with 1D on the same ranks; got Mesh(q=1, depth=1" in out.stderr
 
 
 def test_transport_benchmark_times_both_transports(tmp_path):
