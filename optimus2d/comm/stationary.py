@@ -66,14 +66,20 @@ def _products(
 
 
 class _WeightGrad:
-    """Σ_t lhs_tᵀ · rhs_t over the batch blocks t (fp32 accumulation for 16-bit), summed over depth."""
+    """Σ_t lhs_tᵀ · rhs_t over the batch blocks t (fp32 accumulation for 16-bit), summed over depth.
+
+    Made in ``like``'s memory layout: for a weight's transposed view it sums rhs_tᵀ · lhs_t and
+    returns the transpose, so ``weight.grad`` accumulates a contiguous tensor."""
 
     def __init__(self, like: torch.Tensor) -> None:
         self.dtype = like.dtype
         self.acc = torch.float32 if like.dtype in _LOW_PRECISION else like.dtype
+        self.transposed = not like.is_contiguous() and like.t().is_contiguous()
         self.total: torch.Tensor | None = None
 
     def add(self, lhs: torch.Tensor, rhs: torch.Tensor) -> None:
+        if self.transposed:
+            lhs, rhs = rhs, lhs
         lhs, rhs = lhs.t().to(self.acc), rhs.to(self.acc)
         if self.total is None:
             self.total = lhs @ rhs
@@ -83,7 +89,7 @@ class _WeightGrad:
     def result(self, mesh: Mesh) -> torch.Tensor:
         grad = self.total.to(self.dtype)
         P.all_reduce(grad, mesh, "depth")
-        return grad
+        return grad.t() if self.transposed else grad
 
 
 class _StationaryAB(Function):
