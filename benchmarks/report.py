@@ -95,6 +95,12 @@ def _transport_table(name: str, data: dict) -> list[str]:
         ratio = f"{r['gloo_over_mpi']:.2f}" if "gloo_over_mpi" in r else "—"
         cells = " | ".join(f"{r[f'{t}_ms']:.2f}" for t in transports)
         lines.append(f"| {r['op']} | {r['bytes']:,} | {cells} | {ratio} |")
+    if data.get("sync_after_work"):
+        lines += ["", f"A 64-byte exchange over {data.get('auto', '?')} after more or less work:", ""]
+        lines += ["| matmul rows | work ms | sync point ms | ÷ work |", "|---|---|---|---|"]
+        for r in data["sync_after_work"]:
+            share = r["sync_ms"] / r["work_ms"] if r["work_ms"] > 0 else float("nan")
+            lines.append(f"| {r['rows']} | {r['work_ms']:.2f} | {r['sync_ms']:.2f} | {share:.2f} |")
     return [*lines, ""]
 
 

@@ -7,6 +7,11 @@ mesh (an exchange with a partner, a broadcast and an all-reduce over the mesh), 
 ``optimus2d.comm.primitives`` on a mesh of each transport. Reported: the median time one round
 takes beyond the work alone, per transport and message size, and gloo's ÷ MPI's, from interleaved
 repeats in the same run. Only where MPI launched the ranks is there an MPI row.
+
+Then what one sync point costs after more or less work: a 64-byte exchange on the mesh's own
+transport after matmuls of ``WORK_ROWS`` rows (the same 1024×1024 weight). Where ranks share
+cores they drift apart while they work, and the first to reach the sync point waits for the last:
+the wait grows with the work before it, not with the message.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from benchmarks import compare, peers
 from optimus2d.comm import primitives as P
 
 SIZES = (16, 256 * 1024, 1024 * 1024)  # float32 elements: 64 B, 1 MiB, 4 MiB
+WORK_ROWS = (32, 128, 512, 2048)  # the sync point's cost against the work before it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +68,7 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         compare.progress("transport", r + 1, args.rounds)
     median = {name: statistics.median(t) for name, t in times.items()}
     alone = median.pop("work alone")
+    after_work = _sync_after_work(mesh, args)
     rows = []
     for n in SIZES:
         for op in ("exchange", "broadcast", "all-reduce"):
@@ -78,4 +85,43 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         for row in rows:
             line = f"{row['op']:<12}{row['bytes']:>10,}" + "".join(f"{row[f'{t}_ms']:>10.2f}" for t in meshes)
             print(line + (f"{row['gloo_over_mpi']:>11.2f}" if "gloo_over_mpi" in row else ""))
-    return {"config": vars(args), "ranks": mesh.size, "auto": mesh.transport, "work_ms": alone, "rows": rows}
+        print(f"a 64-byte exchange over {mesh.transport} after more or less work:")
+        for row in after_work:
+            print(f"  work {row['work_ms']:7.2f} ms: sync point {row['sync_ms']:6.2f} ms")
+    return {
+        "config": vars(args),
+        "ranks": mesh.size,
+        "auto": mesh.transport,
+        "work_ms": alone,
+        "rows": rows,
+        "sync_after_work": after_work,
+    }
+
+
+def _sync_after_work(mesh: optimus2d.Mesh, args: argparse.Namespace) -> list[dict]:
+    """Per ``WORK_ROWS``: ms of work a step, and ms one 64-byte exchange adds after it (the median,
+    over repeats, of each repeat's synced − unsynced times, measured back to back)."""
+    weight, small = torch.randn(1024, 1024), (torch.randn(16), torch.empty(16))
+    works = {rows: torch.randn(rows, 1024) for rows in WORK_ROWS}
+
+    def repeat(rows: int, synced: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            works[rows] @ weight
+            if synced:
+                compare.exchange(mesh, *small)
+        return (time.perf_counter() - start) / args.steps * 1e3
+
+    work: dict[int, list[float]] = {rows: [] for rows in WORK_ROWS}
+    sync: dict[int, list[float]] = {rows: [] for rows in WORK_ROWS}
+    for r in range(2 * args.rounds):
+        for rows in WORK_ROWS:
+            alone = repeat(rows, False)
+            work[rows].append(alone)
+            sync[rows].append(repeat(rows, True) - alone)
+        compare.progress("sync after work", r + 1, 2 * args.rounds)
+    return [
+        {"rows": rows, "work_ms": statistics.median(work[rows]), "sync_ms": statistics.median(sync[rows])}
+        for rows in WORK_ROWS
+    ]

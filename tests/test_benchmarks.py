@@ -85,6 +85,11 @@ def test_transport_benchmark_times_both_transports(tmp_path):
         ("all-reduce", 64),
     ]
     assert len(result["rows"]) == 9 and all("mpi_ms" in r and "gloo_ms" in r for r in result["rows"])
+    after_work = result["sync_after_work"]
+    assert [r["rows"] for r in after_work] == [32, 128, 512, 2048]
+    assert after_work[-1]["work_ms"] > after_work[0]["work_ms"] > 0  # 64× the rows, more work
+    report = _report(tmp_path)
+    assert "A 64-byte exchange over mpi after more or less work" in report
 
 
 def test_llama_benchmark_checks_dtensor_1d_under_the_model_plan_then_times_it(tmp_path):
