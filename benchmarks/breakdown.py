@@ -12,6 +12,11 @@ Six variants of one fwd+bwd step, timed in interleaved rounds (medians):
 * DTensor 1D as the benchmarks time it, the local shard it computes (fc1's f/p rows, fc2's f/p
   columns, on the whole input) without the all-reduce, and that all-reduce alone.
 
+Then each compute-alone step once more under ``torch.profiler``, on rank 0 alone while the others
+wait (sharing cores, a kernel's time is mostly who else ran): ms a step by kernel (self CPU time;
+the matmuls together), to say where SUMMA's compute differs from 1D's. And the 2D compute
+alone with the activation kept (``recompute_activation=False``): what recomputing it costs.
+
 "exposed" = step − compute alone: what communication adds to the step. Read beside the elements
 each rank moves, it shows whether the loss is volume (exposed ≈ alone, growing with elements) or
 something else. On this machine (2 cores for 4 ranks) there is no idle core to hide a copy.
@@ -81,8 +86,8 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     grad = torch.randn_like(x)
     x_2d, grad_2d = optimus2d.scatter(x, mesh), optimus2d.scatter(grad, mesh)
 
-    def optimus_step(on: optimus2d.Mesh):
-        model = optimus2d.MLP2D.from_serial(copy.deepcopy(serial), mesh)
+    def optimus_step(on: optimus2d.Mesh, recompute: bool = True):
+        model = optimus2d.MLP2D.from_serial(copy.deepcopy(serial), mesh, recompute_activation=recompute)
         for layer in model.modules():
             if isinstance(layer, optimus2d.Linear2D):
                 layer.algorithm, layer.mesh = "summa", on
@@ -102,6 +107,7 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     variants = {
         "optimus2d 2D (SUMMA)": optimus_step(mesh),
         "  compute alone (silent mesh)": compute_only,
+        "  compute alone, activation kept": optimus_step(silent(mesh), recompute=False),
         "  its collectives alone": replay(counter.records, mesh),
         "DTensor 1D": lambda: one_d.backward(one_d.forward()),
         "  compute alone (its shard)": lambda: shard(x).backward(grad),
@@ -120,6 +126,11 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             times[name].append(timer.stop())
         compare.progress("breakdown", n + 1, args.rounds)
     ms = {name: statistics.median(t) for name, t in times.items()}
+    kernels = {}  # on rank 0 alone, the others waiting: one rank's kernels without sharing cores
+    if world.rank == 0:
+        compute_steps = {"optimus2d 2D (SUMMA)": compute_only, "DTensor 1D": variants["  compute alone (its shard)"]}
+        kernels = profile_kernels(compute_steps)
+    dist.barrier()
     rows = []
     for peer, compute, alone in (
         ("optimus2d 2D (SUMMA)", "  compute alone (silent mesh)", "  its collectives alone"),
@@ -147,7 +158,44 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
                 f"({r['exposed_ms_per_mib']:.2f} ms/MiB; alone {r['comm_alone_ms']:.1f} ms)"
             )
         print(f"2D moves {rows[0]['elements'] / rows[1]['elements']:.1f}× 1D's elements a rank")
+        print("compute alone by kernel on rank 0 alone, ms a step (self CPU time, torch.profiler):")
+        for op in kernels["DTensor 1D"]:
+            cells = "".join(f"{kernels[peer].get(op, 0.0):>9.2f}" for peer in kernels)
+            print(f"  {op:<30}{cells}   ({' / '.join(kernels)})")
     result = {"config": vars(args), "ranks": p, "mesh": [mesh.q, mesh.depth], "times_ms": ms, "rows": rows}
+    result["compute_kernels_ms"] = kernels
     return result | {
         "elements_formula": mlp_2d_elements(x.numel() // h, h, f, mesh.q, input_grad=False, algorithm="summa")
     }
+
+
+MATMULS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::matmul")
+
+
+def profile_kernels(steps: dict, repeats: int = 5, top: int = 6) -> dict[str, dict[str, float]]:
+    """ms a step of each step's kernels (self CPU time under torch.profiler, the median over
+    ``repeats`` steps profiled one by one, interleaved): "matmuls" together, the ``top`` other
+    kernels of each step (for every step, side by side), "rest" (every other op and frame:
+    autograd, Python) and "total"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step()
+            samples[name].append({e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()})
+    profiles = {
+        name: {op: statistics.median(s.get(op, 0.0) for s in found) for op in found[0]}
+        for name, found in samples.items()
+    }
+    listed: list[str] = []
+    for ops in profiles.values():
+        kernels = sorted((op for op in ops if op.startswith("aten::") and op not in MATMULS), key=lambda op: -ops[op])
+        listed += [op for op in kernels[:top] if op not in listed]
+    found = {}
+    for name, ops in profiles.items():
+        row = {"matmuls": sum(ms for op, ms in ops.items() if op in MATMULS)} | {op: ops.get(op, 0.0) for op in listed}
+        total = sum(ops.values())  # a sum of medians: the parts add up to it
+        found[name] = row | {"rest": total - sum(row.values()), "total": total}
+    return found

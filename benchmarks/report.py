@@ -114,6 +114,21 @@ def _breakdown_table(name: str, data: dict) -> list[str]:
             f"| {r['peer']} | {r['step_ms']:.1f} | {r['compute_ms']:.1f} | {r['exposed_ms']:.1f} | "
             f"{r['comm_alone_ms']:.1f} | {r['elements']:,} | {r['exposed_ms_per_mib']:.2f} |"
         )
+    kept = data["times_ms"].get("  compute alone, activation kept")
+    if kept is not None:
+        lines += ["", f"2D compute alone with the activation kept, not recomputed: {kept:.1f} ms."]
+    kernels = data.get("compute_kernels_ms")
+    if kernels:  # the compute-alone steps by kernel, side by side
+        peers = list(kernels)
+        lines += [
+            "",
+            "Compute alone by kernel on rank 0 alone (the others waiting), ms a step (self CPU time, torch.profiler, "
+            "median of 5 steps):",
+            "",
+        ]
+        lines += ["| kernel | " + " | ".join(peers) + " |", "|---|" + "---|" * len(peers)]
+        for op in kernels[peers[0]]:
+            lines.append(f"| {op} | " + " | ".join(f"{kernels[p][op]:.2f}" for p in peers) + " |")
     return [*lines, ""]
 
 

@@ -65,8 +65,15 @@ def test_breakdown_times_compute_and_communication_apart(tmp_path):
     result = json.loads((tmp_path / "breakdown-p4-q2d1.json").read_text())
     ours, one_d = result["rows"]
     assert ours["elements"] == result["elements_formula"] and one_d["elements"] == 2 * 8 * 32  # the 1D all-reduce
-    assert len(result["times_ms"]) == 6 and all(t > 0 for t in result["times_ms"].values())
-    assert "| optimus2d 2D (SUMMA) |" in _report(tmp_path)
+    assert len(result["times_ms"]) == 7 and all(t > 0 for t in result["times_ms"].values())
+    kernels = result["compute_kernels_ms"]
+    assert list(kernels) == ["optimus2d 2D (SUMMA)", "DTensor 1D"] and list(kernels["DTensor 1D"]) == list(
+        kernels["optimus2d 2D (SUMMA)"]
+    )
+    for found in kernels.values():  # the matmuls are the compute; every part is a share of the total
+        assert 0 < found["matmuls"] <= found["total"] and abs(sum(found.values()) - 2 * found["total"]) < 1e-6
+    report = _report(tmp_path)
+    assert "| optimus2d 2D (SUMMA) |" in report and "| matmuls | " in report
 
 
 def test_breakdown_refuses_a_mesh_without_a_2d_grid(tmp_path):
