@@ -12,6 +12,7 @@ from helpers import assert_close
 from torch import nn
 
 from optimus2d import MLP2D, Mesh, gather, scatter
+from optimus2d.comm import mpi
 from optimus2d.comm import primitives as P
 
 pytestmark = pytest.mark.mpi
@@ -61,6 +62,29 @@ def test_both_transports_give_the_same_mlp(mesh, algorithm, dtype):
     assert_close(dx, dx_t, tol, "input grad")
     for name in grads:
         assert_close(grads[name], grads_t[name], tol, f"{name} grad")
+
+
+@pytest.mark.parametrize("axis", ["row", "col", "depth", "mesh"])
+def test_broadcast_and_reduce_over_every_axis(mesh, axis):
+    """Groups of up to ``mpi.DIRECT_MEMBERS`` send message by message, larger ones through MPI's
+    own collectives (the "mesh" axis of 4, 8 and 9 ranks): the same values, from every root."""
+    mesh = _over(mesh, "mpi")
+    size, me = mesh.axis_size(axis), mesh.index(axis)
+    for root in range(size):
+        t = torch.full((2, 3), float(me + 1)).t()  # non-contiguous: through a copy and back
+        P.broadcast(t, mesh, axis, root)
+        assert torch.equal(t, torch.full((3, 2), float(root + 1)))
+        t = torch.full((5,), float(me + 1))
+        P.reduce(t, mesh, axis, root, async_op=True).wait()
+        if me == root:
+            assert torch.equal(t, torch.full((5,), size * (size + 1) / 2))
+        if size > 1:  # MAX, as the transport's all-reduce of maxima uses it
+            t = torch.full((5,), float((me * 7) % size))
+            request = mesh.mpi.reduce(t, axis, root, dist.ReduceOp.MAX)
+            assert request._point_to_point == (size <= mpi.DIRECT_MEMBERS)  # message by message, or MPI's
+            request.wait()
+            if me == root:
+                assert torch.equal(t, torch.full((5,), float(size - 1)))
 
 
 def test_what_mpi_cannot_reduce_goes_through_torch(mesh):

@@ -17,6 +17,11 @@ waits), runs between 1 % faster and 12 % slower over five runs. ``Mesh``'s "auto
   (fp32, fp64, int32, int64) and SUM or MAX — the tier-1 helpers send the others (bf16, fp16,
   other ops) and anything not in CPU memory over torch, a choice every rank makes alike.
 * Non-contiguous tensors travel through a contiguous copy, copied back when the wait ends.
+* In groups of at most ``DIRECT_MEMBERS`` (q ≤ 3) a broadcast or a reduce is sent message by
+  message, root to each member or each member to the root: the same messages MPI's trees send
+  for so few members, but a message a receiver can take alone, where ``Ibcast``/``Ireduce``
+  schedules advance only while every member is inside MPI. SUMMA on the issue's 2×2 MLP: 0.97–0.98×
+  the step with broadcasts sent so (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 _POLL_S = 5e-5
+DIRECT_MEMBERS = 3  # broadcasts and reduces in groups up to this size are sent message by message
+_BROADCAST_TAG, _REDUCE_TAG = 101, 102  # apart from the point-to-point tags of comm/primitives.py
 _ABANDONED: list = []  # timed-out operations: MPI may still write into their buffers
 
 
@@ -116,19 +123,48 @@ class MpiTransport:
         return t.device.type == "cpu" and t.dtype in dtypes and op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX)
 
     def broadcast(self, t: torch.Tensor, axis: str, root: int) -> Request:
+        comm, what = self.comms[axis], f"broadcast over {axis}"
         buf, done = _contiguous(t)
-        request = self.comms[axis].Ibcast(_bytes(buf), root=root)
-        return Request([request], f"broadcast over {axis}", self.timeout, [buf], done)
+        if comm.Get_size() > DIRECT_MEMBERS:
+            return Request([comm.Ibcast(_bytes(buf), root=root)], what, self.timeout, [buf], done)
+        if comm.Get_rank() == root:
+            others = (m for m in range(comm.Get_size()) if m != root)
+            requests = [comm.Isend(_bytes(buf), m, _BROADCAST_TAG) for m in others]
+        else:
+            requests = [comm.Irecv(_bytes(buf), root, _BROADCAST_TAG)]
+        return Request(requests, what, self.timeout, [buf], done, point_to_point=True)
 
     def reduce(self, t: torch.Tensor, axis: str, root: int, op: dist.ReduceOp) -> Request:
         mpi, comm = _mpi(), self.comms[axis]
         buf, done = _contiguous(t)
+        if comm.Get_size() <= DIRECT_MEMBERS:
+            return self._direct_reduce(comm, buf, done, axis, root, op)
         data = [buf.detach().numpy(), _datatype(buf)]
         if comm.Get_rank() == root:
             request = comm.Ireduce(mpi.IN_PLACE, data, op=_op(op), root=root)
         else:
             request = comm.Ireduce(data, None, op=_op(op), root=root)
         return Request([request], f"reduce over {axis}", self.timeout, [buf], done)
+
+    def _direct_reduce(self, comm, buf: torch.Tensor, done, axis: str, root: int, op: dist.ReduceOp) -> Request:
+        """Each member sends its ``buf`` to the root, which combines them in member order."""
+        what = f"reduce over {axis}"
+        _op(op)  # SUM or MAX, else a ValueError
+        if comm.Get_rank() != root:
+            request = comm.Isend(_bytes(buf), root, _REDUCE_TAG)
+            return Request([request], what, self.timeout, [buf], done, point_to_point=True)
+        others = [m for m in range(comm.Get_size()) if m != root]
+        parts = [torch.empty_like(buf) for _ in others]
+        requests = [comm.Irecv(_bytes(part), m, _REDUCE_TAG) for part, m in zip(parts, others, strict=True)]
+        combine = torch.Tensor.add_ if op == dist.ReduceOp.SUM else lambda a, b: torch.maximum(a, b, out=a)
+
+        def finish() -> None:
+            for part in parts:
+                combine(buf, part)
+            if done is not None:
+                done()
+
+        return Request(requests, what, self.timeout, [buf, *parts], finish, point_to_point=True)
 
     def all_reduce(self, t: torch.Tensor, axis: str, op: dist.ReduceOp) -> Request:
         buf, done = _contiguous(t)
