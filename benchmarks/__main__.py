@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import optimus2d
-from benchmarks import block, breakdown, calibrate, gpt, linear, memory, mlp, plan, report, transport
+from benchmarks import block, breakdown, calibrate, gpt, linear, memory, mlp, plan, report, transport, waits
 
 SUBCOMMANDS = {
     "linear": linear,
@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "calibrate": calibrate,
     "breakdown": breakdown,
     "transport": transport,
+    "waits": waits,
     "report": report,
 }
 RESULTS = Path(__file__).parent / "results"

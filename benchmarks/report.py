@@ -132,6 +132,22 @@ def _breakdown_table(name: str, data: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _waits_table(name: str, data: dict) -> list[str]:
+    """Every MPI wait of a step timed, per algorithm (``benchmarks/waits.py``)."""
+    lines = [f"### {name}: where the step waits", "", f"`{_command(data)}`", ""]
+    lines += ["| algorithm | step ms | elements/rank | waits a rank | waited ms (every rank) | costliest waits |"]
+    lines += ["|---|---|---|---|---|---|"]
+    for algorithm, a in data["algorithms"].items():
+        waits = sorted(set(a["waits_per_step"]))
+        waited = ", ".join(f"{ms:.1f}" for ms in a["waited_ms_by_rank"])
+        top = sorted(a["by_kind_ms"].items(), key=lambda kv: -kv[1])[:3]
+        kinds = "; ".join(f"{kind} ({a['count_by_kind'][kind]}×) {ms:.1f} ms" for kind, ms in top)
+        kinds += f" (rank {a['longest_rank']}, which waited longest)"
+        counts = "–".join(map(str, waits))
+        lines.append(f"| {algorithm} | {a['step_ms']:.1f} | {a['elements']:,} | {counts} | {waited} | {kinds} |")
+    return [*lines, ""]
+
+
 def _plots(results: dict[str, dict], folder: Path) -> list[str]:
     try:
         import matplotlib
@@ -240,6 +256,8 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             lines += _transport_table(name, data)
         elif name.startswith("breakdown"):
             lines += _breakdown_table(name, data)
+        elif name.startswith("waits"):
+            lines += _waits_table(name, data)
     lines += ["## Plots", "", *_plots(results, args.results), ""]
     out = args.results / "report.md"
     out.write_text("\n".join(lines))

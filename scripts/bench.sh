@@ -24,6 +24,8 @@ else
   run 4 mlp --rounds "$rounds"                                # the set-up
 fi
 run 4 breakdown --rounds "$rounds"                            # compute alone, communication alone: 2D and 1D
+run 4 waits --rounds "$rounds"                                # every MPI wait of a step timed: SUMMA, stationary
+run 4 --name waits-b2 waits --batch 2 --rounds "$rounds"
 run 4 --name mlp-b2 mlp --batch 2 --rounds "$rounds"          # few rows: the weight-stationary regime
 run 4 block --rounds "$rounds"
 run 4 gpt --rounds "$rounds"

@@ -76,11 +76,34 @@ def test_breakdown_times_compute_and_communication_apart(tmp_path):
     assert "| optimus2d 2D (SUMMA) |" in report and "| matmuls | " in report
 
 
-def test_breakdown_refuses_a_mesh_without_a_2d_grid(tmp_path):
-    cmd = [str(BIN / "mpiexec"), "-n", "1", sys.executable, "-m", "benchmarks", "--results", str(tmp_path), "breakdown"]
+def test_waits_times_every_mpi_wait_of_both_algorithms(tmp_path):
+    _bench(tmp_path, 4, "waits", "--hidden", "32", "--ffn", "128", "--batch", "2", "--seq", "8", "--rounds", "2")
+    algorithms = json.loads((tmp_path / "waits-p4-q2d1.json").read_text())["algorithms"]
+    assert list(algorithms) == ["summa", "stationary"]
+    summa, stationary = algorithms["summa"], algorithms["stationary"]
+    assert summa["elements"] > stationary["elements"] > 0  # 2 × 8 rows: the stationary form moves less
+    assert all(n > 0 for a in algorithms.values() for n in a["waits_per_step"])
+    assert any(kind.startswith("broadcast over") for kind in summa["count_by_kind"])
+    assert any(kind.startswith("receive over") for kind in stationary["count_by_kind"])  # streamed blocks
+    assert not any(kind.startswith("broadcast") for kind in stationary["count_by_kind"])  # no weight moves
+    for a in algorithms.values():
+        assert a["by_kind_ms"] and all(ms >= 0 for ms in a["by_kind_ms"].values())
+        assert sum(a["count_by_kind"].values()) == a["waits_per_step"][a["longest_rank"]]
+    assert "### waits-p4-q2d1: where the step waits" in _report(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "command, message",
+    [
+        ("breakdown", "breakdown compares a 2D mesh with 1D on the same ranks; got Mesh(q=1, depth=1"),
+        ("waits", "waits times MPI waits of a 2D step: it needs q > 1 over mpiexec's MPI; got Mesh(q=1, depth=1"),
+    ],
+)
+def test_profiling_subcommands_refuse_a_mesh_without_a_2d_grid(tmp_path, command, message):
+    cmd = [str(BIN / "mpiexec"), "-n", "1", sys.executable, "-m", "benchmarks", "--results", str(tmp_path), command]
     out = subprocess.run(cmd, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
-    assert "breakdown compares a 2D mesh with 1D on the same ranks; got Mesh(q=1, depth=1" in out.stderr
+    assert message in out.stderr
 
 
 def test_transport_benchmark_times_both_transports(tmp_path):
