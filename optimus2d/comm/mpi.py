@@ -20,8 +20,8 @@ waits), runs between 1 % faster and 12 % slower over five runs. ``Mesh``'s "auto
 * In groups of at most ``DIRECT_MEMBERS`` (q ≤ 3) a broadcast or a reduce is sent message by
   message, root to each member or each member to the root: the same messages MPI's trees send
   for so few members, but a message a receiver can take alone, where ``Ibcast``/``Ireduce``
-  schedules advance only while every member is inside MPI. SUMMA on the issue's 2×2 MLP: 0.97–0.98×
-  the step with broadcasts sent so (``benchmarks/RESULTS.md``).
+  schedules advance only while every member is inside MPI. SUMMA on the issue's 2×2 MLP, same-run
+  A/B: 0.95× the step at batch 8 × 128, 0.75× at batch 2 × 128 (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
