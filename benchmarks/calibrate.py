@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -73,15 +74,34 @@ def measure_hardware(
     synced = _median_ms(lambda: [(a @ b, exchange(*small)) for _ in range(steps)], repeats, device)
     loaded = _median_ms(lambda: [(a @ b, exchange(*big)) for _ in range(steps)], repeats, device)
     t_big = max(loaded - synced, 0.0) / 1e3 / steps
-    rates = torch.tensor([t_big, (synced - alone) / 1e3 / steps], device=compare.collective_device())
+    rates = torch.tensor(
+        [t_big, (synced - alone) / 1e3 / steps, alone / 1e3 / steps], device=compare.collective_device()
+    )
     dist.all_reduce(rates)  # the link: the mean over ranks
-    t_big, latency = (rates / dist.get_world_size()).tolist()
+    t_big, latency, work = (rates / dist.get_world_size()).tolist()
     # compute: the slowest rank's rate, as a step that syncs waits for it (ranks sharing cores
     # finish the same work up to a third apart; their mean rate would price the fastest)
     slowest = torch.tensor([flops], device=compare.collective_device())
     dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
     flops = slowest.item()
-    return Hardware(flops=flops, bandwidth=4 * n / max(t_big, 1e-9), latency=max(latency, 0.0), bytes_per_element=4)
+    return Hardware(
+        flops=flops,
+        bandwidth=4 * n / max(t_big, 1e-9),
+        latency=max(latency, 0.0),
+        bytes_per_element=4,
+        latency_work=work if shared_cores(device) else 0.0,
+    )
+
+
+def shared_cores(device: torch.device) -> bool:
+    """Whether the ranks compute on CPU cores they share (more ranks × threads on this host than
+    cores): a sync point then costs more the more work came before it (``Hardware.latency_work``).
+    The host's rank count from the launcher (MPICH, Open MPI, torchrun), else the world's."""
+    if device.type != "cpu":
+        return False
+    local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    local = local or os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size()
+    return int(local) * torch.get_num_threads() > (os.cpu_count() or 1)
 
 
 def _scheme(mesh: optimus2d.Mesh) -> str:
@@ -123,6 +143,7 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             bandwidth=statistics.median(s.bandwidth for s in found),
             latency=statistics.median(s.latency for s in found),
             bytes_per_element=4,
+            latency_work=statistics.median(s.latency_work for s in found),
         )
         for key, found in samples.items()
     }
@@ -137,9 +158,9 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             compute = mlp_flops(rows, h, f) / (p * hw.flops)
             if peer.name.startswith("optimus2d"):
                 algorithm = "summa" if peer.name.endswith("SUMMA") else "auto"
-                comm = comm_time(mlp_comm(rows, h, f, _scheme(mesh), p, algorithm=algorithm), hw)
+                comm = comm_time(mlp_comm(rows, h, f, _scheme(mesh), p, algorithm=algorithm), hw, compute)
             else:
-                comm = comm_time(mlp_comm(rows, h, f, "1d", p), hw)
+                comm = comm_time(mlp_comm(rows, h, f, "1d", p), hw, compute)
             predicted = 1e3 * (compute + comm)
             rows_out.append(
                 {
@@ -158,6 +179,7 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             + "; ".join(
                 f"batch {b}: {hw.flops / 1e9:.1f} GFLOP/s a rank, {hw.bandwidth / 1e9:.2f} GB/s, "
                 f"{hw.latency * 1e6:.0f} µs a sync point"
+                + (f" after {hw.latency_work * 1e3:.1f} ms of work (× √(work / that))" if hw.latency_work else "")
                 for b, hw in hardware.items()
             )
             + (f" (over {mesh.transport}; over gloo: " if mesh.transport != "torch" else "")
@@ -187,11 +209,11 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         "ranks": p,
         "mesh": [mesh.q, mesh.depth],
         "transport": mesh.transport,
-        "hardware": {
-            b: {"flops": h.flops, "bandwidth": h.bandwidth, "latency": h.latency} for b, h in hardware.items()
-        },
-        "hardware_gloo": {
-            b: {"flops": h.flops, "bandwidth": h.bandwidth, "latency": h.latency} for b, h in gloo_hw.items()
-        },
+        "hardware": {b: _fields(h) for b, h in hardware.items()},
+        "hardware_gloo": {b: _fields(h) for b, h in gloo_hw.items()},
         "rows": rows_out,
     }
+
+
+def _fields(hw: Hardware) -> dict:
+    return {"flops": hw.flops, "bandwidth": hw.bandwidth, "latency": hw.latency, "latency_work": hw.latency_work}

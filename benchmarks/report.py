@@ -64,6 +64,7 @@ def _calibration_table(data: dict) -> list[str]:
     rates = "; ".join(
         f"batch {b}: {hw['flops'] / 1e9:.1f} GFLOP/s a rank, {hw['bandwidth'] / 1e9:.2f} GB/s, "
         f"{hw['latency'] * 1e6:.0f} µs a sync point"
+        + (f" after {hw['latency_work'] * 1e3:.1f} ms of work (× √(work / that))" if hw.get("latency_work") else "")
         for b, hw in data["hardware"].items()
     )
     lines = [

@@ -5,7 +5,8 @@ in), exactly for optimus2d's own schedule (``transformer_layer_elements`` is che
 counter in the tests) and by Megatron's schedule for 1D. Time adds compute at a given flop rate
 to communication priced per collective kind (ring all-reduce moves 2(n−1)/n of its payload,
 all-gather and reduce-scatter (n−1)/n, broadcast and reduce about 1×) plus a latency per sync
-stage (collectives issued together wait once).
+stage (collectives issued together wait once). Where ranks share cores, a sync stage costs more
+the more work came before it (``Hardware.latency_work``).
 A model: the numbers rank layouts and show trends; they are not measurements.
 """
 
@@ -40,12 +41,27 @@ class Layer:
 
 @dataclass(frozen=True)
 class Hardware:
-    """flop/s of one device, and bandwidth (bytes/s) and latency (s) of the links between them."""
+    """flop/s of one device, and bandwidth (bytes/s) and latency (s) of the links between them.
+
+    ``latency_work``: 0 (default) for devices of their own, where a sync stage costs ``latency``
+    whatever came before it. Else the seconds of work before the sync point at which ``latency``
+    was measured, on ranks that share cores: they drift apart while they work and a sync point
+    waits for the last, a random walk, so a stage after w seconds of work costs
+    latency·√(w / latency_work) (``python -m benchmarks transport``: ≈ 0.8·√(ms of work) ms on 4
+    ranks sharing 2 cores).
+    """
 
     flops: float
     bandwidth: float
     latency: float
     bytes_per_element: int = 2
+    latency_work: float = 0.0
+
+    def stage_latency(self, work: float) -> float:
+        """Seconds one sync stage costs after ``work`` seconds of work since the previous one."""
+        if self.latency_work <= 0 or work <= 0:
+            return self.latency
+        return self.latency * math.sqrt(work / self.latency_work)
 
 
 def transformer_layer_elements(layer: Layer, q: int, depth: int = 1, *, on_diagonal: bool = False) -> int:
@@ -139,12 +155,17 @@ def mlp_flops(rows: int, hidden: int, ffn: int, input_grad: bool = False) -> flo
     return 2.0 * rows * hidden * ffn * (5 + int(input_grad))
 
 
-def comm_time(comm: list[tuple[str, int, float, int]], hw: Hardware) -> float:
-    """Seconds to move ``comm`` (kind, group size, elements, sync stages) over ``hw``'s links."""
+def comm_time(comm: list[tuple[str, int, float, int]], hw: Hardware, compute: float = 0.0) -> float:
+    """Seconds to move ``comm`` (kind, group size, elements, sync stages) over ``hw``'s links.
+
+    ``compute``: the step's seconds of work, spread evenly between its sync stages, for
+    ``Hardware.latency_work`` (without it a stage costs ``hw.latency``)."""
+    stages = sum(messages for *_, messages in comm)
+    latency = hw.stage_latency(compute / stages if stages else 0.0)
     total = 0.0
     for kind, n, elements, messages in comm:
         factor = _FACTOR.get(kind, lambda n: 1.0)(n)
-        total += factor * elements * hw.bytes_per_element / hw.bandwidth + messages * hw.latency * math.log2(max(n, 2))
+        total += factor * elements * hw.bytes_per_element / hw.bandwidth + messages * latency * math.log2(max(n, 2))
     return total
 
 
@@ -170,7 +191,7 @@ _FACTOR["reduce_scatter"] = _FACTOR["all_gather"]
 def step_time(layer: Layer, scheme: str, p: int, hw: Hardware) -> dict[str, float]:
     """Predicted seconds of one layer fwd+bwd: compute, communication and their sum."""
     compute = layer.flops / (p * hw.flops)
-    comm = comm_time(layer_comm(layer, scheme, p), hw)
+    comm = comm_time(layer_comm(layer, scheme, p), hw, compute)
     return {"compute": compute, "comm": comm, "total": compute + comm}
 
 

@@ -6,6 +6,7 @@ Timings are never asserted (they are noise on shared cores); counts and bytes ar
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,18 @@ def test_breakdown_times_compute_and_communication_apart(tmp_path):
         assert 0 < found["matmuls"] <= found["total"] and abs(sum(found.values()) - 2 * found["total"]) < 1e-6
     report = _report(tmp_path)
     assert "| optimus2d 2D (SUMMA) |" in report and "| matmuls | " in report
+
+
+def test_calibrate_prices_sync_stages_by_the_work_before_them_on_shared_cores(tmp_path):
+    tiny = ["--hidden", "32", "--ffn", "128", "--batches", "2", "--seq", "8", "--rounds", "1"]
+    _bench(tmp_path, 4, "calibrate", *tiny)
+    result = json.loads((tmp_path / "calibrate-p4-q2d1.json").read_text())
+    hw = result["hardware"]["2"]
+    assert (hw["latency_work"] > 0) == (4 > (os.cpu_count() or 1))  # 4 ranks of 1 thread: cores shared?
+    assert {r["peer"] for r in result["rows"]} >= {"optimus2d 2D", "optimus2d 2D SUMMA", "DTensor 1D"}
+    for r in result["rows"]:
+        assert r["predicted_ms"] == pytest.approx(r["compute_ms"] + r["comm_ms"]) and r["measured_ms"] > 0
+    assert "ms of work (× √(work / that))" in _report(tmp_path)
 
 
 def test_waits_times_every_mpi_wait_of_both_algorithms(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -99,3 +101,20 @@ def test_calibrated_model_predicts_from_measured_rates():
     assert comm_time(comm, Hardware(30e9, 0.5e9, 1e-3, 4)) > base
     assert comm_time(comm, Hardware(30e9, 1e9, 2e-3, 4)) > base
     assert mlp_flops(1024, 1024, 4096) == 2.0 * 1024 * 1024 * 4096 * 5
+
+
+def test_a_sync_stage_costs_more_after_more_work_where_ranks_share_cores():
+    """``latency_work``: the latency was measured after that much work; a stage after w seconds
+    costs latency·√(w / latency_work). Without it (devices of their own) a stage costs latency."""
+    from optimus2d.plan import comm_time, mlp_comm
+
+    fixed = Hardware(flops=30e9, bandwidth=1e9, latency=1e-3, bytes_per_element=4)
+    shared = Hardware(flops=30e9, bandwidth=1e9, latency=1e-3, bytes_per_element=4, latency_work=0.01)
+    assert shared.stage_latency(0.01) == fixed.stage_latency(0.04) == 1e-3
+    assert abs(shared.stage_latency(0.04) - 2e-3) < 1e-15 and shared.stage_latency(0.0) == 1e-3
+    comm = mlp_comm(1024, 1024, 4096, "2d", 4)
+    stages = sum(m for *_, m in comm)
+    latency_terms = sum(m * math.log2(max(n, 2)) for _, n, _, m in comm) * 1e-3
+    assert comm_time(comm, shared, compute=0.01 * stages) == comm_time(comm, fixed, compute=1.0)
+    longer = comm_time(comm, shared, compute=0.04 * stages) - comm_time(comm, fixed)
+    assert abs(longer - latency_terms) < 1e-9  # each stage twice the latency
