@@ -186,7 +186,7 @@ def profile_kernels(steps: dict, repeats: int = 5, top: int = 6) -> dict[str, di
                 step()
             samples[name].append({e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()})
     profiles = {
-        name: {op: statistics.median(s.get(op, 0.0) for s in found) for op in found[0]}
+        name: {op: statistics.median(s.get(op, 0.0) for s in found) for op in {op for s in found for op in s}}
         for name, found in samples.items()
     }
     listed: list[str] = []

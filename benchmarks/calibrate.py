@@ -101,7 +101,12 @@ def shared_cores(device: torch.device) -> bool:
         return False
     local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
     local = local or os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size()
-    return int(local) * torch.get_num_threads() > (os.cpu_count() or 1)
+    return int(local) * torch.get_num_threads() > usable_cores()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the OS tells it), else all of them."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _scheme(mesh: optimus2d.Mesh) -> str:

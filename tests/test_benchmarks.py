@@ -6,13 +6,15 @@ Timings are never asserted (they are noise on shared cores); counts and bytes ar
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from test_launch import BIN, _clean_env
+
+from benchmarks.calibrate import usable_cores
+from optimus2d.plan import Hardware, comm_time, mlp_comm
 
 ROOT = Path(__file__).parent.parent
 pytestmark = pytest.mark.slow
@@ -71,8 +73,10 @@ def test_breakdown_times_compute_and_communication_apart(tmp_path):
     assert list(kernels) == ["optimus2d 2D (SUMMA)", "DTensor 1D"] and list(kernels["DTensor 1D"]) == list(
         kernels["optimus2d 2D (SUMMA)"]
     )
-    for found in kernels.values():  # the matmuls are the compute; every part is a share of the total
-        assert 0 < found["matmuls"] <= found["total"] and abs(sum(found.values()) - 2 * found["total"]) < 1e-6
+    for found in kernels.values():  # the matmuls are the compute; every listed part is a share of the total
+        assert 0 < found["matmuls"] <= found["total"] and found["rest"] >= 0
+        assert all(ms >= 0 for ms in found.values())
+    assert any(kernels[peer]["aten::gelu"] > 0 for peer in kernels)  # the listed kernels ran
     report = _report(tmp_path)
     assert "| optimus2d 2D (SUMMA) |" in report and "| matmuls | " in report
 
@@ -82,10 +86,16 @@ def test_calibrate_prices_sync_stages_by_the_work_before_them_on_shared_cores(tm
     _bench(tmp_path, 4, "calibrate", *tiny)
     result = json.loads((tmp_path / "calibrate-p4-q2d1.json").read_text())
     hw = result["hardware"]["2"]
-    assert (hw["latency_work"] > 0) == (4 > (os.cpu_count() or 1))  # 4 ranks of 1 thread: cores shared?
+    assert (hw["latency_work"] > 0) == (4 > usable_cores())  # 4 ranks of 1 thread: cores shared?
     assert {r["peer"] for r in result["rows"]} >= {"optimus2d 2D", "optimus2d 2D SUMMA", "DTensor 1D"}
-    for r in result["rows"]:
-        assert r["predicted_ms"] == pytest.approx(r["compute_ms"] + r["comm_ms"]) and r["measured_ms"] > 0
+    row = next(r for r in result["rows"] if r["peer"] == "optimus2d 2D SUMMA")
+    assert row["predicted_ms"] == pytest.approx(row["compute_ms"] + row["comm_ms"]) and row["measured_ms"] > 0
+    priced = Hardware(hw["flops"], hw["bandwidth"], hw["latency"], 4, hw["latency_work"])
+    comm = mlp_comm(2 * 8, 32, 128, "2d", 4, algorithm="summa")
+    compute = row["compute_ms"] / 1e3
+    assert row["comm_ms"] == pytest.approx(1e3 * comm_time(comm, priced, compute))  # stages after the work
+    if hw["latency_work"] > 0:  # ... which is not what one latency a stage gives
+        assert row["comm_ms"] != pytest.approx(1e3 * comm_time(comm, priced))
     assert "ms of work (× √(work / that))" in _report(tmp_path)
 
 
@@ -130,7 +140,7 @@ def test_transport_benchmark_times_both_transports(tmp_path):
     assert len(result["rows"]) == 9 and all("mpi_ms" in r and "gloo_ms" in r for r in result["rows"])
     after_work = result["sync_after_work"]
     assert [r["rows"] for r in after_work] == [32, 128, 512, 2048]
-    assert after_work[-1]["work_ms"] > after_work[0]["work_ms"] > 0  # 64× the rows, more work
+    assert all(r["work_ms"] > 0 for r in after_work)
     report = _report(tmp_path)
     assert "A 64-byte exchange over mpi after more or less work" in report
 

@@ -11,6 +11,7 @@ from torch import nn
 import optimus2d
 from optimus2d import Linear2D, count_comm, gather, scatter, serial_state_dict
 from optimus2d.cost import linear_2d_elements
+from optimus2d.layers import TransposedLinear2D, linear_2d
 
 pytestmark = pytest.mark.mpi
 
@@ -203,6 +204,21 @@ def test_weight_grad_arrives_in_the_weights_layout(mesh, features, input_grad, a
     layer.weight.register_hook(lambda g: layouts.append((g.is_contiguous(), g.stride())))
     x = scatter(_data(mesh, features[0]), mesh).requires_grad_(input_grad)
     layer(x).sum().backward()
+    assert layouts == [(True, layer.weight.stride())]
+
+
+@ALGORITHMS
+@pytest.mark.parametrize("input_grad", [True, False], ids=["dx", "no-dx"])
+@pytest.mark.parametrize("features", [(12, 30), (30, 12)], ids=["up", "down"])
+def test_transposed_weight_grad_arrives_in_its_layout(mesh, features, input_grad, algorithm):
+    """The same for a weight stored [in, out] (``TransposedLinear2D``, GPT-2's Conv1D), which
+    reaches the products as ``weight.t()``: its gradient is made in the [in, out] layout."""
+    torch.manual_seed(0)
+    layer = TransposedLinear2D(*features, mesh=mesh)
+    layouts = []
+    layer.weight.register_hook(lambda g: layouts.append((g.is_contiguous(), g.stride())))
+    x = scatter(_data(mesh, features[0]), mesh).requires_grad_(input_grad)
+    linear_2d(x, layer.weight.t(), layer.bias, mesh, layer.summa, algorithm).sum().backward()
     assert layouts == [(True, layer.weight.stride())]
 
 

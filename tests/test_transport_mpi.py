@@ -78,13 +78,34 @@ def test_broadcast_and_reduce_over_every_axis(mesh, axis):
         P.reduce(t, mesh, axis, root, async_op=True).wait()
         if me == root:
             assert torch.equal(t, torch.full((5,), size * (size + 1) / 2))
-        if size > 1:  # MAX, as the transport's all-reduce of maxima uses it
+        if size > 1:  # MAX, which the transport's reduce also takes
             t = torch.full((5,), float((me * 7) % size))
             request = mesh.mpi.reduce(t, axis, root, dist.ReduceOp.MAX)
             assert request._point_to_point == (size <= mpi.DIRECT_MEMBERS)  # message by message, or MPI's
             request.wait()
             if me == root:
                 assert torch.equal(t, torch.full((5,), float(size - 1)))
+
+
+@pytest.mark.parametrize("axis", ["row", "mesh"])
+def test_broadcasts_and_reduces_in_flight_together_match_in_order(mesh, axis):
+    """Several broadcasts from one root and reduces to it in flight at once (as SUMMA's steps issue
+    them), waited in reverse order: each receives its own message (MPI keeps the order of messages
+    with one sender and tag), in a direct group and in one of MPI's collectives."""
+    mesh = _over(mesh, "mpi")
+    size, me = mesh.axis_size(axis), mesh.index(axis)
+    root = size - 1
+    sent = [torch.full((n,), float(10 * n + me)) for n in (3, 5, 7)]
+    reduced = [torch.full((4, 2), float(n * (me + 1))).t() for n in (1, 2)]  # non-contiguous
+    handles = [P.broadcast(t, mesh, axis, root, async_op=True) for t in sent]
+    handles += [P.reduce(t, mesh, axis, root, async_op=True) for t in reduced]
+    for handle in reversed(handles):
+        handle.wait()
+    for n, t in zip((3, 5, 7), sent, strict=True):
+        assert torch.equal(t, torch.full((n,), float(10 * n + root)))
+    if me == root:
+        for n, t in zip((1, 2), reduced, strict=True):
+            assert torch.equal(t, torch.full((2, 4), float(n * size * (size + 1) / 2)))
 
 
 def test_what_mpi_cannot_reduce_goes_through_torch(mesh):

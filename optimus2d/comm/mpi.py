@@ -12,7 +12,8 @@ waits), runs between 1 % faster and 12 % slower over five runs. ``Mesh``'s "auto
 
 * Waits poll ``Testall`` with a 50 µs sleep: a blocking MPI wait spins a whole core that a rank
   sharing it needs. A wait longer than the collective timeout cancels what it can and raises
-  ``TimeoutError``, so a lost peer is an error, not a hang.
+  ``TimeoutError``, so a lost peer is an error, not a hang. The error is fatal to the mesh: a
+  message that arrives late would match a later operation's receive, so do not go on using it.
 * Broadcasts and point-to-point messages move bytes, any dtype; reductions need an MPI datatype
   (fp32, fp64, int32, int64) and SUM or MAX — the tier-1 helpers send the others (bf16, fp16,
   other ops) and anything not in CPU memory over torch, a choice every rank makes alike.
@@ -147,7 +148,7 @@ class MpiTransport:
         return Request([request], f"reduce over {axis}", self.timeout, [buf], done)
 
     def _direct_reduce(self, comm, buf: torch.Tensor, done, axis: str, root: int, op: dist.ReduceOp) -> Request:
-        """Each member sends its ``buf`` to the root, which combines them in member order."""
+        """Each member sends its ``buf`` to the root, which adds the others' to its own in member order."""
         what = f"reduce over {axis}"
         _op(op)  # SUM or MAX, else a ValueError
         if comm.Get_rank() != root:
@@ -159,8 +160,8 @@ class MpiTransport:
         combine = torch.Tensor.add_ if op == dist.ReduceOp.SUM else lambda a, b: torch.maximum(a, b, out=a)
 
         def finish() -> None:
-            for part in parts:
-                combine(buf, part)
+            for part in parts:  # in place, as MPI writes: not an autograd op
+                combine(buf.detach(), part)
             if done is not None:
                 done()
 

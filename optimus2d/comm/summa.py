@@ -124,9 +124,10 @@ def _stored_transposed(t: torch.Tensor) -> bool:
 
 
 def _weight_grad_product(a_t: torch.Tensor, grad_c: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """A_tᵀ·dC, made as (dCᵀ·A_t) when ``transposed``: contiguous in the weight's own [out, in] layout,
-    so accumulating it into ``weight.grad`` is a plain add, not a strided copy (2.4 ms a step for
-    the issue's MLP, measured with torch.profiler)."""
+    """A_tᵀ·dC, made as (dCᵀ·A_t)ᵀ's contiguous factor when ``transposed``: contiguous in the weight's
+    own layout, so accumulating it into ``weight.grad`` is a plain add, not a strided copy (2.4 ms
+    a step for the issue's MLP, measured with torch.profiler). Every rank of a mesh holds its
+    weight alike, so every rank makes the same choice and the reduced partials agree."""
     return grad_c.t() @ a_t if transposed else a_t.t() @ grad_c
 
 
@@ -166,22 +167,23 @@ def _grads_of_abt(grad_c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mesh: 
     Step t broadcasts dC_it along the row and B_tj along the column; dA += dC_it·B_tj, and
     dC_itᵀ·A_ij is reduced to column member t. Saves q broadcasts of dC and q sync stages.
     """
+    transposed = _stored_transposed(b)  # dB in B's own layout (TransposedLinear2D's weight.t())
     if not (need_a and need_b):
-        return _ab(grad_c, b, mesh) if need_a else None, _atb(grad_c, a, mesh) if need_b else None
+        return _ab(grad_c, b, mesh) if need_a else None, _atb(grad_c, a, mesh, transposed) if need_b else None
     if mesh.q == 1:
-        grad_a, grad_b = grad_c @ b, grad_c.t() @ a
+        grad_a, grad_b = grad_c @ b, _weight_grad_product(grad_c, a, transposed)
     else:
         sum_a = _ProductSum()
 
         def partials():
             for c_t, b_t in _pipelined_broadcasts(mesh, [(grad_c, "row"), (b, "col")]):
                 sum_a.add(c_t, b_t)
-                yield (c_t.t() @ a,)
+                yield (_weight_grad_product(c_t, a, transposed),)
 
         (grad_b,) = _reduce_partials(mesh, partials(), ("col",))
         grad_a = sum_a.result(grad_c.dtype)
     P.all_reduce(grad_b, mesh, "depth")
-    return grad_a, grad_b
+    return grad_a, grad_b.t() if transposed else grad_b
 
 
 def _grads_of_atb(grad_c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mesh: Mesh, need_a: bool, need_b: bool):

@@ -258,9 +258,11 @@ def linear_2d(
     if x.dtype != weight.dtype:
         raise TypeError(f"Linear2D: input dtype {x.dtype} differs from weight dtype {weight.dtype}")
     if mesh.q == 1 and input_activation is None:
-        weight = reduce_grad(weight, mesh, ("depth",))
         bias = reduce_grad(bias, mesh, ("depth",)) if bias is not None else None
-        return F.linear(x, weight, bias)
+        if not weight.is_contiguous() and weight.t().is_contiguous():  # stored [in, out] (Conv1D)
+            y = x @ reduce_grad(weight.t(), mesh, ("depth",))  # as Conv1D multiplies: dW made [in, out]
+            return y + bias if bias is not None else y
+        return F.linear(x, reduce_grad(weight, mesh, ("depth",)), bias)
     rows = x.reshape(-1, x.shape[-1])
     if algorithm == "auto":  # by what this call moves: its rows, and the gradients backward will make
         fin, fout = x.shape[-1] * mesh.q, weight.shape[0] * mesh.q
