@@ -60,9 +60,6 @@ def measure_hardware(
     x = torch.randn(rows, h, device=device)
     flops = mlp_flops(rows, h, f // mesh.size) / (_median_ms(lambda: share(x).sum().backward(), repeats, device) / 1e3)
 
-    def exchange(send: torch.Tensor, recv: torch.Tensor) -> None:  # over the mesh's transport
-        compare.exchange(mesh, send, recv)
-
     # the link as a step meets it: between two pieces of work, every rank busy. A step of the
     # loop is a matmul then an exchange; beyond the matmuls alone, a 64-byte exchange costs the
     # latency (a wait for a partner) and a 4 MiB one the latency and 4 MiB over the bandwidth
@@ -71,8 +68,8 @@ def measure_hardware(
     a, b = torch.randn(256, 1024, device=device), torch.randn(1024, 1024, device=device)
     steps = 20
     alone = _median_ms(lambda: [a @ b for _ in range(steps)], repeats, device)
-    synced = _median_ms(lambda: [(a @ b, exchange(*small)) for _ in range(steps)], repeats, device)
-    loaded = _median_ms(lambda: [(a @ b, exchange(*big)) for _ in range(steps)], repeats, device)
+    synced = _median_ms(lambda: [(a @ b, compare.exchange(mesh, *small)) for _ in range(steps)], repeats, device)
+    loaded = _median_ms(lambda: [(a @ b, compare.exchange(mesh, *big)) for _ in range(steps)], repeats, device)
     t_big = max(loaded - synced, 0.0) / 1e3 / steps
     rates = torch.tensor(
         [t_big, (synced - alone) / 1e3 / steps, alone / 1e3 / steps], device=compare.collective_device()

@@ -108,6 +108,21 @@ def test_broadcasts_and_reduces_in_flight_together_match_in_order(mesh, axis):
             assert torch.equal(t, torch.full((2, 4), float(n * size * (size + 1) / 2)))
 
 
+def test_the_transports_reduce_refuses_an_op_it_cannot_make_before_sending(mesh):
+    """MIN: a ValueError naming the op on every rank, direct group or MPI's, and nothing in flight
+    (the next collective still pairs up)."""
+    mesh = _over(mesh, "mpi")
+    if mesh.mpi is None:
+        pytest.skip("a 1-rank mesh has no MPI transport")
+    for axis in ("row", "mesh"):
+        if mesh.axis_size(axis) > 1:
+            with pytest.raises(ValueError, match="SUM or MAX, not"):
+                mesh.mpi.reduce(torch.ones(3), axis, 0, dist.ReduceOp.MIN)
+    t = torch.ones(3)
+    P.all_reduce(t, mesh, "mesh")
+    assert torch.equal(t, torch.full((3,), float(mesh.size)))
+
+
 def test_what_mpi_cannot_reduce_goes_through_torch(mesh):
     """MIN has no place in the MPI path and bf16 no MPI datatype: both still reduce, on every rank alike."""
     mpi_mesh = _over(mesh, "mpi")

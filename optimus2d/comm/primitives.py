@@ -17,6 +17,12 @@ from optimus2d.comm.counter import record
 from optimus2d.comm.mesh import Mesh
 
 
+def is_transposed_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the transpose of a contiguous matrix (``weight.t()``): a gradient for it is
+    best made in the stored layout, so autograd accumulates it without a strided copy."""
+    return t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous()
+
+
 class Done:
     """The handle of a collective that needed no communication."""
 

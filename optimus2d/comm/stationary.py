@@ -74,7 +74,7 @@ class _WeightGrad:
     def __init__(self, like: torch.Tensor) -> None:
         self.dtype = like.dtype
         self.acc = torch.float32 if like.dtype in _LOW_PRECISION else like.dtype
-        self.transposed = not like.is_contiguous() and like.t().is_contiguous()
+        self.transposed = P.is_transposed_view(like)
         self.total: torch.Tensor | None = None
 
     def add(self, lhs: torch.Tensor, rhs: torch.Tensor) -> None:

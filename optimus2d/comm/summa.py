@@ -118,11 +118,6 @@ def _abt(a: torch.Tensor, b: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return _reduce_partials(mesh, ((a @ b_t.t(),) for (b_t,) in blocks), ("row",))[0]
 
 
-def _stored_transposed(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a transposed view of a contiguous matrix (a weight's ``.t()``)."""
-    return t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous()
-
-
 def _weight_grad_product(a_t: torch.Tensor, grad_c: torch.Tensor, transposed: bool) -> torch.Tensor:
     """A_tᵀ·dC, made as (dCᵀ·A_t)ᵀ's contiguous factor when ``transposed``: contiguous in the weight's
     own layout, so accumulating it into ``weight.grad`` is a plain add, not a strided copy (2.4 ms
@@ -148,7 +143,7 @@ def _grads_of_ab(grad_c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mesh: M
     Step t broadcasts B_tj along the column and A_it along the row together (one sync stage a
     step, not two); dC_ij·B_tjᵀ is reduced to row member t and A_itᵀ·dC_ij to column member t.
     """
-    transposed = _stored_transposed(b)  # dB in B's own layout
+    transposed = P.is_transposed_view(b)  # dB in B's own layout
     if not (need_a and need_b):
         return _abt(grad_c, b, mesh) if need_a else None, _atb(a, grad_c, mesh, transposed) if need_b else None
     if mesh.q == 1:
@@ -167,7 +162,7 @@ def _grads_of_abt(grad_c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mesh: 
     Step t broadcasts dC_it along the row and B_tj along the column; dA += dC_it·B_tj, and
     dC_itᵀ·A_ij is reduced to column member t. Saves q broadcasts of dC and q sync stages.
     """
-    transposed = _stored_transposed(b)  # dB in B's own layout (TransposedLinear2D's weight.t())
+    transposed = P.is_transposed_view(b)  # dB in B's own layout (TransposedLinear2D's weight.t())
     if not (need_a and need_b):
         return _ab(grad_c, b, mesh) if need_a else None, _atb(grad_c, a, mesh, transposed) if need_b else None
     if mesh.q == 1:

@@ -8,6 +8,7 @@ from torch import nn
 
 from optimus2d.comm import reduce_grad, stationary_ab, stationary_abt, summa_ab, summa_abt
 from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.primitives import is_transposed_view
 from optimus2d.comm.sharding import Sharding
 from optimus2d.cost import linear_2d_algorithm
 from optimus2d.layers.base import ShardedModule
@@ -259,7 +260,7 @@ def linear_2d(
         raise TypeError(f"Linear2D: input dtype {x.dtype} differs from weight dtype {weight.dtype}")
     if mesh.q == 1 and input_activation is None:
         bias = reduce_grad(bias, mesh, ("depth",)) if bias is not None else None
-        if not weight.is_contiguous() and weight.t().is_contiguous():  # stored [in, out] (Conv1D)
+        if is_transposed_view(weight):  # stored [in, out] (Conv1D)
             y = x @ reduce_grad(weight.t(), mesh, ("depth",))  # as Conv1D multiplies: dW made [in, out]
             return y + bias if bias is not None else y
         return F.linear(x, reduce_grad(weight, mesh, ("depth",)), bias)
