@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import optimus2d
-from benchmarks import block, breakdown, calibrate, gpt, linear, memory, mlp, plan, report, transport, waits
+from benchmarks import block, breakdown, calibrate, ceiling, gpt, linear, memory, mlp, plan, report, transport, waits
 
 SUBCOMMANDS = {
     "linear": linear,
@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "breakdown": breakdown,
     "transport": transport,
     "waits": waits,
+    "ceiling": ceiling,
     "report": report,
 }
 RESULTS = Path(__file__).parent / "results"

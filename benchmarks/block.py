@@ -29,12 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
-    p, h, device = world.size, args.hidden, mesh.device
+    p, h, device, dtype = world.size, args.hidden, mesh.device, compare.dtype(args)
     torch.manual_seed(0)
     serial = nn.TransformerEncoderLayer(
-        h, args.heads, 4 * h, dropout=0.0, activation="gelu", batch_first=True, norm_first=True, device=device
+        h, args.heads, 4 * h, 0.0, "gelu", batch_first=True, norm_first=True, device=device, dtype=dtype
     )
-    x = torch.randn(args.batch, args.seq, h, device=device)
+    x = torch.randn(args.batch, args.seq, h, device=device, dtype=dtype)
     with torch.no_grad():
         reference = serial(x)
     grad = torch.randn_like(reference)
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         ours.model(x_local).backward(optimus2d.scatter(grad, mesh))
     ours.model.zero_grad(set_to_none=True)
     rows = args.batch * args.seq
-    what = f"transformer block h={h}, {args.heads} heads"
+    what = f"transformer block h={h}, {args.heads} heads" + ("" if dtype == torch.float32 else f", {args.dtype}")
     compare.time_rounds(group, args.rounds, device, what)
     layer = Layer(args.batch, args.seq, h, 4 * h)
     results = compare.summarize(group, rows, args.batch, args.cap_mib, layer.flops)

@@ -66,12 +66,25 @@ class Timer:
         return 1e3 * (time.perf_counter() - self.begin)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# How far a peer's output may be from serial's, relative to its largest element: fp32 differs only
+# in the order of its sums; bf16 keeps 8 bits of mantissa, and a split sum rounds at other places.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
 def add_run_arguments(parser: argparse.ArgumentParser, batch: int = 8, seq: int = 128) -> None:
-    """The options every timed subcommand takes: the batch, the rounds and the memory cap."""
+    """The options every timed subcommand takes: the batch, the rounds, the memory cap and the
+    dtype of the weights and activations (``bfloat16``: every peer, serial too, in bf16)."""
     parser.add_argument("--batch", type=int, default=batch)
     parser.add_argument("--seq", type=int, default=seq)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--cap-mib", type=float, default=256.0)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+
+
+def dtype(args: argparse.Namespace) -> torch.dtype:
+    """The ``--dtype`` of a timed subcommand (float32 for the ones that have none)."""
+    return DTYPES[getattr(args, "dtype", "float32")]
 
 
 def title(what: str, args: argparse.Namespace, mesh: Mesh) -> str:
@@ -122,13 +135,17 @@ def progress(label: str, done: int, total: int) -> None:
     print(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, file=sys.stderr, flush=True)
 
 
-def check(peers: list[Peer], reference: torch.Tensor, tol: float = 1e-4) -> None:
-    """Every peer's output against serial; all ranks stop together if one differs."""
+def check(peers: list[Peer], reference: torch.Tensor, tol: float | None = None) -> None:
+    """Every peer's output against serial; all ranks stop together if one differs.
+
+    ``tol``: the largest error relative to serial's largest element (default by the reference's
+    dtype, ``TOLERANCE``)."""
+    tol = TOLERANCE[reference.dtype] if tol is None else tol
     errors = torch.zeros(len(peers), device=collective_device())
     for n, peer in enumerate(peers):
         if peer.runs_here():
-            full = peer.full_output(peer.forward()).detach()
-            errors[n] = ((full - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
+            full = peer.full_output(peer.forward()).detach().float()
+            errors[n] = ((full - reference.float()).abs().max() / reference.float().abs().max().clamp_min(1e-30)).item()
     dist.all_reduce(errors, op=dist.ReduceOp.MAX)
     bad = [f"{p.name}: {e:.2e}" for p, e in zip(peers, errors.tolist(), strict=True) if e > tol]
     if bad:

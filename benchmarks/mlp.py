@@ -30,15 +30,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
-    p, h, device = world.size, args.hidden, mesh.device
+    p, h, device, dtype = world.size, args.hidden, mesh.device, compare.dtype(args)
     torch.manual_seed(0)
     if args.linear:
-        serial = nn.Linear(h, args.ffn, device=device)
+        serial = nn.Linear(h, args.ffn, device=device, dtype=dtype)
         what = f"Linear {h}→{args.ffn}"
     else:
-        serial = nn.Sequential(nn.Linear(h, args.ffn), nn.GELU(), nn.Linear(args.ffn, h)).to(device)
+        serial = nn.Sequential(nn.Linear(h, args.ffn), nn.GELU(), nn.Linear(args.ffn, h)).to(device, dtype)
         what = f"MLP {h}→{args.ffn}→{h}"
-    x = torch.randn(args.batch, args.seq, h, device=device)
+    what += "" if dtype == torch.float32 else f", {args.dtype}"
+    x = torch.randn(args.batch, args.seq, h, device=device, dtype=dtype)
     with torch.no_grad():
         reference = serial(x)
     grad = torch.randn_like(reference)

@@ -82,6 +82,12 @@ def _calibration_table(data: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _ceiling_table(data: dict) -> list[str]:
+    n = data["size"]
+    lines = [f"### Matmul ceiling: {n}×{n}×{n} on {data['device']}", "", "| dtype | TFLOP/s |", "|---|---|"]
+    return [*lines, *(f"| {r['dtype']} | {r['tflops']:.2f} |" for r in data["rows"]), ""]
+
+
 def _transport_table(name: str, data: dict) -> list[str]:
     transports = [t for t in ("mpi", "gloo") if f"{t}_ms" in data["rows"][0]]
     lines = [
@@ -253,6 +259,8 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             lines += _peer_table(name, data)
         elif name.startswith("calibrate"):
             lines += _calibration_table(data)
+        elif name.startswith("ceiling"):
+            lines += _ceiling_table(data)
         elif name.startswith("transport"):
             lines += _transport_table(name, data)
         elif name.startswith("breakdown"):

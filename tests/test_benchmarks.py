@@ -151,3 +151,18 @@ def test_llama_benchmark_checks_dtensor_1d_under_the_model_plan_then_times_it(tm
     rows = {r["peer"]: r for r in json.loads((tmp_path / "llama-p4-q2d1.json").read_text())["rows"]}
     assert set(rows) == {"optimus2d 2D", "DTensor 1D", "torch, 1 rank"}
     assert rows["optimus2d 2D"]["elements_measured"] > 0 and rows["DTensor 1D"]["train_ms"] > 0
+
+
+def test_bf16_peers_are_checked_and_save_half_the_bytes_and_the_matmul_ceiling_is_reported(tmp_path):
+    tiny = ["mlp", "--hidden", "32", "--ffn", "128", "--batch", "2", "--seq", "8", "--rounds", "1"]
+    _bench(tmp_path, 4, *tiny)
+    _bench(tmp_path, 4, "--name", "mlp-bf16", *tiny, "--dtype", "bfloat16")  # every peer checked against bf16 serial
+    _bench(tmp_path, 1, "ceiling", "--size", "64", "--rounds", "1")
+    fp32, bf16 = (json.loads((tmp_path / f"{n}-p4-q2d1.json").read_text())["rows"] for n in ("mlp", "mlp-bf16"))
+    assert [r["peer"] for r in fp32] == [r["peer"] for r in bf16]
+    for a, b in zip(fp32, bf16, strict=True):
+        assert b["activation_bytes"] * 2 == a["activation_bytes"] and b["parameter_bytes"] * 2 == a["parameter_bytes"]
+    assert bf16[0]["elements_measured"] == fp32[0]["elements_measured"] > 0
+    ceiling = json.loads((tmp_path / "ceiling-p1-q1d1.json").read_text())
+    assert [r["dtype"] for r in ceiling["rows"]] == ["float32", "bfloat16"] and ceiling["rows"][0]["tflops"] > 0
+    assert "### Matmul ceiling: 64×64×64 on CPU, 1 thread" in _report(tmp_path)
