@@ -250,6 +250,26 @@ def test_cross_entropy_matches_torch(mesh, reduction, smoothing):
     assert_close(full.grad, ref_logits.grad, what="logits grad")
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1], ids=["plain", "smooth"])
+def test_cross_entropy_keeps_for_backward_no_more_than_the_logits(mesh, smoothing):
+    """As torch keeps its log-softmax: the logits block in its own dtype, plus a few numbers a target."""
+    b, vocab = 2 * mesh.depth * mesh.q, 64 * mesh.q
+    logits = scatter(torch.randn(b, SEQ, vocab, dtype=torch.bfloat16), mesh).clone().requires_grad_()
+    target = scatter_batch(torch.randint(0, vocab, (b, SEQ)), mesh)
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = cross_entropy(logits, target, mesh, label_smoothing=smoothing)
+    per_target = 32  # a log-sum-exp, a target index, flags (fp32, int64, bools), the smoothing count
+    assert sum(kept.values()) <= logits.nbytes + per_target * target.numel(), (sum(kept.values()), logits.nbytes)
+    loss.backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
 def test_tied_head_with_padded_vocabulary_and_loss(mesh):
     vocab = 13
     torch.manual_seed(0)
@@ -451,3 +471,38 @@ def test_transposed_linear_with_parts_matches_a_conv1d(mesh, features):
     assert not TransposedLinear2D.from_serial(holder, mesh).weight.requires_grad
     with pytest.raises(ValueError, match=r"parts \(4, 4\) do not add up to out_features=36"):
         TransposedLinear2D(12, 36, parts=(4, 4), mesh=mesh)
+
+
+def test_a_mesh_of_one_row_runs_torchs_own_kernels_bit_for_bit(mesh):
+    """Where q = 1 the hidden dim and the vocabulary are whole: norms, the embedding, a Conv1D-style
+    layer and the loss are torch's own ops, with outputs and gradients equal to the last bit."""
+    if mesh.q != 1:
+        pytest.skip("a mesh with q = 1")
+    from optimus2d.layers import TransposedLinear2D
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 11, (2 * mesh.depth, SEQ))
+    conv = nn.Linear(E, 3 * E)  # stands for Conv1D: a weight stored [in, out]
+    conv.weight = nn.Parameter(torch.randn(E, 3 * E))
+    serial = nn.ModuleDict(
+        {"emb": nn.Embedding(11, E, padding_idx=0), "ln": nn.LayerNorm(E), "rms": nn.RMSNorm(E), "conv": conv}
+    )
+    parallel = {
+        "emb": Embedding2D.from_serial(serial.emb, mesh),
+        "ln": LayerNorm2D.from_serial(serial.ln, mesh),
+        "rms": RMSNorm2D.from_serial(serial.rms, mesh),
+        "conv": TransposedLinear2D.from_serial(serial.conv, mesh),
+    }
+
+    local_ids = scatter_batch(ids, mesh)
+    h = serial.rms(serial.ln(serial.emb(local_ids)))
+    ref = torch.addmm(conv.bias, h.flatten(0, 1), conv.weight).view(*local_ids.shape, -1)  # as Conv1D multiplies
+    out = parallel["conv"](parallel["rms"](parallel["ln"](parallel["emb"](local_ids))))
+    assert torch.equal(out, ref)
+    target = torch.randint(0, 3 * E, local_ids.shape)
+    F.cross_entropy(ref.flatten(0, 1), target.flatten()).backward()
+    cross_entropy(out, target, mesh).backward()  # its mean is over this rank's targets when depth = 1
+    if mesh.depth == 1:
+        for name, module in parallel.items():
+            for pname, param in module.named_parameters():
+                assert torch.equal(param.grad, getattr(serial[name], pname).grad), f"{name}.{pname}"

@@ -149,10 +149,10 @@ def reduce_grad(x: torch.Tensor, mesh: Mesh, axes: Sequence[str]) -> torch.Tenso
     Wrap a tensor replicated over ``axes`` (a weight over depth, a bias over col and depth) before
     use, so its gradient sums every replica's contribution.
     """
-    axes = tuple(a for a in axes if mesh.axis_size(a) > 1)
-    if not axes or not torch.is_grad_enabled() or not x.requires_grad:
+    if mesh.size == 1 or not torch.is_grad_enabled() or not x.requires_grad:
         return x
-    return _ReduceGrad.apply(x, mesh, axes)
+    axes = tuple(a for a in axes if mesh.axis_size(a) > 1)
+    return _ReduceGrad.apply(x, mesh, axes) if axes else x
 
 
 def all_reduce(x: torch.Tensor, mesh: Mesh, axes: Sequence[str]) -> torch.Tensor:

@@ -89,17 +89,20 @@ class Embedding2D(ShardedModule):
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dim() < 1:
             raise TypeError(f"Embedding2D expects integer token ids [b/(d·q), ...], got {_describe(ids)}")
         mesh, n = self.mesh, self.num_embeddings
-        local_bad = ((ids < 0) | (ids >= n)).any().to(ids.dtype).reshape(1)
-        # ids and a "some id is out of range" flag travel together (and the flag on over depth):
-        # every rank sees the same flag and raises together, none is left waiting in a collective
-        packed = torch.cat([ids.reshape(-1), local_bad])
-        gathered = P.all_gather(packed.contiguous(), mesh, "col", 0).view(mesh.q, -1)
-        flag = gathered[:, -1].amax().reshape(1)
+        flag = ((ids < 0) | (ids >= n)).any().to(ids.dtype).reshape(1)
+        if mesh.q > 1:
+            # ids and a "some id is out of range" flag travel together (and the flag on over depth):
+            # every rank sees the same flag and raises together, none is left waiting in a collective
+            packed = torch.cat([ids.reshape(-1), flag])
+            gathered = P.all_gather(packed.contiguous(), mesh, "col", 0).view(mesh.q, -1)
+            flag = gathered[:, -1].amax().reshape(1)
         P.all_reduce(flag, mesh, "depth")  # depth slices see other ids: share the flag with them too
         if flag.item():
             bad = ids[(ids < 0) | (ids >= n)]
             where = f": {bad[:8].tolist()}" if bad.numel() else " on another rank of this column"
             raise ValueError(f"Embedding2D(num_embeddings={n}): token ids outside [0, {n}){where} ({mesh})")
+        if mesh.q == 1:  # the whole table is here: torch's own lookup
+            return F.embedding(ids, reduce_grad(self.weight, mesh, ("depth",)), self.padding_idx)
         all_ids = gathered[:, :-1].reshape(mesh.q * ids.shape[0], *ids.shape[1:])
         start = mesh.index("col") * self.vocab_per_rank
         mine = (all_ids >= start) & (all_ids < start + self.vocab_per_rank)
@@ -135,8 +138,10 @@ def tied_logits(x: torch.Tensor, weight: torch.Tensor, mesh: Mesh, num_embedding
     logits = summa_abt(rows, weight.to(x.dtype), mesh).view(*x.shape[:-1], -1)
     per_rank = weight.shape[0]
     start = mesh.index("row") * per_rank  # the logits' vocabulary block is the row index j
+    if start + per_rank <= num_embeddings:  # no padded row in this block
+        return logits
     padded = torch.arange(start, start + per_rank, device=x.device) >= num_embeddings
-    return logits.masked_fill(padded, float("-inf")) if bool(padded.any()) else logits
+    return logits.masked_fill(padded, float("-inf"))
 
 
 class TiedHead2D(ShardedModule):

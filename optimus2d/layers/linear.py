@@ -218,10 +218,24 @@ class TransposedLinear2D(ShardedModule):
                 f"TransposedLinear2D(in_features={self.in_features}): input of shape {tuple(x.shape)} must be "
                 f"[rows..., in_features/q = {local_in}] on {self.mesh}"
             )
+        if self.mesh.q == 1:
+            return _stored_in_out(x, self.weight, self.bias, self.mesh)
         return linear_2d(x, self.weight.t(), self.bias, self.mesh, self.summa)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, summa={self.summa}, mesh={self.mesh}"
+
+
+def _stored_in_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mesh: Mesh) -> torch.Tensor:
+    """``x·W + b`` on a mesh with q = 1, W stored ``[in, out]``: multiplied as Conv1D does (one
+    addmm, autocast by torch), so dW is made in W's layout; weight and bias reduced over depth."""
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"TransposedLinear2D: input dtype {x.dtype} differs from weight dtype {weight.dtype}")
+    weight = reduce_grad(weight, mesh, ("depth",))
+    if bias is None:
+        return x @ weight
+    bias = reduce_grad(bias, mesh, ("depth",))
+    return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[1])
 
 
 ALGORITHMS = ("auto", "summa", "stationary")
@@ -259,10 +273,9 @@ def linear_2d(
     if x.dtype != weight.dtype:
         raise TypeError(f"Linear2D: input dtype {x.dtype} differs from weight dtype {weight.dtype}")
     if mesh.q == 1 and input_activation is None:
+        if is_transposed_view(weight):  # stored [in, out]
+            return _stored_in_out(x, weight.t(), bias, mesh)
         bias = reduce_grad(bias, mesh, ("depth",)) if bias is not None else None
-        if is_transposed_view(weight):  # stored [in, out] (Conv1D)
-            y = x @ reduce_grad(weight.t(), mesh, ("depth",))  # as Conv1D multiplies: dW made [in, out]
-            return y + bias if bias is not None else y
         return F.linear(x, reduce_grad(weight, mesh, ("depth",)), bias)
     rows = x.reshape(-1, x.shape[-1])
     if algorithm == "auto":  # by what this call moves: its rows, and the gradients backward will make

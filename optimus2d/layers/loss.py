@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.autograd import Function
+from torch.autograd.function import once_differentiable
 
 from optimus2d.comm import all_reduce
 from optimus2d.comm import primitives as P
@@ -27,9 +30,11 @@ def cross_entropy(
 
     Returns, on every rank, the global loss (``"mean"``: over the targets that are not
     ``ignore_index``; ``"sum"``) or this rank's block ``[b/(d·q), ...]`` of the per-target losses
-    (``"none"``). Sends: a max and a sum all-reduce over the row (3 values a target), and for
-    "mean"/"sum" one all-reduce of 3 values over col and depth ("none": of 1); backward sends
-    nothing.
+    (``"none"``). Sends: a max and a sum all-reduce over the row (1 and 2 values a target; 4 with
+    label smoothing), and for "mean"/"sum" one all-reduce of 3 values over col and depth ("none":
+    of 1); backward sends nothing. Keeps for backward the logits (their dtype) and a log-sum-exp a
+    target. Where the vocabulary is whole (q = 1) and there is no smoothing, the loss is torch's
+    ``F.cross_entropy`` (and its kernels).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction={reduction!r} is not 'mean', 'sum' or 'none'")
@@ -43,42 +48,80 @@ def cross_entropy(
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"cross_entropy: label_smoothing={label_smoothing} must be in [0, 1]")
 
-    logits = logits_local.float()
-    per_rank = logits.shape[-1]
+    per_rank = logits_local.shape[-1]
     vocab = per_rank * mesh.q
     start = mesh.index("row") * per_rank
-    finite = torch.isfinite(logits)
-
-    row_max = logits.detach().amax(-1, keepdim=True)
-    P.all_reduce_max(row_max, mesh, "row")
-    shifted = logits - row_max
     valid = target_local != ignore_index
-    in_block = valid & (target_local >= start) & (target_local < start + per_rank)
-    local_target = torch.where(in_block, target_local - start, 0).unsqueeze(-1)
-    picked = torch.where(in_block, shifted.gather(-1, local_target).squeeze(-1), 0.0)
-    sums = [
-        shifted.exp().sum(-1),  # Σ exp over this block
-        picked,  # the target's logit, if it is in this block
-        torch.where(finite, shifted, 0.0).sum(-1),  # Σ finite logits, for label smoothing
-        finite.sum(-1).to(logits.dtype),  # how many finite logits (padded columns are −inf)
-    ]
-    totals = all_reduce(torch.stack(sums, -1), mesh, ("row",))
-    sum_exp, target_logit, sum_logits, classes = totals.unbind(-1)
     # Targets are the same across the row; a bad one is reported on every rank at once (the
     # flag rides on an all-reduce over col and depth), so no rank raises while others wait.
-    bad = (valid & ((target_local < 0) | (target_local >= vocab))).any().to(logits.dtype)
-    log_z = sum_exp.log()
-    nll = log_z - target_logit
-    loss = (1 - label_smoothing) * nll + label_smoothing * (log_z - sum_logits / classes)
+    bad = valid & ((target_local < 0) | (target_local >= vocab))
+    if mesh.q == 1 and label_smoothing == 0.0:  # the vocabulary is whole: torch's own kernels
+        safe = torch.where(bad, ignore_index, target_local).reshape(-1)  # a bad target must not reach a CUDA kernel
+        flat = logits_local.reshape(-1, per_rank)
+        if mesh.size == 1:  # one rank: torch's cross_entropy as it is, after the same check
+            loss = F.cross_entropy(flat, safe, ignore_index=ignore_index, reduction=reduction)
+            _raise_if(bad.any(), vocab, mesh)
+            return loss.view(target_local.shape) if reduction == "none" else loss
+        loss = F.cross_entropy(flat, safe, ignore_index=ignore_index, reduction="none")
+        loss = loss.view(target_local.shape).float()
+    else:
+        in_block = valid & (target_local >= start) & (target_local < start + per_rank)
+        local_target = torch.where(in_block, target_local - start, 0)
+        loss = _SplitVocabCrossEntropy.apply(logits_local, local_target, in_block, mesh, label_smoothing)
     loss = torch.where(valid, loss, 0.0)
+    bad = bad.any().float()
     if reduction == "none":
         flag = all_reduce(bad.reshape(1), mesh, ("col", "depth"))
         _raise_if(flag[0], vocab, mesh)
         return loss.to(logits_local.dtype)
-    total = all_reduce(torch.stack([loss.sum(), valid.sum().to(loss.dtype), bad]), mesh, ("col", "depth"))
+    total = all_reduce(torch.stack([loss.sum(), valid.sum().float(), bad]), mesh, ("col", "depth"))
     _raise_if(total[2], vocab, mesh)
     result = total[0] / total[1] if reduction == "mean" else total[0]
     return result.to(logits_local.dtype)
+
+
+class _SplitVocabCrossEntropy(Function):
+    """The loss of each target from this rank's vocabulary block, in fp32.
+
+    forward: a max all-reduce over the row, then one of [Σ exp, the target's logit] per target
+    (with label smoothing also [Σ finite logits, how many]). Saves the logits as they came (their
+    dtype: what torch's own cross_entropy keeps, its log-softmax) and a log-sum-exp a target.
+    backward: the softmax recomputed from them, less the target's one-hot; sends nothing.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, local_target, in_block, mesh: Mesh, smoothing: float):
+        row_max = logits.detach().amax(-1, keepdim=True).float()
+        P.all_reduce_max(row_max, mesh, "row")
+        shifted = logits.float() - row_max  # a new fp32 tensor: the logits stay as saved
+        picked = torch.where(in_block, shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
+        sums = [None, picked]
+        if smoothing:
+            finite = torch.isfinite(logits)  # padded vocabulary columns are −inf
+            sums += [torch.where(finite, shifted, 0.0).sum(-1), finite.sum(-1).float()]
+        sums[0] = shifted.exp_().sum(-1)
+        totals = torch.stack(sums, -1)
+        P.all_reduce(totals, mesh, "row")
+        log_sum_exp = totals[..., 0].log()
+        loss = log_sum_exp - totals[..., 1]
+        classes = None
+        if smoothing:
+            classes = totals[..., 3]
+            loss = (1 - smoothing) * loss + smoothing * (log_sum_exp - totals[..., 2] / classes)
+        ctx.save_for_backward(logits, log_sum_exp + row_max.squeeze(-1), local_target, in_block, classes)
+        ctx.smoothing = smoothing
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        logits, log_z, local_target, in_block, classes = ctx.saved_tensors
+        grad = logits.to(torch.float32, copy=True).sub_(log_z.unsqueeze(-1)).exp_()  # softmax
+        eps = ctx.smoothing
+        if eps:
+            grad.sub_(torch.isfinite(logits).float().mul_((eps / classes).unsqueeze(-1)))
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), in_block.float().mul_(eps - 1).unsqueeze(-1))
+        return grad.mul_(grad_loss.unsqueeze(-1)).to(logits.dtype), None, None, None, None
 
 
 def _raise_if(bad: torch.Tensor, vocab: int, mesh: Mesh) -> None:
