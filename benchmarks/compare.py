@@ -197,6 +197,24 @@ def saved_bytes(peer: Peer) -> int:
     return sum(seen.values())
 
 
+def peak_step_bytes(peer: Peer) -> int | None:
+    """Bytes the CUDA allocator held at the peak of one fwd+bwd step beyond what it held before
+    (activations, gradients, temporaries): the allocator's own count beside ``saved_bytes``.
+    None off a GPU, where no allocator keeps such a count."""
+    device = next(peer.model.parameters()).device
+    if device.type != "cuda" or not peer.runs_here():
+        return None
+    peer.model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    peer.backward(peer.forward())
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    peer.model.zero_grad(set_to_none=True)
+    return peak
+
+
 def parameter_bytes(model: nn.Module) -> int:
     return sum((p._local_tensor if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
 
@@ -230,6 +248,7 @@ def summarize(peers: list[Peer], tokens: int, batch: int, cap_mib: float, flops:
                     flops / (1 if peer.rank0_only else dist.get_world_size()) / (train / 1e3) / 1e12 if flops else None
                 ),
                 "activation_bytes": act,
+                "peak_step_bytes": peak_step_bytes(peer),
                 "parameter_bytes": params,
                 "largest_batch": largest,
             }
@@ -242,6 +261,12 @@ def summarize(peers: list[Peer], tokens: int, batch: int, cap_mib: float, flops:
 
 def print_table(title: str, rows: list[dict], serial_act: int, p: int) -> None:
     print(title)
+    peaks = [r for r in rows if r.get("peak_step_bytes")]
+    if peaks:  # on a GPU: the allocator's peak of a step, beside the saved bytes of the table below
+        print(
+            "peak of a fwd+bwd step, CUDA allocator: "
+            + ", ".join(f"{r['peer']} {r['peak_step_bytes'] / 2**20:,.0f} MiB" for r in peaks)
+        )
     head = ("peer", "fwd+bwd ms", "÷ ours", "fwd ms", "÷ ours", "tokens/s", "TFLOP/s", "act B/rank", "÷ serial/p")
     print("{:<24}{:>11}{:>8}{:>9}{:>8}{:>10}{:>9}{:>13}{:>11}{:>10}".format(*head, "max batch"))
     for r in rows:

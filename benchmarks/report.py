@@ -44,6 +44,13 @@ def _peer_table(name: str, data: dict) -> list[str]:
             f"{act_ratio} | "
             f"{r['largest_batch']} | {f'{elements:,}' if elements is not None else '—'} |"
         )
+    peaks = [r for r in rows if r.get("peak_step_bytes")]
+    if peaks:
+        lines += [
+            "",
+            "Peak of a fwd+bwd step (CUDA allocator, beyond what it held before): "
+            + ", ".join(f"{r['peer']} {r['peak_step_bytes'] / 2**20:,.0f} MiB" for r in peaks),
+        ]
     return [*lines, ""]
 
 

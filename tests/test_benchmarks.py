@@ -50,6 +50,7 @@ def test_mlp_and_block_benchmarks_count_what_the_formulas_say_then_report(tmp_pa
         ours = rows[0]
         assert ours["peer"] == "optimus2d 2D" and ours["elements_measured"] == ours["elements_formula"]
         assert ours["train_ms"] > 0 and ours["largest_batch"] > 0
+        assert ours["peak_step_bytes"] is None  # the CUDA allocator's count: on a GPU only
     mlp = {r["peer"]: r for r in json.loads((tmp_path / "mlp-p4-q2d1.json").read_text())["rows"]}
     twin = (
         "optimus2d 2D over gloo" if "optimus2d 2D over gloo" in mlp else "optimus2d 2D over MPI"

@@ -112,6 +112,7 @@ class _StationaryAB(Function):
         grad_a = P.PartialSums(mesh, "row", pre_swapped.shape, pre_swapped) if need_a else None
         grad_b = _WeightGrad(b) if need_b else None
         _products(grads, b.t(), grad_a, (grad_b, inputs, False) if need_b else None)
+        inputs = None  # frees the recomputed activation before its input gradient (recompute.py)
         return (
             P.transpose(a_swapped.grad(grad_a.result()), mesh) if need_a else None,
             grad_b.result(mesh) if need_b else None,
@@ -140,6 +141,7 @@ class _StationaryABT(Function):
         grad_a = P.PartialSums(mesh, "col", pre.shape, pre) if need_a else None
         grad_b = _WeightGrad(b) if need_b else None
         _products(grads, b, grad_a, (grad_b, inputs, True) if need_b else None)
+        inputs = None  # frees the recomputed activation before its input gradient (recompute.py)
         return a.grad(grad_a.result()) if need_a else None, grad_b.result(mesh) if need_b else None, None, None
 
 
