@@ -84,3 +84,27 @@ def test_counter_records_kind_axis_and_bytes():
     assert outer.count() == 2 and outer.bytes == 48 + 10
     assert outer.by("kind", "axis") == {("broadcast", "row"): 12, ("all_reduce", "depth"): 5}
     assert "total 2 collectives, 58 bytes" in outer.summary()
+
+
+@pytest.mark.parametrize(
+    "activation",
+    [nn.GELU(), nn.GELU("tanh"), torch.nn.functional.gelu, nn.SiLU(), nn.ReLU(), torch.tanh],
+    ids=["gelu", "gelu-tanh", "F.gelu", "silu", "relu", "tanh (autograd)"],
+)
+def test_recomputed_activation_gives_autograds_gradient_and_frees_its_value_first(activation):
+    import weakref
+
+    from optimus2d.recompute import Recomputed
+
+    torch.manual_seed(0)
+    pre = torch.randn(64, 32)
+    grad = torch.randn(64, 32)
+    leaf = pre.clone().requires_grad_()
+    out = activation(leaf)
+    out.backward(grad)
+    recomputed = Recomputed(pre, activation)
+    assert torch.equal(recomputed.value, out.detach())
+    value = weakref.ref(recomputed.value)
+    assert torch.equal(recomputed.grad(grad), leaf.grad)  # bit for bit
+    if activation is not torch.tanh:  # its derivative reads its output: autograd keeps that
+        assert value() is None  # freed before the input gradient was made
