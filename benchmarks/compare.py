@@ -140,7 +140,7 @@ def check(peers: list[Peer], reference: torch.Tensor, tol: float | None = None) 
 
     ``tol``: the largest error relative to serial's largest element (default by the reference's
     dtype, ``TOLERANCE``)."""
-    tol = TOLERANCE[reference.dtype] if tol is None else tol
+    tol = TOLERANCE.get(reference.dtype, TOLERANCE[torch.bfloat16]) if tol is None else tol
     errors = torch.zeros(len(peers), device=collective_device())
     for n, peer in enumerate(peers):
         if peer.runs_here():

@@ -30,43 +30,60 @@ def activated(pre: torch.Tensor, activation: Activation) -> torch.Tensor:
 
 def _input_derivative(activation: Activation):
     """``(grad, pre) -> grad through activation`` for activations whose derivative needs only their
-    input (the aten ops their own autograd formulas call, so bit-identical); None for the others."""
-    approximate = getattr(activation, "approximate", "none")
-    if activation is F.gelu or isinstance(activation, nn.GELU):
+    input (the aten ops their own autograd formulas call, so bit-identical); None for the others.
+    Modules match by exact type: a subclass may compute something else in its ``forward``."""
+    kind = type(activation)
+    if activation is F.gelu or kind is nn.GELU:
+        approximate = getattr(activation, "approximate", "none")
         return lambda grad, pre: torch.ops.aten.gelu_backward(grad, pre, approximate=approximate)
-    if activation is F.silu or isinstance(activation, nn.SiLU):
+    if activation is F.silu or kind is nn.SiLU:
         return torch.ops.aten.silu_backward
-    if activation in (F.relu, torch.relu) or isinstance(activation, nn.ReLU):
+    if activation in (F.relu, torch.relu) or kind is nn.ReLU:
         return lambda grad, pre: torch.ops.aten.threshold_backward(grad, pre, 0)
     return None
 
 
 class Recomputed:
-    """In backward: ``value`` = activation(pre) again, and ``grad`` takes dL/d(value) to dL/d(pre).
+    """In backward: ``value`` = activation(pre) again (made when first read), and ``grad`` takes
+    dL/d(value) to dL/d(pre).
 
     ``grad`` drops ``value`` first: for GELU, SiLU and ReLU, whose derivative reads the input alone,
     the recomputed activation is freed before the input gradient is made (if the caller holds no
     other reference), so backward's peak holds pre, dL/d(value) and dL/d(pre) — what torch's holds.
+    A caller that needs no weight gradient never reads ``value``, and it is never made.
     """
 
     def __init__(self, pre: torch.Tensor, activation: Activation) -> None:
-        self._leaf = self._out = None
-        self._pre, self._derivative = pre, _input_derivative(activation)
-        if activation is None:
-            self.value = pre
-        elif self._derivative is not None:
-            with torch.no_grad():
-                self.value = activation(pre)
-        else:
-            with torch.enable_grad():
-                self._leaf = pre.detach().requires_grad_()
-                self._out = activation(self._leaf)
-            self.value = self._out.detach()
+        self._pre, self._activation = pre, activation
+        self._derivative = _input_derivative(activation)
+        self._leaf = self._out = self._value = None
+
+    @property
+    def value(self) -> torch.Tensor:
+        if self._activation is None:
+            return self._pre
+        if self._value is None:
+            if self._derivative is not None:
+                with torch.no_grad():
+                    self._value = self._activation(self._pre)
+            else:
+                self._record()
+                self._value = self._out.detach()
+        return self._value
+
+    def _record(self) -> None:
+        with torch.enable_grad():
+            self._leaf = self._pre.detach().requires_grad_()
+            self._out = self._activation(self._leaf)
 
     def grad(self, grad_value: torch.Tensor) -> torch.Tensor:
-        self.value = None
+        self._value = None
+        if self._activation is None:
+            return grad_value
         if self._derivative is not None:
             return self._derivative(grad_value, self._pre)
-        if self._leaf is None:
-            return grad_value
-        return torch.autograd.grad(self._out, self._leaf, grad_value)[0]
+        if self._out is None:
+            self._record()
+        grad = torch.autograd.grad(self._out, self._leaf, grad_value)[0]
+        self._leaf = self._out = None
+        return grad

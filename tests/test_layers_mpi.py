@@ -506,3 +506,20 @@ def test_a_mesh_of_one_row_runs_torchs_own_kernels_bit_for_bit(mesh):
         for name, module in parallel.items():
             for pname, param in module.named_parameters():
                 assert torch.equal(param.grad, getattr(serial[name], pname).grad), f"{name}.{pname}"
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1], ids=["plain", "smooth"])
+def test_cross_entropy_in_fp64_computes_in_fp64(mesh, smoothing):
+    b, vocab = 2 * mesh.depth * mesh.q, 5 * mesh.q
+    torch.manual_seed(0)
+    logits = torch.randn(b, SEQ, vocab, dtype=torch.float64) * 4
+    target = torch.randint(0, vocab, (b, SEQ))
+    ref_logits = logits.clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits.view(-1, vocab), target.view(-1), label_smoothing=smoothing)
+    ref.backward()
+    full = logits.clone().requires_grad_()
+    loss = cross_entropy(scatter(full, mesh), scatter_batch(target, mesh), mesh, label_smoothing=smoothing)
+    loss.backward()
+    assert loss.dtype == torch.float64
+    assert_close(loss, ref, 1e-12, "loss")
+    assert_close(full.grad, ref_logits.grad, 1e-12, "logits grad")

@@ -86,12 +86,25 @@ def test_counter_records_kind_axis_and_bytes():
     assert "total 2 collectives, 58 bytes" in outer.summary()
 
 
+class _SquaredReLU(nn.ReLU):  # a subclass computing something else: must not take ReLU's derivative
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) ** 2
+
+
 @pytest.mark.parametrize(
-    "activation",
-    [nn.GELU(), nn.GELU("tanh"), torch.nn.functional.gelu, nn.SiLU(), nn.ReLU(), torch.tanh],
-    ids=["gelu", "gelu-tanh", "F.gelu", "silu", "relu", "tanh (autograd)"],
+    ("activation", "frees"),
+    [
+        (nn.GELU(), True),
+        (nn.GELU("tanh"), True),
+        (torch.nn.functional.gelu, True),
+        (nn.SiLU(), True),
+        (nn.ReLU(), True),
+        (torch.tanh, False),  # through autograd: its derivative reads its output
+        (_SquaredReLU(), False),
+    ],
+    ids=["gelu", "gelu-tanh", "F.gelu", "silu", "relu", "tanh", "ReLU subclass"],
 )
-def test_recomputed_activation_gives_autograds_gradient_and_frees_its_value_first(activation):
+def test_recomputed_activation_gives_autograds_gradient_and_frees_its_value_first(activation, frees):
     import weakref
 
     from optimus2d.recompute import Recomputed
@@ -104,7 +117,9 @@ def test_recomputed_activation_gives_autograds_gradient_and_frees_its_value_firs
     out.backward(grad)
     recomputed = Recomputed(pre, activation)
     assert torch.equal(recomputed.value, out.detach())
-    value = weakref.ref(recomputed.value)
+    storage = weakref.ref(recomputed.value.untyped_storage())
     assert torch.equal(recomputed.grad(grad), leaf.grad)  # bit for bit
-    if activation is not torch.tanh:  # its derivative reads its output: autograd keeps that
-        assert value() is None  # freed before the input gradient was made
+    if frees:
+        assert storage() is None  # freed before the input gradient was made
+    unread = Recomputed(pre, activation)  # no weight gradient wanted: value never made
+    assert torch.equal(unread.grad(grad), leaf.grad) and unread._value is None

@@ -63,25 +63,25 @@ def cross_entropy(
             _raise_if(bad.any(), vocab, mesh)
             return loss.view(target_local.shape) if reduction == "none" else loss
         loss = F.cross_entropy(flat, safe, ignore_index=ignore_index, reduction="none")
-        loss = loss.view(target_local.shape).float()
+        loss = loss.view(target_local.shape).to(_compute_dtype(logits_local))
     else:
         in_block = valid & (target_local >= start) & (target_local < start + per_rank)
         local_target = torch.where(in_block, target_local - start, 0)
         loss = _SplitVocabCrossEntropy.apply(logits_local, local_target, in_block, mesh, label_smoothing)
     loss = torch.where(valid, loss, 0.0)
-    bad = bad.any().float()
+    bad = bad.any().to(loss.dtype)
     if reduction == "none":
         flag = all_reduce(bad.reshape(1), mesh, ("col", "depth"))
         _raise_if(flag[0], vocab, mesh)
         return loss.to(logits_local.dtype)
-    total = all_reduce(torch.stack([loss.sum(), valid.sum().float(), bad]), mesh, ("col", "depth"))
+    total = all_reduce(torch.stack([loss.sum(), valid.sum().to(loss.dtype), bad]), mesh, ("col", "depth"))
     _raise_if(total[2], vocab, mesh)
     result = total[0] / total[1] if reduction == "mean" else total[0]
     return result.to(logits_local.dtype)
 
 
 class _SplitVocabCrossEntropy(Function):
-    """The loss of each target from this rank's vocabulary block, in fp32.
+    """The loss of each target from this rank's vocabulary block, in fp32 (fp64 for fp64 logits).
 
     forward: a max all-reduce over the row, then one of [Σ exp, the target's logit] per target
     (with label smoothing also [Σ finite logits, how many]). Saves the logits as they came (their
@@ -91,14 +91,14 @@ class _SplitVocabCrossEntropy(Function):
 
     @staticmethod
     def forward(ctx, logits, local_target, in_block, mesh: Mesh, smoothing: float):
-        row_max = logits.detach().amax(-1, keepdim=True).float()
+        row_max = logits.detach().amax(-1, keepdim=True).to(_compute_dtype(logits))
         P.all_reduce_max(row_max, mesh, "row")
-        shifted = logits.float() - row_max  # a new fp32 tensor: the logits stay as saved
+        shifted = logits.to(row_max.dtype) - row_max  # a new tensor: the logits stay as saved
         picked = torch.where(in_block, shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
         sums = [None, picked]
         if smoothing:
             finite = torch.isfinite(logits)  # padded vocabulary columns are −inf
-            sums += [torch.where(finite, shifted, 0.0).sum(-1), finite.sum(-1).float()]
+            sums += [torch.where(finite, shifted, 0.0).sum(-1), finite.sum(-1).to(shifted.dtype)]
         sums[0] = shifted.exp_().sum(-1)
         totals = torch.stack(sums, -1)
         P.all_reduce(totals, mesh, "row")
@@ -116,12 +116,16 @@ class _SplitVocabCrossEntropy(Function):
     @once_differentiable
     def backward(ctx, grad_loss):
         logits, log_z, local_target, in_block, classes = ctx.saved_tensors
-        grad = logits.to(torch.float32, copy=True).sub_(log_z.unsqueeze(-1)).exp_()  # softmax
+        grad = logits.to(log_z.dtype, copy=True).sub_(log_z.unsqueeze(-1)).exp_()  # softmax
         eps = ctx.smoothing
         if eps:
-            grad.sub_(torch.isfinite(logits).float().mul_((eps / classes).unsqueeze(-1)))
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), in_block.float().mul_(eps - 1).unsqueeze(-1))
+            grad.sub_(torch.isfinite(logits).to(grad.dtype).mul_((eps / classes).unsqueeze(-1)))
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), in_block.to(grad.dtype).mul_(eps - 1).unsqueeze(-1))
         return grad.mul_(grad_loss.unsqueeze(-1)).to(logits.dtype), None, None, None, None
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 def _raise_if(bad: torch.Tensor, vocab: int, mesh: Mesh) -> None:
