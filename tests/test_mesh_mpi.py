@@ -118,6 +118,18 @@ def test_stationary_products_and_algorithms_refuse_bad_input_before_any_collecti
     assert counter.count() == 0
 
 
+def test_transposed_linear_refuses_wrong_local_layout_and_dtype(mesh):
+    from optimus2d.layers import TransposedLinear2D
+
+    layer = TransposedLinear2D(6 * mesh.q, 6 * mesh.q, mesh=mesh)
+    with count_comm() as counter:
+        with pytest.raises(ValueError, match=r"input of shape \(2, 5, 7\) must be \[rows..., in_features/q = 6\]"):
+            layer(torch.zeros(2, 5, 7))
+        with pytest.raises(TypeError, match=r"TransposedLinear2D: input dtype torch\.float64 differs"):
+            layer(torch.zeros(2, 6, dtype=torch.float64))
+    assert counter.count() == 0
+
+
 def test_linear_refuses_wrong_local_layout(mesh):
     q = mesh.q
     layer = Linear2D(6 * q, 6 * q, mesh=mesh)

@@ -218,6 +218,8 @@ class TransposedLinear2D(ShardedModule):
                 f"TransposedLinear2D(in_features={self.in_features}): input of shape {tuple(x.shape)} must be "
                 f"[rows..., in_features/q = {local_in}] on {self.mesh}"
             )
+        if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"TransposedLinear2D: input dtype {x.dtype} differs from weight dtype {self.weight.dtype}")
         if self.mesh.q == 1:
             return _stored_in_out(x, self.weight, self.bias, self.mesh)
         return linear_2d(x, self.weight.t(), self.bias, self.mesh, self.summa)
@@ -228,9 +230,8 @@ class TransposedLinear2D(ShardedModule):
 
 def _stored_in_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mesh: Mesh) -> torch.Tensor:
     """``x·W + b`` on a mesh with q = 1, W stored ``[in, out]``: multiplied as Conv1D does (one
-    addmm, autocast by torch), so dW is made in W's layout; weight and bias reduced over depth."""
-    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-        raise TypeError(f"TransposedLinear2D: input dtype {x.dtype} differs from weight dtype {weight.dtype}")
+    addmm, autocast by torch), so dW is made in W's layout; weight and bias reduced over depth.
+    The caller has checked the dtypes."""
     weight = reduce_grad(weight, mesh, ("depth",))
     if bias is None:
         return x @ weight
