@@ -9,6 +9,11 @@ from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
 
 
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a reduction over ``t`` runs in: fp64 for fp64, else fp32 (bf16 and fp16 too)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 class ShardedModule(nn.Module):
     """A module whose own parameters/buffers are blocks of serial tensors.
 

@@ -10,6 +10,7 @@ from torch.autograd.function import once_differentiable
 from optimus2d.comm import all_reduce
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
+from optimus2d.layers.base import compute_dtype
 
 
 def cross_entropy(
@@ -63,7 +64,7 @@ def cross_entropy(
             _raise_if(bad.any(), vocab, mesh)
             return loss.view(target_local.shape) if reduction == "none" else loss
         loss = F.cross_entropy(flat, safe, ignore_index=ignore_index, reduction="none")
-        loss = loss.view(target_local.shape).to(_compute_dtype(logits_local))
+        loss = loss.view(target_local.shape).to(compute_dtype(logits_local))
     else:
         in_block = valid & (target_local >= start) & (target_local < start + per_rank)
         local_target = torch.where(in_block, target_local - start, 0)
@@ -91,7 +92,7 @@ class _SplitVocabCrossEntropy(Function):
 
     @staticmethod
     def forward(ctx, logits, local_target, in_block, mesh: Mesh, smoothing: float):
-        row_max = logits.detach().amax(-1, keepdim=True).to(_compute_dtype(logits))
+        row_max = logits.detach().amax(-1, keepdim=True).to(compute_dtype(logits))
         P.all_reduce_max(row_max, mesh, "row")
         shifted = logits.to(row_max.dtype) - row_max  # a new tensor: the logits stay as saved
         picked = torch.where(in_block, shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
@@ -122,10 +123,6 @@ class _SplitVocabCrossEntropy(Function):
             grad.sub_(torch.isfinite(logits).to(grad.dtype).mul_((eps / classes).unsqueeze(-1)))
         grad.scatter_add_(-1, local_target.unsqueeze(-1), in_block.to(grad.dtype).mul_(eps - 1).unsqueeze(-1))
         return grad.mul_(grad_loss.unsqueeze(-1)).to(logits.dtype), None, None, None, None
-
-
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 def _raise_if(bad: torch.Tensor, vocab: int, mesh: Mesh) -> None:

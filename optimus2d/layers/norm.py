@@ -13,15 +13,11 @@ from optimus2d.comm import primitives as P
 from optimus2d.comm import reduce_grad
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
-from optimus2d.layers.base import ShardedModule
+from optimus2d.layers.base import ShardedModule, compute_dtype
 
 
 def _dtype(norm: nn.Module) -> torch.dtype | None:
     return norm.weight.dtype if getattr(norm, "weight", None) is not None else None
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 class _Norm2D(Function):
@@ -35,7 +31,7 @@ class _Norm2D(Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, mesh: Mesh, hidden: int, eps: float, rms: bool):
-        xf = x.to(_compute_dtype(x))
+        xf = x.to(compute_dtype(x))
         if rms:
             sum_sq = xf.square().sum(-1, keepdim=True)
             P.all_reduce(sum_sq, mesh, "row")
