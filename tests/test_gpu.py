@@ -19,6 +19,25 @@ ROOT = Path(__file__).parent.parent
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"), pytest.mark.slow]
 
 
+_PRELUDE = """
+import copy, sys, torch, optimus2d
+import torch.nn.functional as F
+from torch import nn
+sys.path.insert(0, "tests")
+from helpers import assert_close
+world = optimus2d.init()
+assert world.backend == "nccl", world
+mesh = optimus2d.Mesh(1)
+"""
+
+
+def _run_on_one_gpu(body: str) -> None:
+    """``body`` in a fresh process after ``_PRELUDE`` (NCCL world of one, ``mesh``, ``assert_close``);
+    it passes when the script reaches its end."""
+    out = _python("-c", _PRELUDE + textwrap.dedent(body) + '\nprint("ok")\n')
+    assert out.strip().endswith("ok"), out[-2000:]
+
+
 def _python(*args: str) -> str:
     out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -26,13 +45,8 @@ def _python(*args: str) -> str:
 
 
 def test_layers_on_one_gpu_match_torch_in_fp32_and_bf16():
-    script = textwrap.dedent(
+    _run_on_one_gpu(
         """
-        import torch, optimus2d
-        from torch import nn
-        world = optimus2d.init()
-        assert world.backend == "nccl", world
-        mesh = optimus2d.Mesh(1)
         torch.manual_seed(0)
         serial = nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True, norm_first=True).cuda()
         block = optimus2d.TransformerBlock2D.from_serial(serial, mesh)
@@ -43,22 +57,15 @@ def test_layers_on_one_gpu_match_torch_in_fp32_and_bf16():
             y, y_ref = block(optimus2d.scatter(x, mesh)), serial(x)
         err = ((y.float() - y_ref.float()).abs().max() / y_ref.float().abs().max()).item()
         assert err < 2e-2, err
-        print("ok")
         """
     )
-    assert _python("-c", script).strip().endswith("ok")
 
 
 def test_gpt2_and_llama_training_step_on_one_gpu_match_transformers():
     """Logits, loss and the weights after one SGD step, fp32 on the GPU, against the serial model."""
-    script = textwrap.dedent(
+    _run_on_one_gpu(
         """
-        import copy, sys, torch, transformers, optimus2d
-        import torch.nn.functional as F
-        sys.path.insert(0, "tests")
-        from helpers import assert_close
-        world = optimus2d.init()
-        mesh = optimus2d.Mesh(1)
+        import transformers
         configs = {
             "gpt2": transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=6,
                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
@@ -85,22 +92,14 @@ def test_gpt2_and_llama_training_step_on_one_gpu_match_transformers():
             state = optimus2d.serial_state_dict(parallel)
             for key, value in serial.state_dict().items():
                 assert_close(state[key], value, 1e-4, f"{name} {key}")
-        print("ok")
         """
     )
-    assert _python("-c", script).strip().endswith("ok")
 
 
 def test_bf16_layers_on_one_gpu_match_torch_in_bf16():
     """Weights and activations in bf16 (no autocast): MLP2D and LayerNorm2D against torch's in bf16."""
-    script = textwrap.dedent(
+    _run_on_one_gpu(
         """
-        import sys, torch, optimus2d
-        from torch import nn
-        sys.path.insert(0, "tests")
-        from helpers import assert_close
-        world = optimus2d.init()
-        mesh = optimus2d.Mesh(1)
         torch.manual_seed(0)
         mlp = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).cuda().bfloat16()
         norm = nn.LayerNorm(256).cuda().bfloat16()
@@ -116,23 +115,15 @@ def test_bf16_layers_on_one_gpu_match_torch_in_bf16():
             (y * probe).sum().backward()
             assert_close(y, y_ref, 1e-2, "output")
             assert_close(x2.grad, x.grad, 2e-2, "input grad")
-        print("ok")
         """
     )
-    assert _python("-c", script).strip().endswith("ok")
 
 
 def test_checkpoint_on_one_gpu_resumes_exactly_and_loads_in_one_process(tmp_path):
     """Save a model and its AdamW state from the GPU, load them into a fresh twin: the next step is
     the uninterrupted one's; ``checkpoint.load(path)`` alone gives the serial state dict."""
-    script = textwrap.dedent(
+    _run_on_one_gpu(
         f"""
-        import copy, sys, torch, optimus2d
-        from torch import nn
-        sys.path.insert(0, "tests")
-        from helpers import assert_close
-        world = optimus2d.init()
-        mesh = optimus2d.Mesh(1)
         torch.manual_seed(0)
         serial = nn.TransformerEncoderLayer(64, 4, 256, 0.0, batch_first=True, norm_first=True).cuda()
         models = [optimus2d.TransformerBlock2D.from_serial(copy.deepcopy(serial), mesh) for _ in range(2)]
@@ -151,10 +142,8 @@ def test_checkpoint_on_one_gpu_resumes_exactly_and_loads_in_one_process(tmp_path
         for key in a:
             assert b[key].is_cuda, key
             assert_close(b[key], a[key], 1e-5, key)  # not bitwise: attention's backward may add atomically
-        print("ok")
         """
     )
-    assert _python("-c", script).strip().endswith("ok")
     loaded = _python("-c", f"import optimus2d; print(sorted(optimus2d.checkpoint.load({str(tmp_path)!r})))")
     assert "self_attn.in_proj_weight" in loaded and "linear1.weight" in loaded, loaded
 
