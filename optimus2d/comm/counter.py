@@ -1,7 +1,9 @@
 """Count every collective optimus2d sends: kind, mesh axis, bytes.
 
 Like PyTorch's ``CommDebugMode``, but it sees the mesh axis of each call, which is what the cost
-formulas speak of. Groups of one rank send nothing and are not recorded.
+formulas speak of. Groups of one rank send nothing and are not recorded. The small exchanges
+that check the ranks agree (``comm/agreement.py``) are recorded apart, in ``checks``: ``numel``,
+``bytes`` and ``count()`` are the algorithm's traffic alone.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class CommCounter:
     """Records collectives issued while active; use ``with count_comm() as c:``."""
 
     records: list[CommRecord] = field(default_factory=list)
+    checks: list[CommRecord] = field(default_factory=list)  # agreement checks (comm/agreement.py), apart
 
     @property
     def numel(self) -> int:
@@ -85,3 +88,12 @@ def record(kind: str, axis: str, tensor: torch.Tensor, times: int = 1) -> None:
         with _lock:
             for counter in _counters:
                 counter.records.append(rec)
+
+
+def record_check(where: str, table: torch.Tensor) -> None:
+    """Called by ``comm/agreement.py`` after each agreement exchange (``table``: every member's words)."""
+    if _counters:
+        rec = CommRecord("check", where, table.numel(), table.numel() * table.element_size(), table.dtype)
+        with _lock:
+            for counter in _counters:
+                counter.checks.append(rec)

@@ -11,6 +11,7 @@ import torch
 from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
+from optimus2d.comm.agreement import agree, check_replicated, describe
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
 
@@ -104,14 +105,18 @@ def batch_sharding(shape: Sequence[int]) -> Sharding:
     return Sharding((("depth", "col"), *(() for _ in range(len(shape) - 1))), tuple(shape))
 
 
-def scatter(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def scatter(x: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> torch.Tensor:
     """Full ``[b, ..., h]`` (the same on every rank) → this rank's block ``[b/(d·q), ..., h/q]``.
 
     forward: local slice, no communication; backward: all-gather, so a replicated input receives
-    its whole gradient on every rank.
+    its whole gradient on every rank. ``check``: verify that ``x`` is the same on every rank (one
+    16-word all-gather of its shape and checksum; default: unless the mesh's check is "off").
     """
-    _check_activation("scatter", x, mesh)
-    return _Split.apply(x, mesh, activation_sharding(x.shape))
+    check_replicated(mesh, "scatter", x, lambda: _check_activation("scatter", x, mesh), check)
+    out = _Split.apply(x, mesh, activation_sharding(x.shape))
+    if mesh.size > 1:  # a later gather(x) or scatter(out) is refused: x is not a block, out is one
+        x._optimus2d_full = out._optimus2d_block = True
+    return out
 
 
 def gather(x_local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -120,26 +125,33 @@ def gather(x_local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     forward: all-gather over row (hidden), col and depth (batch); backward: keep the local block of
     the gradient (which must be the same on every rank, as when every rank computes the same loss).
     """
+    error = None
     if not isinstance(x_local, torch.Tensor) or x_local.dim() < 2:
-        raise TypeError(f"gather expects a local block [b/(d·q), ..., h/q], got {_describe(x_local)}")
+        error = TypeError(f"gather expects a local block [b/(d·q), ..., h/q], got {_describe(x_local)}")
+    elif getattr(x_local, "_optimus2d_full", False) and mesh.size > 1:
+        error = ValueError(
+            f"gather expects a local block, but this tensor {tuple(x_local.shape)} is a full one (it was "
+            f"given to scatter or returned by gather) ({mesh})"
+        )
+    if mesh.check != "off":
+        agree(mesh, "gather", description=describe(x_local), error=error)
+    elif error is not None:
+        raise error
     full = list(x_local.shape)
     full[0] *= mesh.depth * mesh.q
     full[-1] *= mesh.q
-    return _Gather.apply(x_local, mesh, activation_sharding(full))
+    out = _Gather.apply(x_local, mesh, activation_sharding(full))
+    out._optimus2d_full = mesh.size > 1
+    return out
 
 
-def scatter_batch(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def scatter_batch(t: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> torch.Tensor:
     """Full ``[b, ...]`` (token ids, targets) → ``[b/(d·q), ...]``: batch block k·q + i, like scatter.
 
-    forward: local slice; backward: all-gather (only float tensors have gradients).
+    forward: local slice; backward: all-gather (only float tensors have gradients). ``check``: as
+    in ``scatter``.
     """
-    n = mesh.depth * mesh.q
-    if not isinstance(t, torch.Tensor) or t.dim() < 1:
-        raise TypeError(f"scatter_batch expects a tensor [b, ...], got {_describe(t)}")
-    if t.shape[0] % n:
-        raise ValueError(
-            f"scatter_batch: batch dim 0 of tensor {tuple(t.shape)} is not divisible by depth·q = {n} ({mesh})"
-        )
+    check_replicated(mesh, "scatter_batch", t, lambda: _check_batch(t, mesh), check)
     return _Split.apply(t, mesh, batch_sharding(t.shape))
 
 
@@ -195,11 +207,27 @@ def reduce_scatter(x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Te
 def _check_activation(what: str, x: torch.Tensor, mesh: Mesh) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         raise TypeError(f"{what} expects a full tensor [b, ..., h], got {_describe(x)}")
+    if getattr(x, "_optimus2d_block", False) and mesh.size > 1:
+        raise ValueError(f"{what} expects a full tensor, but {tuple(x.shape)} is a block (from scatter) ({mesh})")
     n = mesh.depth * mesh.q
     if x.shape[0] % n:
         raise ValueError(f"{what}: batch dim 0 of tensor {tuple(x.shape)} is not divisible by depth·q = {n} ({mesh})")
     if x.shape[-1] % mesh.q:
         raise ValueError(f"{what}: hidden dim -1 of tensor {tuple(x.shape)} is not divisible by q = {mesh.q} ({mesh})")
+    if 0 in x.shape:
+        raise ValueError(f"{what}: tensor {tuple(x.shape)} is empty along dim {list(x.shape).index(0)} ({mesh})")
+
+
+def _check_batch(t: torch.Tensor, mesh: Mesh) -> None:
+    n = mesh.depth * mesh.q
+    if not isinstance(t, torch.Tensor) or t.dim() < 1:
+        raise TypeError(f"scatter_batch expects a tensor [b, ...], got {_describe(t)}")
+    if t.shape[0] % n:
+        raise ValueError(
+            f"scatter_batch: batch dim 0 of tensor {tuple(t.shape)} is not divisible by depth·q = {n} ({mesh})"
+        )
+    if 0 in t.shape:
+        raise ValueError(f"scatter_batch: tensor {tuple(t.shape)} is empty along dim {list(t.shape).index(0)} ({mesh})")
 
 
 def _describe(x: object) -> str:

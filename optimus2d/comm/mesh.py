@@ -9,8 +9,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from optimus2d.comm import agreement, watch
+
 AXES = ("row", "col", "depth")
 TRANSPORTS = ("auto", "torch", "mpi")
+_built = 0  # meshes this process has built: the n-th mesh of every rank must be the same mesh
 
 
 class Mesh:
@@ -43,40 +46,46 @@ class Mesh:
     "mpi": MPI communicators through mpi4py (``comm/mpi.py``; CPU under gloo, launched by
     ``mpiexec``), whose sync points cost 1.6–14× less than gloo's; "auto" (default, or
     ``$OPTIMUS2D_TRANSPORT``): "mpi" where it can run, else "torch".
+
+    ``check``: how much the ranks verify that they agree before exchanging blocks
+    (``comm/agreement.py``): "off", "entry" (default, or ``$OPTIMUS2D_CHECK``) or "every".
+    Building the mesh always checks, over the default group and within the collective timeout,
+    that every rank asked for the same mesh as its n-th; otherwise every rank raises ``ValueError``.
+    ``uid`` is that n, the same on every rank.
     """
 
     def __init__(
-        self, q: int, depth: int = 1, ranks: Sequence[int] | None = None, *, transport: str | None = None
+        self,
+        q: int,
+        depth: int = 1,
+        ranks: Sequence[int] | None = None,
+        *,
+        transport: str | None = None,
+        check: str | None = None,
     ) -> None:
-        if not isinstance(q, int) or not isinstance(depth, int) or q < 1 or depth < 1:
-            raise ValueError(f"Mesh needs positive integers q and depth, got q={q!r}, depth={depth!r}")
-        transport = transport or os.environ.get("OPTIMUS2D_TRANSPORT") or "auto"
-        if transport not in TRANSPORTS:
-            raise ValueError(f"Mesh: transport {transport!r} is not one of {TRANSPORTS}")
-        size = depth * q * q
+        global _built
         initialized = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialized else 1
         rank = dist.get_rank() if initialized else 0
-        if size > 1 and not initialized:
-            raise RuntimeError(f"Mesh(q={q}, depth={depth}) needs torch.distributed: call optimus2d.init() first")
-        if ranks is None:
-            if world != size:
-                raise ValueError(
-                    f"Mesh(q={q}, depth={depth}) needs depth·q² = {size} ranks but the world has "
-                    f"{world}; {_fitting_shapes(world)}"
-                )
-            ranks = range(world)
-        ranks = [int(r) for r in ranks]
-        if len(ranks) != size:
-            raise ValueError(
-                f"Mesh(q={q}, depth={depth}) needs depth·q² = {size} ranks but was given "
-                f"{len(ranks)}: {ranks}; {_fitting_shapes(len(ranks))}"
-            )
-        if len(set(ranks)) != size or min(ranks) < 0 or max(ranks) >= world:
-            raise ValueError(f"Mesh ranks {ranks} must be {size} distinct ranks in [0, {world})")
+        transport = transport or os.environ.get("OPTIMUS2D_TRANSPORT") or "auto"
+        check = check or os.environ.get("OPTIMUS2D_CHECK") or "entry"
+        asked = f"Mesh(q={q!r}, depth={depth!r}, ranks={_short(ranks)}, transport={transport!r}, check={check!r})"
+        error = None
+        try:
+            members = _validate(q, depth, ranks, transport, check, world, initialized)
+        except (ValueError, TypeError) as err:
+            error = err
+        from optimus2d.launch import collective_timeout
 
-        self.q, self.depth, self.size, self.ranks = q, depth, size, tuple(ranks)
-        self.rank = rank
+        self.timeout = collective_timeout()
+        if world > 1:  # every rank asked for the same mesh, as its n-th: else all refuse, none hangs
+            gather = lambda t: agreement.gather_world(t, self.timeout)  # noqa: E731
+            agreement.decide(gather, tuple(range(world)), "Mesh", f"{asked} #{_built}", (), error)
+        elif error is not None:
+            raise error
+        self.uid, _built = _built, _built + 1
+        self.q, self.depth, self.size, self.ranks = q, depth, depth * q * q, members
+        self.rank, self.check = rank, check
         self.backend = dist.get_backend() if initialized else "gloo"
         self._groups: dict[str, dist.ProcessGroup | None] = {}
         self._members: dict[str, tuple[int, ...]] = {}
@@ -86,6 +95,7 @@ class Mesh:
             self.coord = (n // (q * q), (n % (q * q)) // q, n % q)
         self.mpi = None  # an MpiTransport when MPI carries the collectives
         self._build_groups(transport, world)
+        watch.register(self)
 
     @property
     def transport(self) -> str:
@@ -143,7 +153,6 @@ class Mesh:
             "depth": [[self.rank_at(k, i, j) for k in range(d)] for i in range(q) for j in range(q)],
             "mesh": [list(self.ranks)],
         }
-        whole_world = dist.is_initialized() and self.size == dist.get_world_size()
         for axis, members_list in layouts.items():
             self._groups[axis] = None
             for members in members_list:
@@ -151,11 +160,10 @@ class Mesh:
                     self._members[axis] = tuple(members)
                 if len(members) == 1:
                     continue
-                if axis == "mesh" and whole_world and list(members) == list(range(self.size)):
-                    group = dist.group.WORLD
-                else:  # collective: every rank creates every group, in the same order; group
-                    # ranks follow mesh order (not sorted), so roots and gathers follow the mesh
-                    group = dist.new_group(members, sort_ranks=False)
+                # collective: every rank creates every group, in the same order; group ranks follow
+                # mesh order (not sorted), so roots and gathers follow the mesh. Never the default
+                # group: an operation abandoned on a failed mesh must not poison the world's.
+                group = dist.new_group(members, sort_ranks=False)
                 if self.rank in members:
                     self._groups[axis] = group
         if transport != "torch" and self.size > 1:
@@ -172,9 +180,7 @@ class Mesh:
                     f"torch world); backend here is {self.backend!r}"
                 )
             if usable:
-                from optimus2d.launch import collective_timeout
-
-                self.mpi = mpi.MpiTransport(layouts, self.rank, collective_timeout())
+                self.mpi = mpi.MpiTransport(layouts, self, self.timeout)
 
     def members(self, axis: str) -> tuple[int, ...]:
         """Global ranks of this rank's ``axis`` group, in group order."""
@@ -194,6 +200,44 @@ class Mesh:
         ranks = f"{r[0]}..{r[-1]}" if r == tuple(range(r[0], r[-1] + 1)) else list(r)
         via = ", transport=mpi" if self.mpi is not None else ""
         return f"Mesh(q={self.q}, depth={self.depth}, ranks={ranks}{where}{via})"
+
+
+def _validate(q, depth, ranks, transport: str, check: str, world: int, initialized: bool) -> tuple[int, ...]:
+    """The mesh's ranks, or a ValueError saying what does not fit (before any collective)."""
+    if not isinstance(q, int) or not isinstance(depth, int) or q < 1 or depth < 1:
+        raise ValueError(f"Mesh needs positive integers q and depth, got q={q!r}, depth={depth!r}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"Mesh: transport {transport!r} is not one of {TRANSPORTS}")
+    if check not in agreement.LEVELS:
+        raise ValueError(f"Mesh: check {check!r} is not one of {agreement.LEVELS}")
+    size = depth * q * q
+    if size > 1 and not initialized:
+        raise RuntimeError(f"Mesh(q={q}, depth={depth}) needs torch.distributed: call optimus2d.init() first")
+    if ranks is None:
+        if world != size:
+            raise ValueError(
+                f"Mesh(q={q}, depth={depth}) needs depth·q² = {size} ranks but the world has "
+                f"{world}; {_fitting_shapes(world)}"
+            )
+        ranks = range(world)
+    ranks = [int(r) for r in ranks]
+    if len(ranks) != size:
+        raise ValueError(
+            f"Mesh(q={q}, depth={depth}) needs depth·q² = {size} ranks but was given "
+            f"{len(ranks)}: {ranks}; {_fitting_shapes(len(ranks))}"
+        )
+    if len(set(ranks)) != size or min(ranks) < 0 or max(ranks) >= world:
+        raise ValueError(f"Mesh ranks {ranks} must be {size} distinct ranks in [0, {world})")
+    return tuple(ranks)
+
+
+def _short(ranks) -> str:
+    if ranks is None:
+        return "all"
+    try:
+        return str([int(r) for r in ranks])
+    except (TypeError, ValueError):
+        return repr(ranks)
 
 
 def _axis(axis: str) -> str:

@@ -10,10 +10,13 @@ whose small all-reduces (norm statistics, bias gradients) gain most; a 2×2 MLP,
 messages gloo's threads move during the matmuls (MPICH moves a message only inside MPI calls, our
 waits), runs between 1 % faster and 12 % slower over five runs. ``Mesh``'s "auto" takes MPI wherever it can run.
 
-* Waits poll ``Testall`` with a 50 µs sleep: a blocking MPI wait spins a whole core that a rank
-  sharing it needs. A wait longer than the collective timeout cancels what it can and raises
-  ``TimeoutError``, so a lost peer is an error, not a hang. The error is fatal to the mesh: a
-  message that arrives late would match a later operation's receive, so do not go on using it.
+* Waits poll ``Testall`` with a 50 µs sleep (``comm/watch.py``): a blocking MPI wait spins a whole
+  core that a rank sharing it needs. A wait longer than the collective timeout, or one a peer's
+  reported failure ends, cancels what it can and raises (``TimeoutError``, ``PeerFailedError``), so a
+  lost peer is an error, not a hang. The error is fatal to the mesh: a message that arrives late
+  would match a later operation's receive, so do not go on using it. An MPI error (a message
+  longer than its receive buffer: ranks that disagree on a shape) is raised as a ``RuntimeError``
+  naming the operation and the mesh, and reported to the peers.
 * Broadcasts and point-to-point messages move bytes, any dtype; reductions need an MPI datatype
   (fp32, fp64, int32, int64) and SUM or MAX — the tier-1 helpers send the others (bf16, fp16,
   other ops) and anything not in CPU memory over torch, a choice every rank makes alike.
@@ -27,13 +30,13 @@ waits), runs between 1 % faster and 12 % slower over five runs. ``Mesh``'s "auto
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-_POLL_S = 5e-5
+from optimus2d.comm import watch
+
 DIRECT_MEMBERS = 3  # broadcasts and reduces in groups up to this size are sent message by message
 _BROADCAST_TAG, _REDUCE_TAG = 101, 102  # apart from the point-to-point tags of comm/primitives.py
 _ABANDONED: list = []  # timed-out operations: MPI may still write into their buffers
@@ -57,51 +60,61 @@ def available(world_size: int, rank: int) -> bool:
 
 
 class Request:
-    """An MPI operation in flight; ``wait()`` polls it to the end (and raises after ``timeout`` s)."""
+    """An MPI operation in flight; ``wait()`` polls it to the end (``comm/watch.py``: it raises
+    ``TimeoutError`` after ``timeout`` s, or ``PeerFailedError`` as soon as a peer reports a failure)."""
 
     def __init__(
         self,
         requests: list,
         what: str,
-        timeout: float,
+        transport: MpiTransport,
         buffers: list,
         done: Callable[[], None] | None = None,
         *,
         point_to_point: bool = False,
     ) -> None:
-        self._requests, self._what, self._timeout, self._done = requests, what, timeout, done
+        self._requests, self._what, self._transport, self._done = requests, what, transport, done
         self._buffers = buffers  # alive until the operation ends
         self._point_to_point = point_to_point
 
     def wait(self) -> bool:
         if self._requests is None:
             return True
-        mpi = _mpi()
-        deadline = None
-        while not mpi.Request.Testall(self._requests):
-            now = time.monotonic()
-            deadline = deadline or now + self._timeout
-            if now > deadline:
-                if self._point_to_point:  # cancelling a collective is erroneous in MPI
-                    for request in self._requests:
-                        if request != mpi.REQUEST_NULL:
-                            request.Cancel()
-                _ABANDONED.append((self._requests, self._buffers))
-                raise TimeoutError(f"MPI {self._what} did not complete within {self._timeout:g} s: is a peer lost?")
-            time.sleep(_POLL_S)
+        mpi, mesh = _mpi(), self._transport.mesh
+        try:
+            watch.wait(lambda: mpi.Request.Testall(self._requests), mesh, f"MPI {self._what}", self._transport.timeout)
+        except mpi.Exception as err:  # e.g. a message longer than its receive buffer
+            self._abandon(mpi)
+            error = RuntimeError(
+                f"MPI {self._what} on {mesh} failed ({err.Get_error_string()}): the ranks sent messages of "
+                f"different sizes; run with OPTIMUS2D_CHECK=every to find the first operation they disagree on"
+            )
+            watch.report(error, [mesh])
+            raise error from None
+        except BaseException:
+            self._abandon(mpi)
+            raise
         self._requests = self._buffers = None
         if self._done is not None:
             self._done()
         return True
 
+    def _abandon(self, mpi) -> None:
+        if self._point_to_point:  # cancelling a collective is erroneous in MPI
+            for request in self._requests:
+                if request != mpi.REQUEST_NULL:
+                    request.Cancel()
+        _ABANDONED.append((self._requests, self._buffers))
+        self._requests = self._buffers = None
+
 
 class MpiTransport:
     """One MPI communicator per mesh axis (members in mesh order); every call returns a ``Request``."""
 
-    def __init__(self, layouts: dict[str, list[list[int]]], rank: int, timeout: float) -> None:
+    def __init__(self, layouts: dict[str, list[list[int]]], mesh, timeout: float) -> None:
         """Collective over COMM_WORLD: every rank splits every axis, in the same order."""
-        mpi = _mpi()
-        self.timeout = timeout
+        mpi, rank = _mpi(), mesh.rank
+        self.mesh, self.timeout = mesh, timeout
         self.comms: dict[str, object] = {}
         for axis, groups in layouts.items():
             color, key = mpi.UNDEFINED, 0
@@ -127,13 +140,13 @@ class MpiTransport:
         comm, what = self.comms[axis], f"broadcast over {axis}"
         buf, done = _contiguous(t)
         if comm.Get_size() > DIRECT_MEMBERS:
-            return Request([comm.Ibcast(_bytes(buf), root=root)], what, self.timeout, [buf], done)
+            return Request([comm.Ibcast(_bytes(buf), root=root)], what, self, [buf], done)
         if comm.Get_rank() == root:
             others = (m for m in range(comm.Get_size()) if m != root)
             requests = [comm.Isend(_bytes(buf), m, _BROADCAST_TAG) for m in others]
         else:
             requests = [comm.Irecv(_bytes(buf), root, _BROADCAST_TAG)]
-        return Request(requests, what, self.timeout, [buf], done, point_to_point=True)
+        return Request(requests, what, self, [buf], done, point_to_point=True)
 
     def reduce(self, t: torch.Tensor, axis: str, root: int, op: dist.ReduceOp) -> Request:
         mpi, comm = _mpi(), self.comms[axis]
@@ -145,7 +158,7 @@ class MpiTransport:
             request = comm.Ireduce(mpi.IN_PLACE, data, op=_op(op), root=root)
         else:
             request = comm.Ireduce(data, None, op=_op(op), root=root)
-        return Request([request], f"reduce over {axis}", self.timeout, [buf], done)
+        return Request([request], f"reduce over {axis}", self, [buf], done)
 
     def _direct_reduce(self, comm, buf: torch.Tensor, done, axis: str, root: int, op: dist.ReduceOp) -> Request:
         """Each member sends its ``buf`` to the root, which adds the others' to its own in member order."""
@@ -153,7 +166,7 @@ class MpiTransport:
         _op(op)  # SUM or MAX, else a ValueError
         if comm.Get_rank() != root:
             request = comm.Isend(_bytes(buf), root, _REDUCE_TAG)
-            return Request([request], what, self.timeout, [buf], done, point_to_point=True)
+            return Request([request], what, self, [buf], done, point_to_point=True)
         others = [m for m in range(comm.Get_size()) if m != root]
         parts = [torch.empty_like(buf) for _ in others]
         requests = [comm.Irecv(_bytes(part), m, _REDUCE_TAG) for part, m in zip(parts, others, strict=True)]
@@ -165,22 +178,27 @@ class MpiTransport:
             if done is not None:
                 done()
 
-        return Request(requests, what, self.timeout, [buf, *parts], finish, point_to_point=True)
+        return Request(requests, what, self, [buf, *parts], finish, point_to_point=True)
 
     def all_reduce(self, t: torch.Tensor, axis: str, op: dist.ReduceOp) -> Request:
         buf, done = _contiguous(t)
         request = self.comms[axis].Iallreduce(_mpi().IN_PLACE, [buf.detach().numpy(), _datatype(buf)], op=_op(op))
-        return Request([request], f"all-reduce over {axis}", self.timeout, [buf], done)
+        return Request([request], f"all-reduce over {axis}", self, [buf], done)
+
+    def all_gather(self, t: torch.Tensor, out: torch.Tensor, axis: str) -> Request:
+        """``out`` (contiguous, member-major) receives every member's ``t`` as bytes."""
+        request = self.comms[axis].Iallgather(_bytes(t.contiguous()), _bytes(out))
+        return Request([request], f"all-gather over {axis}", self, [t, out])
 
     def isend(self, t: torch.Tensor, axis: str, member: int, tag: int) -> Request:
         buf = t.contiguous()
         request = self.comms[axis].Isend(_bytes(buf), member, tag)
-        return Request([request], f"send over {axis}", self.timeout, [buf], point_to_point=True)
+        return Request([request], f"send over {axis}", self, [buf], point_to_point=True)
 
     def irecv(self, t: torch.Tensor, axis: str, member: int, tag: int) -> Request:
         buf, done = _contiguous(t)
         request = self.comms[axis].Irecv(_bytes(buf), member, tag)
-        return Request([request], f"receive over {axis}", self.timeout, [buf], done, point_to_point=True)
+        return Request([request], f"receive over {axis}", self, [buf], done, point_to_point=True)
 
 
 def _contiguous(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:

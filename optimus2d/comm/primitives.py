@@ -6,6 +6,10 @@ turned into a global rank by the group itself (``Mesh.global_rank``). On a mesh 
 is MPI (``comm/mpi.py``) the same calls go through its communicators; a reduction MPI cannot
 make (bf16, fp16, an op other than SUM and MAX) and a tensor not in CPU memory go through torch,
 the same choice on every rank.
+
+Every wait on CPU is watched (``comm/watch.py``): bounded by the mesh's timeout, and ended at once
+by a peer's reported failure. On a mesh built with ``check="every"`` each collective first checks
+that the group's members agree on it (``comm/agreement.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from optimus2d.comm import agreement, watch
 from optimus2d.comm.counter import record
 from optimus2d.comm.mesh import Mesh
 
@@ -42,15 +47,30 @@ def _finished(handle, async_op: bool):
     return None
 
 
+def _watched(work, mesh: Mesh, what: str, async_op: bool = False, pollable: bool = True):
+    """A torch.distributed work, waited on with ``comm/watch.py`` on CPU (NCCL's waits do not block)."""
+    if mesh.backend != "nccl":
+        work = watch.Watched(work, mesh, what, mesh.timeout, pollable=pollable)
+    return _finished(work, async_op)
+
+
+def _check(mesh: Mesh, kind: str, axis: str, t: torch.Tensor, extra: str = "") -> None:
+    """On a ``check="every"`` mesh: the members of ``axis`` agree on this collective before it runs."""
+    if mesh.check == "every":
+        agreement.agree(mesh, kind, axis, description=f"{agreement.describe(t)}{extra}")
+
+
 def broadcast(t: torch.Tensor, mesh: Mesh, axis: str, root: int, async_op: bool = False):
     """In place: ``t`` takes the value of member ``root`` of this rank's ``axis`` group."""
     group = mesh.group(axis)
     if group is None:
         return Done() if async_op else None
+    _check(mesh, "broadcast", axis, t, f" from member {root}")
     record("broadcast", axis, t)
     if mesh.mpi is not None and mesh.mpi.carries(t):
         return _finished(mesh.mpi.broadcast(t, axis, root), async_op)
-    return dist.broadcast(t, src=mesh.global_rank(axis, root), group=group, async_op=async_op)
+    work = dist.broadcast(t, src=mesh.global_rank(axis, root), group=group, async_op=True)
+    return _watched(work, mesh, f"broadcast over {axis}", async_op)
 
 
 def reduce(t: torch.Tensor, mesh: Mesh, axis: str, root: int, async_op: bool = False):
@@ -58,10 +78,12 @@ def reduce(t: torch.Tensor, mesh: Mesh, axis: str, root: int, async_op: bool = F
     group = mesh.group(axis)
     if group is None:
         return Done() if async_op else None
+    _check(mesh, "reduce", axis, t, f" to member {root}")
     record("reduce", axis, t)
     if _mpi_reduces(mesh, t):
         return _finished(mesh.mpi.reduce(t, axis, root, dist.ReduceOp.SUM), async_op)
-    return dist.reduce(t, dst=mesh.global_rank(axis, root), group=group, async_op=async_op)
+    work = dist.reduce(t, dst=mesh.global_rank(axis, root), group=group, async_op=True)
+    return _watched(work, mesh, f"reduce over {axis}", async_op)
 
 
 def all_reduce(t: torch.Tensor, mesh: Mesh, axis: str, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False):
@@ -69,10 +91,12 @@ def all_reduce(t: torch.Tensor, mesh: Mesh, axis: str, op: dist.ReduceOp = dist.
     group = mesh.group(axis)
     if group is None:
         return Done() if async_op else None
+    _check(mesh, "all_reduce", axis, t, f" {op}")
     record("all_reduce", axis, t)
     if _mpi_reduces(mesh, t, op):
         return _finished(mesh.mpi.all_reduce(t, axis, op), async_op)
-    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    work = dist.all_reduce(t, op=op, group=group, async_op=True)
+    return _watched(work, mesh, f"all-reduce over {axis}", async_op)
 
 
 def all_reduce_max(t: torch.Tensor, mesh: Mesh, axis: str) -> None:
@@ -97,13 +121,14 @@ def all_gather(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor
     n = mesh.axis_size(axis)
     t = t.movedim(dim, 0).contiguous()
     out = t.new_empty((n * t.shape[0], *t.shape[1:]))
+    _check(mesh, "all_gather", axis, t, f" along dim {dim}")
     record("all_gather", axis, out)
     if _direct(mesh):
         chunks = out.chunk(n)
         chunks[mesh.index(axis)].copy_(t)
         _exchange(mesh, axis, [t] * n, chunks)
     else:
-        dist.all_gather_single(out, t, group=group)
+        _watched(dist.all_gather_single(out, t, group=group, async_op=True), mesh, f"all-gather over {axis}")
     return out.movedim(0, dim)
 
 
@@ -114,6 +139,7 @@ def reduce_scatter(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Te
         return t
     n, me = mesh.axis_size(axis), mesh.index(axis)
     t = t.movedim(dim, 0).contiguous()
+    _check(mesh, "reduce_scatter", axis, t, f" along dim {dim}")
     record("reduce_scatter", axis, t)
     if _direct(mesh):
         received = [t.new_empty((t.shape[0] // n, *t.shape[1:])) for _ in range(n)]
@@ -124,7 +150,8 @@ def reduce_scatter(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Te
                 out += received[member]
     else:
         out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
-        dist.reduce_scatter_single(out, t, group=group)
+        work = dist.reduce_scatter_single(out, t, group=group, async_op=True)
+        _watched(work, mesh, f"reduce-scatter over {axis}")
     return out.movedim(0, dim)
 
 
@@ -134,6 +161,7 @@ def transpose(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     Ranks on the diagonal (i = j) keep their own and send nothing.
     """
     k, i, j = mesh.k, mesh.i, mesh.j
+    _check(mesh, "transpose", "mesh", t)
     if i == j:
         return t
     t = t.contiguous()
@@ -166,6 +194,7 @@ class Blocks:
         if self.group is None:
             return
         t = t.contiguous()
+        _check(mesh, "all_gather (blocks)", axis, t)
         record("all_gather", axis, t, times=n)
         if not _direct(mesh):  # NCCL: one all-gather; the blocks are its chunks
             self.blocks = dict(enumerate(_gather_single(t, mesh, axis).chunk(n)))
@@ -204,6 +233,7 @@ class PartialSums:
         self._handles: list = []
         if self.group is None:
             return
+        _check(mesh, "reduce_scatter (partial sums)", axis, like.new_empty(shape, device="meta"))
         record("reduce_scatter", axis, like.new_empty(shape, device="meta"), times=n)
         if not _direct(mesh):
             return
@@ -226,7 +256,8 @@ class PartialSums:
             self.partials[self.me] = own
             stacked = torch.cat([self.partials[m] for m in range(self.mesh.axis_size(self.axis))])
             out = torch.empty_like(own)
-            dist.reduce_scatter_single(out, stacked, group=self.group)
+            work = dist.reduce_scatter_single(out, stacked, group=self.group, async_op=True)
+            _watched(work, self.mesh, f"reduce-scatter over {self.axis}")
             return out
         for handle in self._handles:
             handle.wait()
@@ -237,7 +268,7 @@ class PartialSums:
 
 def _gather_single(t: torch.Tensor, mesh: Mesh, axis: str) -> torch.Tensor:
     out = t.new_empty((mesh.axis_size(axis) * t.shape[0], *t.shape[1:]))
-    dist.all_gather_single(out, t, group=mesh.group(axis))
+    _watched(dist.all_gather_single(out, t, group=mesh.group(axis), async_op=True), mesh, f"all-gather over {axis}")
     return out
 
 
@@ -261,14 +292,16 @@ def isend(t: torch.Tensor, mesh: Mesh, axis: str, member: int, tag: int = 0):
     """Send ``t`` to member ``member`` of this rank's ``axis`` group (over MPI on an MPI mesh)."""
     if mesh.mpi is not None and mesh.mpi.carries(t):
         return mesh.mpi.isend(t, axis, member, tag)
-    return dist.isend(t.contiguous(), mesh.global_rank(axis, member), group=mesh.group(axis), tag=tag)
+    work = dist.isend(t.contiguous(), mesh.global_rank(axis, member), group=mesh.group(axis), tag=tag)
+    return _watched(work, mesh, f"send over {axis}", async_op=True, pollable=False)
 
 
 def irecv(t: torch.Tensor, mesh: Mesh, axis: str, member: int, tag: int = 0):
     """Receive into ``t`` (contiguous) from member ``member`` of this rank's ``axis`` group."""
     if mesh.mpi is not None and mesh.mpi.carries(t):
         return mesh.mpi.irecv(t, axis, member, tag)
-    return dist.irecv(t, mesh.global_rank(axis, member), group=mesh.group(axis), tag=tag)
+    work = dist.irecv(t, mesh.global_rank(axis, member), group=mesh.group(axis), tag=tag)
+    return _watched(work, mesh, f"receive over {axis}", async_op=True, pollable=False)
 
 
 def split(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:

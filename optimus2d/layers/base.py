@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 from torch import nn
 
+from optimus2d.comm.agreement import check_call
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
 
@@ -24,6 +27,18 @@ class ShardedModule(nn.Module):
     mesh: Mesh
     shardings: dict[str, Sharding]
 
+    def __call__(self, *args, **kwargs):
+        """The outermost optimus2d module of a call first checks that every rank passes inputs of
+        the same dtypes and shapes, none empty (``comm/agreement.py``; ``Mesh(check="off")`` skips)."""
+        if _inside.get():
+            return super().__call__(*args, **kwargs)
+        check_call(self.mesh, type(self).__name__, args, kwargs)
+        token = _inside.set(True)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _inside.reset(token)
+
     def tag_parameters(self) -> None:
         """Mark each own parameter with its Sharding (``clip_grad_norm_`` counts replicas once)."""
         for name, param in self.named_parameters(recurse=False):
@@ -37,6 +52,9 @@ class ShardedModule(nn.Module):
     def serial_tensor(self, name: str) -> torch.Tensor:
         """The serial tensor ``name`` on every rank (all-gathers when sharded)."""
         return serial_tensor(self, name)
+
+
+_inside: contextvars.ContextVar[bool] = contextvars.ContextVar("optimus2d_in_module", default=False)
 
 
 def sharding_of(module: nn.Module, name: str) -> tuple[Sharding | None, Mesh | None]:

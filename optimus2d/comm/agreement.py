@@ -1,0 +1,214 @@
+"""Agreement before trust: ranks check that they are about to exchange the same thing.
+
+A collective between ranks that disagree (one rank's batch is longer, its dtype other, its full
+input different) either hangs or silently returns a wrong block. ``agree`` prevents both with one
+small all-gather of a fixed-size signature over a group — it cannot itself mismatch — and every
+member compares the same table, so every member raises the same error at the same point, before
+the exchange it protects:
+
+* ``[crc32(operation), crc32(description), error flag, content₁, content₂]`` per rank (int64):
+  the description names the tensors' dtypes and shapes; the content words are a checksum of a
+  tensor that must be replicated (``fingerprint``); the flag says this rank refused its input.
+* All rows equal: nothing more is sent. Otherwise a second all-gather of each rank's text (its
+  description or its error, 1 KiB) lets every rank raise an error that names the operation, the
+  axis, this rank's and the peers' shapes (or the refusing rank and its error), and the ranks.
+
+Levels (``Mesh(check=...)`` or ``$OPTIMUS2D_CHECK``): "off"; "entry" (default) checks user data
+where it enters (``scatter``, ``scatter_batch``, ``gather``, ``parallelize``'s serial weights) and
+the inputs of every outermost optimus2d module call; "every" also checks before each collective
+(a debugging level, like ``TORCH_DISTRIBUTED_DEBUG=DETAIL``). The exchanges are counted apart, in
+``CommCounter.checks``: they are not the algorithm's traffic.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from optimus2d.comm import watch
+from optimus2d.comm.counter import record_check
+
+LEVELS = ("off", "entry", "every")
+_TEXT_BYTES = 1024
+
+
+def describe(t: object) -> str:
+    """``"float32[4, 8, 16]"`` for a tensor; the type's name otherwise."""
+    if isinstance(t, torch.Tensor):
+        return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+    return type(t).__name__
+
+
+def describe_call(args: Iterable, kwargs: dict) -> str:
+    """The dtypes and shapes of the tensors a call receives (other arguments by type)."""
+    parts = [describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items() if v is not None]
+    return ", ".join(parts)
+
+
+def fingerprint(t: torch.Tensor) -> tuple[int, int]:
+    """Two int64 checksums of ``t``'s bits: equal on two ranks iff (almost surely) the tensors are.
+
+    Position-aware along the first and last dims (a permuted batch differs); exact (bit xor, no
+    rounding), so ranks on different CPUs agree. Costs two reading passes over ``t``.
+    """
+    if t.numel() == 0:
+        return 0, 0
+    t = t.detach()
+    if t.dim() < 2:
+        t = t.reshape(-1, 1)
+    rows = torch.hash_tensor(t.reshape(t.shape[0], -1), dim=1).view(torch.int64)
+    cols = torch.hash_tensor(t.reshape(-1, t.shape[-1]), dim=0).view(torch.int64)
+    return _mix(rows), _mix(cols)
+
+
+def _mix(hashes: torch.Tensor) -> int:
+    weights = torch.arange(1, 2 * hashes.numel(), 2, dtype=torch.int64, device=hashes.device)  # odd: invertible
+    return int((hashes * weights).sum().item())
+
+
+def agree(
+    mesh,
+    what: str,
+    axis: str = "mesh",
+    *,
+    description: str = "",
+    content: tuple[int, ...] = (),
+    error: BaseException | None = None,
+) -> None:
+    """Check that every member of this rank's ``axis`` group calls ``what`` on the same thing.
+
+    Raises on every member (``ValueError``, or the refusing rank's ``ValueError``/``TypeError``)
+    when the descriptions or contents differ, or when any member passes its own ``error``.
+    """
+    if mesh.size == 1 or mesh.axis_size(axis) == 1:
+        if error is not None:
+            raise error
+        return
+    where = f"{what} over {axis} of {mesh}" if axis != "mesh" else f"{what} on {mesh}"
+    ident = f"{what} over {axis} of mesh #{mesh.uid}"  # where, without this rank's coordinates
+    decide(lambda t: _gather(mesh, axis, t), mesh.members(axis), where, description, content, error, mesh, ident)
+
+
+def decide(
+    gather: Callable[[torch.Tensor], torch.Tensor],
+    ranks: tuple[int, ...],
+    where: str,
+    description: str,
+    content: tuple[int, ...],
+    error: BaseException | None,
+    mesh=None,
+    ident: str | None = None,
+) -> None:
+    """``agree``'s logic over any all-gather (a mesh axis, or the default group for ``Mesh``);
+    ``ident`` (default ``where``) names the operation alike on every rank."""
+    words = [_crc(ident or where), _crc(description), int(error is not None), *content, *[0] * (2 - len(content))]
+    table = gather(torch.tensor(words, dtype=torch.int64))
+    record_check(where, table)
+    if bool((table == table[0]).all()):
+        if error is not None:
+            raise error
+        return
+    text = f"{type(error).__name__}: {error}" if error is not None else description
+    texts = _texts(gather, text)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    failing = [n for n in range(len(ranks)) if table[n, 2]]
+    if failing:
+        lines = "; ".join(f"rank {ranks[n]} refused it: {texts[n]}" for n in failing)
+        first = texts[failing[0]].partition(":")[0]
+        cls = {"ValueError": ValueError, "TypeError": TypeError}.get(first, RuntimeError)
+        err = cls(f"{where}: {lines}")
+        watch.report(err, [mesh] if mesh is not None else [])
+        raise err from error
+    groups: dict[tuple, list[int]] = {}
+    for n in range(len(ranks)):
+        groups.setdefault((texts[n], *table[n, 3:].tolist()), []).append(ranks[n])
+    same_text = len({key[0] for key in groups}) == 1
+    parts = []
+    for (text_n, *checksum), members in groups.items():
+        who = f"rank{'s' if len(members) > 1 else ''} {', '.join(map(str, members))}"
+        parts.append(f"{who}: {text_n}" + (f" (checksum {checksum[0] & 0xFFFFFFFF:08x})" if same_text else ""))
+    mine = texts[ranks.index(me)] if me in ranks else "?"
+    kind = "hold different values (checksums differ)" if same_text else "disagree"
+    raise ValueError(f"{where}: the ranks {kind}: this rank ({me}) has {mine}; " + "; ".join(parts))
+
+
+def check_call(mesh, what: str, args: tuple, kwargs: dict) -> None:
+    """At the entry of a module call on ``mesh`` (level "entry" and up): every rank passes tensors
+    of the same dtypes and shapes, and none is empty (refused on every rank, before any collective)."""
+    if mesh.check == "off" or mesh.size == 1:
+        _refuse_empty(what, args, kwargs, mesh)
+        return
+    error = None
+    try:
+        _refuse_empty(what, args, kwargs, mesh)
+    except ValueError as err:
+        error = err
+    agree(mesh, what, description=describe_call(args, kwargs), error=error)
+
+
+def check_replicated(mesh, what: str, t: torch.Tensor, validate: Callable[[], None], check: bool | None) -> None:
+    """``t`` must be valid (``validate()`` raises if not) and the same on every rank of ``mesh`` (a
+    full input about to be split): its dtype, shape and checksum are agreed (level "entry" and up,
+    or ``check=True``), and one rank's refusal is every rank's."""
+    if check is False or (check is None and mesh.check == "off") or mesh.size == 1:
+        validate()
+        return
+    error = None
+    try:
+        validate()
+    except (ValueError, TypeError) as err:
+        error = err
+    content = fingerprint(t) if error is None else ()
+    agree(mesh, what, description=describe(t), content=content, error=error)
+
+
+def _refuse_empty(what: str, args: tuple, kwargs: dict, mesh) -> None:
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    if first is not None and first.numel() == 0 and first.dim() > 0:
+        dim = list(first.shape).index(0)
+        raise ValueError(f"{what}: input of shape {list(first.shape)} is empty along dim {dim} ({mesh})")
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def _texts(gather: Callable[[torch.Tensor], torch.Tensor], text: str) -> list[str]:
+    raw = text.encode()[: _TEXT_BYTES - 1]
+    buf = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
+    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[:0]
+    table = gather(buf)
+    return [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in table]
+
+
+def _gather(mesh, axis: str, t: torch.Tensor) -> torch.Tensor:
+    """Every member's ``t`` (1-D, the same size everywhere), member-major; a watched wait."""
+    n = mesh.axis_size(axis)
+    if mesh.mpi is not None:
+        out = t.new_empty((n, t.numel()))
+        mesh.mpi.all_gather(t, out, axis).wait()
+        return out
+    device = mesh.device
+    t = t.to(device)
+    out = t.new_empty((n, t.numel()))
+    work = dist.all_gather_single(out.view(-1), t, group=mesh.group(axis), async_op=True)
+    if device.type == "cpu":
+        watch.Watched(work, mesh, f"agreement of {axis}", mesh.timeout).wait()
+    else:
+        work.wait()
+    return out.cpu()
+
+
+def gather_world(t: torch.Tensor, timeout: float) -> torch.Tensor:
+    """Every rank's ``t`` over the default group (for ``Mesh``, which has no groups yet), bounded by ``timeout``."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    src = t.to(device) if device is not None else t
+    out = src.new_empty((dist.get_world_size(), t.numel()))
+    work = dist.all_gather_single(out.view(-1), src, async_op=True)
+    if device is None:
+        watch.wait(work.is_completed, None, "Mesh agreement over the default group", timeout)
+    work.wait()
+    return out.cpu()

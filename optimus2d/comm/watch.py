@@ -1,0 +1,142 @@
+"""Waiting on peers without trusting them forever: a deadline, and an ear for their failures.
+
+Every wait of a mesh collective (MPI requests, torch.distributed works on CPU) polls its operation
+and, every ``_LISTEN_S``, the job's **failure channel**: a key per mesh in torch.distributed's
+store. A rank that fails (an uncaught exception, ``optimus2d.abort``, a timeout of its own) writes
+``"rank r: Type: message"`` under the key of every mesh it belongs to; its peers, waiting in that
+mesh's collectives, read it within ``_LISTEN_S`` and raise ``PeerFailedError`` naming the rank and its
+error, instead of waiting out the timeout. A wait longer than the collective timeout raises
+``TimeoutError`` and reports it on the channel too.
+
+After either error the mesh is dead (an abandoned operation may still match a later one): build a
+new one, or let the process end (``optimus2d.init`` makes every process exit non-zero at once).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import torch.distributed as dist
+
+_POLL_S = 5e-5  # between tests of an operation: short, and frees the core for a rank sharing it
+_LISTEN_S = 0.2  # between reads of the failure channel (a round trip to the store)
+_meshes: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # uid → Mesh, built on this rank
+_failed: list[str] = []  # what this process reported: a fatal error happened here
+_waiters: ThreadPoolExecutor | None = None  # blocks in the waits that cannot be polled
+
+
+class PeerFailedError(RuntimeError):
+    """A peer reported a failure while this rank waited for it in a collective of the same mesh."""
+
+
+def register(mesh) -> None:
+    """Make ``mesh``'s failures reportable (``Mesh`` calls this once its uid is agreed)."""
+    _meshes[mesh.uid] = mesh
+
+
+def _store():
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):  # a process group given without a store
+        return None
+
+
+def _key(uid: int) -> str:
+    return f"optimus2d/failed/{uid}"
+
+
+def report(error: BaseException | str, meshes=None) -> None:
+    """Tell the peers of ``meshes`` (default: every mesh of this rank) that this rank failed.
+
+    Idempotent per mesh; never raises (it runs on the way out of a failing process).
+    """
+    if isinstance(error, BaseException):
+        error = f"{type(error).__name__}: {error}"
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    text = f"rank {rank}: {error}"
+    _failed.append(text)
+    store = _store()
+    if store is None:
+        return
+    targets = list(_meshes.values()) if meshes is None else list(meshes)
+    for mesh in targets:
+        if mesh.size > 1 and getattr(mesh, "uid", None) is not None:
+            try:
+                if not store.check([_key(mesh.uid)]):  # the first report of a mesh wins
+                    store.set(_key(mesh.uid), text[:4000])
+            except Exception:  # the store is gone with its host: nothing more to tell
+                return
+
+
+def failure(mesh) -> str | None:
+    """What a peer reported for ``mesh`` ("rank r: Type: message"), or None."""
+    store = _store()
+    if store is None or mesh is None or mesh.size == 1:
+        return None
+    try:
+        if store.check([_key(mesh.uid)]):
+            return store.get(_key(mesh.uid)).decode(errors="replace")
+    except Exception:  # the store's host is gone: a peer is lost, the timeout will say so
+        return None
+    return None
+
+
+def failed_here() -> bool:
+    """Whether this process reported a failure (then it must not wait for peers at exit)."""
+    return bool(_failed)
+
+
+def wait(done, mesh, what: str, timeout: float) -> None:
+    """Poll ``done()`` until it is true; raise ``PeerFailedError`` or ``TimeoutError`` instead of hanging."""
+    if done():
+        return
+    start = time.monotonic()
+    heard = start
+    while not done():
+        now = time.monotonic()
+        if now - heard > _LISTEN_S:
+            heard = now
+            peer = failure(mesh)
+            if peer is not None:
+                raise PeerFailedError(f"{what} on {mesh} stopped: {peer}")
+        if now - start > timeout:
+            err = TimeoutError(f"{what} on {mesh} did not complete within {timeout:g} s: is a peer lost?")
+            report(err, [mesh] if mesh is not None else [])
+            raise err
+        time.sleep(_POLL_S)
+
+
+class Watched:
+    """A torch.distributed work whose ``wait()`` polls (see ``wait``) instead of blocking.
+
+    ``pollable=False`` for works that report completion only from ``wait()`` (gloo's point-to-point
+    sends and receives): a helper thread blocks in it while this thread polls.
+    """
+
+    def __init__(self, work, mesh, what: str, timeout: float, *, pollable: bool = True) -> None:
+        self._work, self._mesh, self._what, self._timeout = work, mesh, what, timeout
+        self._pollable = pollable
+
+    def wait(self) -> bool:
+        global _waiters
+        if self._work is None:
+            return True
+        work, self._work = self._work, None
+        try:
+            if self._pollable:
+                wait(work.is_completed, self._mesh, self._what, self._timeout)
+                return work.wait()
+            if _waiters is None:
+                _waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix="optimus2d-wait")
+            future = _waiters.submit(work.wait)
+            wait(future.done, self._mesh, self._what, self._timeout)
+            return future.result()
+        except (PeerFailedError, TimeoutError):
+            raise
+        except Exception as err:  # gloo's own error (a peer's connection closed, its timeout)
+            report(err, [self._mesh])
+            raise
