@@ -6,7 +6,8 @@ Parameters *and* activations are split over a q×q mesh of ranks (``depth`` of t
 
 from optimus2d import checkpoint
 from optimus2d.comm import Mesh, count_comm, gather, scatter, scatter_batch
-from optimus2d.launch import World, init, shutdown
+from optimus2d.comm.watch import PeerFailedError
+from optimus2d.launch import World, init, report_failure, shutdown
 from optimus2d.layers import (
     MLP2D,
     Dropout2D,
@@ -33,6 +34,7 @@ __all__ = [
     "Linear2D",
     "Mesh",
     "MultiheadAttention2D",
+    "PeerFailedError",
     "RMSNorm2D",
     "TransformerBlock2D",
     "World",
@@ -46,6 +48,7 @@ __all__ = [
     "load_serial_state_dict",
     "parallelize",
     "register_converter",
+    "report_failure",
     "scatter",
     "scatter_batch",
     "serial_state_dict",

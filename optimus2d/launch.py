@@ -12,12 +12,19 @@ Launchers, checked in this order:
 
 Backend NCCL when CUDA is available (device set from the local rank), gloo otherwise. Every
 collective gets a finite timeout, so a lost peer raises an error instead of hanging.
+
+Errors end the job. An exception that ends a process is reported to its peers
+(``report_failure``, through the store: ``comm/watch.py``), whose waits then raise
+``PeerFailedError`` naming this rank and its error within a fraction of a second instead of
+waiting out the timeout; and such a process exits at once with status 1, without waiting for
+peers at exit or tearing down operations that will never finish (``os._exit``).
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import os
 import re
 import socket
@@ -27,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from optimus2d.comm import watch
 
 DEFAULT_TIMEOUT_S = 300.0
 _MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
@@ -96,10 +105,33 @@ def collective_timeout() -> float:
     return float(os.environ.get("OPTIMUS2D_TIMEOUT", DEFAULT_TIMEOUT_S))
 
 
+def report_failure(error: BaseException | str) -> None:
+    """Tell this rank's peers that it failed: those waiting on it in any mesh's collective raise
+    ``PeerFailedError`` naming this rank and ``error`` within a fraction of a second.
+
+    ``init()`` calls it for any exception that ends the process; call it yourself where you catch
+    one (a test harness, a training loop that logs and exits). It does not end this process.
+    """
+    watch.report(error)
+
+
 def shutdown() -> None:
-    """Destroy the process group that ``init()`` created (registered to run at exit)."""
+    """Destroy the process group that ``init()`` created (registered to run at exit).
+
+    After an uncaught exception the process exits at once with status 1: its peers were told,
+    and waiting for them (or for operations a lost peer will never finish) could hang the exit.
+    """
     global _owned
+    if _owned and _crashed and dist.is_initialized() and dist.get_world_size() > 1:
+        _owned = False
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     if _owned and dist.is_initialized():
+        if watch.failed_here():  # a collective failed: a peer may be gone, operations abandoned
+            _owned = False
+            return
         if not _crashed and dist.get_world_size() > 1:
             # Every rank finishes before any tears its connections down: without this, gloo
             # aborts ("terminate called without an active exception") in about 1 exit in 3.
@@ -120,6 +152,8 @@ def _note_crashes() -> None:
     def hook(*exc_info):
         global _crashed
         _crashed = True
+        if not isinstance(exc_info[1], watch.PeerFailedError):  # the peers already know
+            watch.report(exc_info[1])
         previous(*exc_info)
 
     sys.excepthook = hook

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from optimus2d import families
+from optimus2d.comm.agreement import check_same_tensors
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers import (
     Dropout2D,
@@ -102,7 +103,7 @@ def converter_for(module: nn.Module) -> Converter | None:
     return None
 
 
-def parallelize(module: nn.Module, mesh: Mesh) -> nn.Module:
+def parallelize(module: nn.Module, mesh: Mesh, *, check: bool | None = None) -> nn.Module:
     """The model on ``mesh``, converted in place from the serial ``module`` and returned.
 
     The result takes ``optimus2d.scatter``-ed activations (and ``scatter_batch``-ed ids) and gives
@@ -110,10 +111,15 @@ def parallelize(module: nn.Module, mesh: Mesh) -> nn.Module:
     twice is converted once; an ``nn.Linear`` sharing an ``nn.Embedding``'s weight (a tied head)
     becomes a ``TiedHead2D`` on the same Parameter. The whole model is checked before anything is
     changed: ``TypeError`` names the first submodule that cannot be converted, or a parameter
-    shared in a way that cannot be kept.
+    shared in a way that cannot be kept. Every rank must hold the same serial weights (as torch's
+    ``distribute_tensor`` assumes): their checksums are compared over the mesh and the weights that
+    differ are named in a ``ValueError`` on every rank (``check=False``, or a mesh built with
+    ``check="off"``, skips this one all-gather).
     """
     walk = _Walk(mesh, {}, _tied_embeddings(module))
     walk.check(module, "")
+    tensors = [*module.named_parameters(remove_duplicate=True), *module.named_buffers(remove_duplicate=True)]
+    check_same_tensors(mesh, "parallelize: the serial weights", tensors, check)
     token = _current.set(walk)
     try:
         return walk.convert(module, "")

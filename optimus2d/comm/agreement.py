@@ -49,18 +49,23 @@ def describe_call(args: Iterable, kwargs: dict) -> str:
 
 
 def fingerprint(t: torch.Tensor) -> tuple[int, int]:
-    """Two int64 checksums of ``t``'s bits: equal on two ranks iff (almost surely) the tensors are.
+    """Two int64 checksums of ``t``: equal on two ranks iff (almost surely) the tensors are.
 
-    Position-aware along the first and last dims (a permuted batch differs); exact (bit xor, no
-    rounding), so ranks on different CPUs agree. Costs two reading passes over ``t``.
+    Position-aware along the first and last dims (a permuted batch differs) and exact, so ranks
+    on different CPUs agree: floats by the xor of their bits per row and per column
+    (``torch.hash_tensor``), integers (token ids) by their exact int64 sums per row and column.
+    Two reading passes over ``t``.
     """
     if t.numel() == 0:
         return 0, 0
     t = t.detach()
     if t.dim() < 2:
         t = t.reshape(-1, 1)
-    rows = torch.hash_tensor(t.reshape(t.shape[0], -1), dim=1).view(torch.int64)
-    cols = torch.hash_tensor(t.reshape(-1, t.shape[-1]), dim=0).view(torch.int64)
+    rows, cols = t.reshape(t.shape[0], -1), t.reshape(-1, t.shape[-1])
+    if t.is_floating_point() or t.is_complex():
+        rows, cols = torch.hash_tensor(rows, dim=1).view(torch.int64), torch.hash_tensor(cols, dim=0).view(torch.int64)
+    else:
+        rows, cols = rows.sum(1, dtype=torch.int64), cols.sum(0, dtype=torch.int64)
     return _mix(rows), _mix(cols)
 
 
@@ -89,7 +94,8 @@ def agree(
         return
     where = f"{what} over {axis} of {mesh}" if axis != "mesh" else f"{what} on {mesh}"
     ident = f"{what} over {axis} of mesh #{mesh.uid}"  # where, without this rank's coordinates
-    decide(lambda t: _gather(mesh, axis, t), mesh.members(axis), where, description, content, error, mesh, ident)
+    gather = lambda t: _gather(mesh, axis, t)  # noqa: E731
+    decide(gather, mesh.members(axis), where, f"{what} of {description}", content, error, mesh, ident)
 
 
 def decide(
@@ -129,7 +135,7 @@ def decide(
     parts = []
     for (text_n, *checksum), members in groups.items():
         who = f"rank{'s' if len(members) > 1 else ''} {', '.join(map(str, members))}"
-        parts.append(f"{who}: {text_n}" + (f" (checksum {checksum[0] & 0xFFFFFFFF:08x})" if same_text else ""))
+        parts.append(f"{who}: {text_n}" + (f" (checksum {checksum[0] & (2**64 - 1):016x})" if same_text else ""))
     mine = texts[ranks.index(me)] if me in ranks else "?"
     kind = "hold different values (checksums differ)" if same_text else "disagree"
     raise ValueError(f"{where}: the ranks {kind}: this rank ({me}) has {mine}; " + "; ".join(parts))
@@ -139,11 +145,11 @@ def check_call(mesh, what: str, args: tuple, kwargs: dict) -> None:
     """At the entry of a module call on ``mesh`` (level "entry" and up): every rank passes tensors
     of the same dtypes and shapes, and none is empty (refused on every rank, before any collective)."""
     if mesh.check == "off" or mesh.size == 1:
-        _refuse_empty(what, args, kwargs, mesh)
+        _refuse_input(what, args, kwargs, mesh)
         return
     error = None
     try:
-        _refuse_empty(what, args, kwargs, mesh)
+        _refuse_input(what, args, kwargs, mesh)
     except ValueError as err:
         error = err
     agree(mesh, what, description=describe_call(args, kwargs), error=error)
@@ -165,8 +171,38 @@ def check_replicated(mesh, what: str, t: torch.Tensor, validate: Callable[[], No
     agree(mesh, what, description=describe(t), content=content, error=error)
 
 
-def _refuse_empty(what: str, args: tuple, kwargs: dict, mesh) -> None:
+def check_same_tensors(mesh, what: str, named: list[tuple[str, torch.Tensor]], check: bool | None = None) -> None:
+    """Every rank of ``mesh`` holds the same ``named`` tensors (names, shapes, values): one
+    all-gather of their combined checksum, and only when they differ a second one of each
+    tensor's, to name those that differ. Meta tensors are skipped (nothing to compare)."""
+    if check is False or (check is None and mesh.check == "off") or mesh.size == 1:
+        return
+    named = [(name, t) for name, t in named if t.device.type != "meta"]
+    prints = torch.tensor([fingerprint(t) for _, t in named], dtype=torch.int64).reshape(-1, 2)
+    layout = _crc(";".join(f"{name}:{describe(t)}" for name, t in named))
+    description = f"{len(named)} tensors (names, dtypes and shapes {layout:08x})"
+    try:
+        agree(mesh, what, description=description, content=(_mix(prints[:, 0]), _mix(prints[:, 1])))
+    except ValueError as err:
+        if "checksums differ" not in str(err):
+            raise
+        table = _gather(mesh, "mesh", prints.reshape(-1)).view(mesh.size, -1, 2)
+        differ = [name for n, (name, _) in enumerate(named) if not bool((table[:, n] == table[0, n]).all())]
+        listed = ", ".join(differ[:20]) + (f" and {len(differ) - 20} more" if len(differ) > 20 else "")
+        raise ValueError(
+            f"{what} on {mesh}: {len(differ)} of {len(named)} tensors differ between ranks: {listed}. Build the "
+            f"model from the same seed on every rank (torch.manual_seed) or load the same weights"
+        ) from None
+
+
+def _refuse_input(what: str, args: tuple, kwargs: dict, mesh) -> None:
     first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    layout = getattr(first, "_optimus2d_layout", None)
+    if layout is not None and layout != (mesh.q, mesh.depth, mesh.ranks):
+        raise ValueError(
+            f"{what}: its input is a block of Mesh(q={layout[0]}, depth={layout[1]}, ranks={list(layout[2])}) "
+            f"(from scatter), not of this module's {mesh}: scatter it on the module's mesh"
+        )
     if first is not None and first.numel() == 0 and first.dim() > 0:
         dim = list(first.shape).index(0)
         raise ValueError(f"{what}: input of shape {list(first.shape)} is empty along dim {dim} ({mesh})")

@@ -116,6 +116,7 @@ def scatter(x: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> torch.
     out = _Split.apply(x, mesh, activation_sharding(x.shape))
     if mesh.size > 1:  # a later gather(x) or scatter(out) is refused: x is not a block, out is one
         x._optimus2d_full = out._optimus2d_block = True
+        out._optimus2d_layout = (mesh.q, mesh.depth, mesh.ranks)  # a module on another mesh refuses it
     return out
 
 

@@ -96,7 +96,8 @@ class Embedding2D(ShardedModule):
             packed = torch.cat([ids.reshape(-1), flag])
             gathered = P.all_gather(packed.contiguous(), mesh, "col", 0).view(mesh.q, -1)
             flag = gathered[:, -1].amax().reshape(1)
-        P.all_reduce(flag, mesh, "depth")  # depth slices see other ids: share the flag with them too
+        for axis in ("depth", "row"):  # the other depth slices and rows see other ids: share the flag
+            P.all_reduce(flag, mesh, axis)
         if flag.item():
             bad = ids[(ids < 0) | (ids >= n)]
             where = f": {bad[:8].tolist()}" if bad.numel() else " on another rank of this column"

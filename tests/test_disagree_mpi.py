@@ -1,0 +1,216 @@
+"""Ranks that disagree are caught on every rank, fast: never a silent wrong block, never a hang.
+
+Each case builds meshes of its own (a failure is fatal to a mesh), makes one rank (the last)
+differ from its peers, and asserts that every rank raises the expected error within ``_FAST_S``.
+Run at every world size of the suite, over MPI and over gloo (``OPTIMUS2D_TRANSPORT=torch``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import optimus2d
+from optimus2d import Mesh
+from optimus2d.comm import primitives as P
+
+pytestmark = pytest.mark.mpi
+_FAST_S = 3.0
+
+
+@pytest.fixture
+def world_mesh(world):
+    """A fresh mesh over the whole world (the squarest shape), or a skip on one rank."""
+    if world.size == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    q = math.isqrt(world.size)
+    while world.size % (q * q):
+        q -= 1
+    return Mesh(q, world.size // (q * q))
+
+
+def _last(world) -> bool:
+    return world.rank == world.size - 1
+
+
+def _raises_fast(exc, match: str, fn) -> str:
+    start = time.monotonic()
+    with pytest.raises(exc, match=match) as info:
+        fn()
+    took = time.monotonic() - start
+    assert took < _FAST_S, f"took {took:.1f} s to fail"
+    return str(info.value)
+
+
+def test_meshes_that_differ_are_refused_on_every_rank(world):
+    if world.size == 1:
+        pytest.skip("one rank")
+    q = math.isqrt(world.size) if world.size != 8 else 2
+    asked = (1, world.size) if _last(world) else (q, world.size // (q * q))
+    message = _raises_fast(ValueError, r"Mesh: the ranks disagree", lambda: Mesh(*asked))
+    assert f"this rank ({world.rank})" in message and f"rank {world.size - 1}: Mesh(q=1, depth={world.size}" in message
+    Mesh(q, world.size // (q * q))  # the next mesh is agreed again
+
+
+def test_a_mesh_one_rank_cannot_build_is_refused_on_every_rank(world):
+    if world.size == 1:
+        pytest.skip("one rank")
+    ranks = [0] * world.size if _last(world) else list(range(world.size))
+    message = _raises_fast(
+        ValueError, r"rank \d+ refused it: ValueError: Mesh ranks", lambda: Mesh(1, world.size, ranks)
+    )
+    assert f"rank {world.size - 1} refused it" in message
+
+
+def _block_linear(mesh, rows=2):
+    torch.manual_seed(0)
+    serial = nn.Linear(4 * mesh.q, 6 * mesh.q)
+    layer = optimus2d.Linear2D.from_serial(serial, mesh)
+    return layer, torch.randn(rows, 3, 4)
+
+
+@pytest.mark.parametrize("what", ["batch", "sequence", "features"])
+def test_an_input_of_another_shape_on_one_rank(world, world_mesh, what):
+    layer, x = _block_linear(world_mesh)
+    if _last(world):
+        grow = {"batch": (1, 0, 0), "sequence": (0, 1, 0), "features": (0, 0, 1)}[what]
+        x = torch.randn(2 + grow[0], 3 + grow[1], 4 + grow[2])
+    message = _raises_fast(ValueError, r"Linear2D on Mesh.*the ranks disagree", lambda: layer(x))
+    assert f"this rank ({world.rank}) has Linear2D of float32{list(x.shape)}" in message
+    assert f"rank {world.size - 1}: Linear2D of float32" in message
+
+
+def test_a_dtype_that_differs_on_one_rank(world, world_mesh):
+    layer, x = _block_linear(world_mesh)
+    x = x.double() if _last(world) else x
+    _raises_fast(ValueError, r"float64\[2, 3, 4\]", lambda: layer(x))
+
+
+def test_token_ids_of_another_length_on_one_rank(world, world_mesh):
+    embedding = optimus2d.Embedding2D(10, 4 * world_mesh.q, mesh=world_mesh)
+    ids = torch.zeros(2, 5 if _last(world) else 4, dtype=torch.long)
+    _raises_fast(ValueError, r"Embedding2D on Mesh.*int64\[2, 5\]", lambda: embedding(ids))
+
+
+def test_token_ids_out_of_range_on_one_rank(world, world_mesh):
+    embedding = optimus2d.Embedding2D(10, 4 * world_mesh.q, mesh=world_mesh)
+    ids = torch.full((2, 4), 10 if _last(world) else 1, dtype=torch.long)
+    _raises_fast(ValueError, r"token ids outside \[0, 10\)", lambda: embedding(ids))
+
+
+@pytest.mark.parametrize("fn", ["scatter", "scatter_batch"])
+def test_a_full_input_that_differs_on_one_rank(world, world_mesh, fn):
+    n = world_mesh.size
+    x = torch.arange(float(n * 8 * world_mesh.q)).view(n, 2, 4 * world_mesh.q)
+    if _last(world):
+        x = x.flip(0)  # the same values, the batch in another order
+    if fn == "scatter_batch":
+        x = x.long()
+    message = _raises_fast(
+        ValueError, rf"{fn} on Mesh.*hold different values", lambda: getattr(optimus2d, fn)(x, world_mesh)
+    )
+    assert f"rank {world.size - 1}: {fn} of" in message
+    getattr(optimus2d, fn)(x, world_mesh, check=False)  # the documented opt-out: no exchange at all
+
+
+def test_a_full_input_refused_by_one_rank_is_refused_by_all(world, world_mesh):
+    x = torch.randn(world_mesh.size + (1 if _last(world) else 0), 4 * world_mesh.q)
+    _raises_fast(
+        ValueError,
+        rf"rank {world.size - 1} refused it: ValueError: scatter: batch dim 0",
+        lambda: optimus2d.scatter(x, world_mesh),
+    )
+
+
+def test_gather_of_a_full_tensor_is_refused(world, world_mesh):
+    torch.manual_seed(0)
+    x = torch.randn(world_mesh.size, 4 * world_mesh.q)
+    optimus2d.scatter(x, world_mesh)
+    _raises_fast(
+        ValueError,
+        r"gather expects a local block, but this tensor .* is a full one",
+        lambda: optimus2d.gather(x, world_mesh),
+    )
+    y = optimus2d.gather(optimus2d.scatter(x, world_mesh), world_mesh)
+    _raises_fast(ValueError, r"is a full one", lambda: optimus2d.gather(y, world_mesh))
+
+
+def test_a_block_of_another_mesh_of_the_same_shape_is_refused(world, world_mesh):
+    reversed_mesh = Mesh(world_mesh.q, world_mesh.depth, list(reversed(world_mesh.ranks)))
+    layer, _ = _block_linear(world_mesh)  # seeds: x is the same on every rank
+    x = torch.randn(world_mesh.size * 2, 3, 4 * world_mesh.q)
+    _raises_fast(
+        ValueError,
+        r"its input is a block of Mesh.*not of this module's",
+        lambda: layer(optimus2d.scatter(x, reversed_mesh)),
+    )
+
+
+def test_empty_inputs_are_refused_on_every_rank(world, world_mesh):
+    layer, _ = _block_linear(world_mesh)
+    _raises_fast(ValueError, r"empty along dim 0", lambda: layer(torch.randn(0, 3, 4)))
+    _raises_fast(
+        ValueError,
+        r"empty along dim 1",
+        lambda: optimus2d.scatter(torch.randn(world_mesh.size, 0, 4 * world_mesh.q), world_mesh),
+    )
+    ids = torch.zeros(world_mesh.size, 0, dtype=torch.long)
+    _raises_fast(ValueError, r"empty along dim 1", lambda: optimus2d.scatter_batch(ids, world_mesh))
+    x = torch.randn(0 if _last(world) else 2, 3, 4)  # one rank's batch alone is empty
+    _raises_fast(
+        ValueError,
+        rf"rank {world.size - 1} refused it: ValueError: Linear2D: input of shape \[0, 3, 4\] is empty",
+        lambda: layer(x),
+    )
+
+
+def test_a_rank_on_another_code_path_is_caught(world, world_mesh):
+    layer, x = _block_linear(world_mesh)
+    norm = optimus2d.LayerNorm2D(4 * world_mesh.q, mesh=world_mesh)
+    call = (lambda: norm(x)) if _last(world) else (lambda: layer(x))
+    message = _raises_fast(ValueError, r"the ranks disagree", call)
+    assert "LayerNorm2D of float32[2, 3, 4]" in message and "Linear2D of float32[2, 3, 4]" in message
+
+
+def test_serial_weights_that_differ_are_named(world, world_mesh):
+    torch.manual_seed(world.rank if _last(world) else 0)  # the README's old snippet: no common seed
+    model = nn.Sequential(nn.Linear(4 * world_mesh.q, 8 * world_mesh.q), nn.GELU(), nn.Linear(8 * world_mesh.q, 4))
+    with torch.no_grad():
+        model[2].weight.zero_()  # the same on every rank: not named
+    message = _raises_fast(
+        ValueError,
+        r"parallelize: the serial weights on Mesh.*3 of 4 tensors differ",
+        lambda: optimus2d.parallelize(model, world_mesh),
+    )
+    assert "0.weight, 0.bias, 2.bias" in message and "2.weight" not in message
+
+
+def test_every_collective_is_checked_at_the_debug_level(world):
+    if world.size == 1:
+        pytest.skip("one rank")
+    mesh = Mesh(1, world.size, check="every")
+    t = torch.ones(3 if _last(world) else 2)
+    message = _raises_fast(
+        ValueError, r"all_reduce over depth of Mesh.*the ranks disagree", lambda: P.all_reduce(t, mesh, "depth")
+    )
+    assert "float32[3]" in message and "float32[2]" in message
+
+
+def test_one_ranks_error_reaches_its_peers_at_once(world, world_mesh):
+    layer, x = _block_linear(world_mesh)
+    if _last(world):  # fails in its own code, as a data loader would; init()'s excepthook reports it
+        start = time.monotonic()
+        optimus2d.report_failure(RuntimeError("the data loader ran dry"))
+    else:
+        start = time.monotonic()
+        with pytest.raises(
+            optimus2d.PeerFailedError, match=rf"rank {world.size - 1}: RuntimeError: the data loader ran dry"
+        ):
+            optimus2d.gather(layer(x), world_mesh)
+    assert time.monotonic() - start < _FAST_S
+    dist.barrier()
