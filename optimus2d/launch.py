@@ -40,6 +40,7 @@ from optimus2d.comm import watch
 DEFAULT_TIMEOUT_S = 300.0
 _MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
 _EXIT_BARRIER_S = 30.0
+_STORE_LINGER_S = 1.0  # a failing rank 0 keeps the store up this long for its peers to read the failure
 _owned = False  # whether init() created the process group (and so destroys it at exit)
 _crashed = False  # an uncaught exception is ending this process: do not wait for peers at exit
 _timeout_s: float | None = None  # the timeout init() gave the process group
@@ -124,6 +125,8 @@ def shutdown() -> None:
     global _owned
     if _owned and _crashed and dist.is_initialized() and dist.get_world_size() > 1:
         _owned = False
+        if dist.get_rank() == 0:  # rank 0 hosts the store (mpiexec, srun): let the peers read why
+            time.sleep(_STORE_LINGER_S)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -138,5 +138,8 @@ class Watched:
         except (PeerFailedError, TimeoutError):
             raise
         except Exception as err:  # gloo's own error (a peer's connection closed, its timeout)
+            peer = failure(self._mesh)  # a peer that failed and exited: name it and its error
+            if peer is not None:
+                raise PeerFailedError(f"{self._what} on {self._mesh} stopped: {peer}") from err
             report(err, [self._mesh])
             raise
