@@ -10,7 +10,21 @@ from pathlib import Path
 import torch
 
 import optimus2d
-from benchmarks import block, breakdown, calibrate, ceiling, gpt, linear, memory, mlp, plan, report, transport, waits
+from benchmarks import (
+    block,
+    breakdown,
+    calibrate,
+    ceiling,
+    checks,
+    gpt,
+    linear,
+    memory,
+    mlp,
+    plan,
+    report,
+    transport,
+    waits,
+)
 
 SUBCOMMANDS = {
     "linear": linear,
@@ -24,6 +38,7 @@ SUBCOMMANDS = {
     "transport": transport,
     "waits": waits,
     "ceiling": ceiling,
+    "checks": checks,
     "report": report,
 }
 RESULTS = Path(__file__).parent / "results"

@@ -214,3 +214,17 @@ def test_one_ranks_error_reaches_its_peers_at_once(world, world_mesh):
             optimus2d.gather(layer(x), world_mesh)
     assert time.monotonic() - start < _FAST_S
     dist.barrier()
+
+
+def test_a_rank_that_skips_a_collective_is_a_timeout_on_the_others(world, world_mesh):
+    timeout = 1.0
+    world_mesh.timeout = timeout  # this test's own mesh: the timeout is fatal to it
+    if world_mesh.mpi is not None:
+        world_mesh.mpi.timeout = timeout
+    layer, x = _block_linear(world_mesh)
+    if not _last(world):  # the last rank never joins: its peers wait for it, not forever
+        start = time.monotonic()
+        with pytest.raises((TimeoutError, optimus2d.PeerFailedError), match=r"did not complete within 1 s"):
+            layer(x)
+        assert time.monotonic() - start < 2 * timeout + 0.5
+    dist.barrier()
