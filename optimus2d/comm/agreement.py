@@ -141,18 +141,40 @@ def decide(
     raise ValueError(f"{where}: the ranks {kind}: this rank ({me}) has {mine}; " + "; ".join(parts))
 
 
-def check_call(mesh, what: str, args: tuple, kwargs: dict) -> None:
+def check_call(mesh, what: str, args: tuple, kwargs: dict) -> bool:
     """At the entry of a module call on ``mesh`` (level "entry" and up): every rank passes tensors
-    of the same dtypes and shapes, and none is empty (refused on every rank, before any collective)."""
-    if mesh.check == "off" or mesh.size == 1:
-        _refuse_input(what, args, kwargs, mesh)
-        return
+    of the same dtypes and shapes, and none is empty (refused on every rank, before any collective).
+
+    Skipped when every tensor argument is already agreed (``tag``: an optimus2d module's output
+    or ``scatter``'s, on this mesh's layout). Returns whether the inputs are agreed now, so the
+    caller may ``tag`` its outputs.
+    """
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    known = bool(tensors) and all(getattr(t, "_optimus2d_agreed", None) == layout(mesh) for t in tensors)
+    if mesh.check == "off" or mesh.size == 1 or known:
+        _refuse_input(what, tensors, mesh)
+        return known or mesh.size == 1
     error = None
     try:
-        _refuse_input(what, args, kwargs, mesh)
+        _refuse_input(what, tensors, mesh)
     except ValueError as err:
         error = err
     agree(mesh, what, description=describe_call(args, kwargs), error=error)
+    return True
+
+
+def layout(mesh) -> tuple:
+    """What makes two meshes' blocks the same blocks: (q, depth, ranks)."""
+    return (mesh.q, mesh.depth, mesh.ranks)
+
+
+def tag(out: object, mesh, agreed: bool) -> None:
+    """Mark the tensors of ``out`` as blocks of ``mesh``'s layout (a module on another refuses them)
+    and, if ``agreed``, as agreed on every rank (a module they enter unchanged need not check)."""
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(t, torch.Tensor):
+            t._optimus2d_layout = layout(mesh)
+            t._optimus2d_agreed = layout(mesh) if agreed else None
 
 
 def check_replicated(mesh, what: str, t: torch.Tensor, validate: Callable[[], None], check: bool | None) -> None:
@@ -195,14 +217,15 @@ def check_same_tensors(mesh, what: str, named: list[tuple[str, torch.Tensor]], c
         ) from None
 
 
-def _refuse_input(what: str, args: tuple, kwargs: dict, mesh) -> None:
-    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-    layout = getattr(first, "_optimus2d_layout", None)
-    if layout is not None and layout != (mesh.q, mesh.depth, mesh.ranks):
-        raise ValueError(
-            f"{what}: its input is a block of Mesh(q={layout[0]}, depth={layout[1]}, ranks={list(layout[2])}) "
-            f"(from scatter), not of this module's {mesh}: scatter it on the module's mesh"
-        )
+def _refuse_input(what: str, tensors: list[torch.Tensor], mesh) -> None:
+    for t in tensors:
+        given = getattr(t, "_optimus2d_layout", None)
+        if given is not None and given != layout(mesh):
+            raise ValueError(
+                f"{what}: its input is a block of Mesh(q={given[0]}, depth={given[1]}, ranks={list(given[2])}), "
+                f"not of this module's {mesh}: scatter it on the module's mesh"
+            )
+    first = tensors[0] if tensors else None
     if first is not None and first.numel() == 0 and first.dim() > 0:
         dim = list(first.shape).index(0)
         raise ValueError(f"{what}: input of shape {list(first.shape)} is empty along dim {dim} ({mesh})")

@@ -11,7 +11,7 @@ import torch
 from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
-from optimus2d.comm.agreement import agree, check_replicated, describe
+from optimus2d.comm.agreement import agree, check_replicated, describe, tag
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
 
@@ -116,7 +116,7 @@ def scatter(x: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> torch.
     out = _Split.apply(x, mesh, activation_sharding(x.shape))
     if mesh.size > 1:  # a later gather(x) or scatter(out) is refused: x is not a block, out is one
         x._optimus2d_full = out._optimus2d_block = True
-        out._optimus2d_layout = (mesh.q, mesh.depth, mesh.ranks)  # a module on another mesh refuses it
+    tag(out, mesh, agreed=check is not False and mesh.check != "off")  # a module on another mesh refuses it
     return out
 
 
@@ -153,7 +153,9 @@ def scatter_batch(t: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> 
     in ``scatter``.
     """
     check_replicated(mesh, "scatter_batch", t, lambda: _check_batch(t, mesh), check)
-    return _Split.apply(t, mesh, batch_sharding(t.shape))
+    out = _Split.apply(t, mesh, batch_sharding(t.shape))
+    tag(out, mesh, agreed=check is not False and mesh.check != "off")
+    return out
 
 
 def reduce_grad(x: torch.Tensor, mesh: Mesh, axes: Sequence[str]) -> torch.Tensor:

@@ -7,7 +7,7 @@ import contextvars
 import torch
 from torch import nn
 
-from optimus2d.comm.agreement import check_call
+from optimus2d.comm.agreement import check_call, tag
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
 
@@ -29,15 +29,19 @@ class ShardedModule(nn.Module):
 
     def __call__(self, *args, **kwargs):
         """The outermost optimus2d module of a call first checks that every rank passes inputs of
-        the same dtypes and shapes, none empty (``comm/agreement.py``; ``Mesh(check="off")`` skips)."""
+        the same dtypes and shapes, none empty (``comm/agreement.py``; ``Mesh(check="off")`` skips),
+        unless they come unchanged from another optimus2d module or ``scatter``: its outputs are
+        tagged as agreed."""
         if _inside.get():
             return super().__call__(*args, **kwargs)
-        check_call(self.mesh, type(self).__name__, args, kwargs)
+        agreed = check_call(self.mesh, type(self).__name__, args, kwargs)
         token = _inside.set(True)
         try:
-            return super().__call__(*args, **kwargs)
+            out = super().__call__(*args, **kwargs)
         finally:
             _inside.reset(token)
+        tag(out, self.mesh, agreed)
+        return out
 
     def tag_parameters(self) -> None:
         """Mark each own parameter with its Sharding (``clip_grad_norm_`` counts replicas once)."""
