@@ -8,8 +8,12 @@ its own blocks (replicas are written once) and DCP reassembles any other layout 
     optim/<serial key>/<state name>    optimizer state (exp_avg, exp_avg_sq, step, ...)
     meta                               JSON: optimizer class and hyper-parameters
 
-``load`` checks the whole checkpoint against the model (keys, shapes, optimizer class) before
-touching it, and reads into fresh tensors: on any error the model and optimizer are unchanged.
+``save`` is atomic: it writes into a temporary directory beside ``path`` and commits it by
+renames only once every rank has written, with a ``manifest.json`` listing every file's size and
+crc32 (``optimus2d/checkpoint_files.py`` has the scheme). A rank killed during a save leaves the
+previous checkpoint readable. ``load`` and ``read`` verify the manifest first, then check the whole
+checkpoint against the model (keys, shapes, optimizer class) before touching it, and read into
+fresh tensors: on any error the model and optimizer are unchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from optimus2d import checkpoint_files as _files
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
 from optimus2d.layers.base import sharding_of
@@ -172,7 +177,7 @@ def _meta(optimizer, entries: list[_Entry]) -> dict:
         for g in (optimizer.param_groups if optimizer is not None else [])
     ]
     return {
-        "format": 1,
+        "format": _files.FORMAT,
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
         "param_groups": groups,
     }
@@ -181,7 +186,10 @@ def _meta(optimizer, entries: list[_Entry]) -> dict:
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Write ``model`` (and ``optimizer``) to the directory ``path``; collective over the model's mesh.
 
-    Each rank writes its own blocks; nothing is gathered to one rank.
+    Each rank writes its own blocks; nothing is gathered to one rank. Atomic: ``path`` (an earlier
+    checkpoint, an empty directory or nothing) is replaced only once every rank has written, and a
+    rank killed meanwhile leaves it as it was. Raises ``ValueError`` before writing if ``path``
+    holds files that ``save`` did not write. With a plain ``torch.nn`` model, call it on one rank.
     """
     entries = _entries(model)
     mesh = _model_mesh(entries)
@@ -202,9 +210,13 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     meta["parts_dim"] = {k.partition("#")[0]: dim for k, dim in _parts_dims(entries, state).items()}
     state["meta"] = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)
     group, no_dist = _process_group(mesh)
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.filterwarnings("ignore", message=".*single process")
-        dcp.save(state, checkpoint_id=os.fspath(path), process_group=group, no_dist=no_dist)
+
+    def write(directory: str) -> None:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process")
+            dcp.save(state, checkpoint_id=directory, process_group=group, no_dist=no_dist)
+
+    _files.save_atomically(path, write, group, no_dist)
 
 
 def _parts_dims(entries: list[_Entry], state: dict) -> dict[str, int]:
@@ -242,12 +254,15 @@ def _dcp_load(state: dict, path, group, no_dist: bool) -> None:
         raise RuntimeError(f"optimus2d.checkpoint: could not read {os.fspath(path)!r}: {first}") from err
 
 
-def read(path: str | os.PathLike) -> dict:
+def read(path: str | os.PathLike, *, verify: bool = True) -> dict:
     """The whole checkpoint as plain full tensors, in this process alone (no communication).
 
     Returns ``{"model": serial state_dict, "optimizer": {serial key: {state: tensor}}, "meta": {...}}``;
     ``read(path)["model"]`` loads into the serial ``torch.nn`` model with ``load_state_dict``.
+    Verifies every file against the manifest first (see ``load`` for the errors; ``verify=False``
+    only for a checkpoint written before manifests, optimus2d 0.1.0).
     """
+    path = _files.verified(path, None, True, verify)
     metadata = _read_metadata(path)
     flat = {
         k: torch.empty(m.size, dtype=m.properties.dtype)
@@ -275,21 +290,30 @@ def read(path: str | os.PathLike) -> dict:
 
 
 def load(
-    path: str | os.PathLike, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    verify: bool = True,
 ) -> dict[str, torch.Tensor] | None:
     """Read a checkpoint into ``model`` (and ``optimizer``) on whatever mesh they live on.
 
     Collective over the model's mesh. With no model, returns the serial ``state_dict`` (see
-    ``read``). Raises ``ValueError`` if the checkpoint does not fit (other keys or shapes, another
-    optimizer) and ``RuntimeError`` if a shard file is missing or truncated; in both cases nothing
-    is changed.
+    ``read``). Raises ``ValueError`` if there is no checkpoint at ``path`` or it has no manifest (a
+    save did not finish) or it does not fit (other keys or shapes, another optimizer), and
+    ``RuntimeError`` if a file is missing, truncated or damaged (its size or crc32 differs from the
+    manifest's). Files are verified on every rank (each checksums a share) and every rank raises
+    the same error. In every case nothing is changed. ``verify=False`` skips the manifest: only for
+    a checkpoint written before manifests (optimus2d 0.1.0).
     """
     if model is None:
-        return read(path)["model"]
-    metadata = _read_metadata(path)
-    meta = _read_meta(path, metadata)
+        return read(path, verify=verify)["model"]
     entries = _entries(model)
     mesh = _model_mesh(entries)
+    group, no_dist = _process_group(mesh)
+    path = _files.verified(path, group, no_dist, verify)  # collective; the directory to read
+    metadata = _read_metadata(path)
+    meta = _read_meta(path, metadata)
     device_mesh = _device_mesh(mesh)
 
     targets: list[tuple[torch.Tensor, torch.Tensor, Sharding | None, Mesh | None]] = []  # (dest, buffer, ...)
@@ -320,7 +344,6 @@ def load(
         for suffix, v in zip(_suffixes(sharding), vs, strict=True):
             state[f"{key}{suffix}"] = v
         views.append((buffer, vs, sharding, m))
-    group, no_dist = _process_group(mesh)
     _dcp_load(state, path, group, no_dist)
 
     for buffer, vs, sharding, m in views:  # DCP filled the views: write them back into the blocks

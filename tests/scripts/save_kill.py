@@ -1,0 +1,91 @@
+"""Started by tests/test_checkpoint_faults.py on 4 ranks: a rank killed while saving over a checkpoint.
+
+usage: save_kill.py DIRECTORY TIMEOUT_S MODE
+
+Saves checkpoint A to DIRECTORY/ckpt (rank 0 also writes what ``read`` gives then to
+DIRECTORY/a.pt, and A's serial state dict to DIRECTORY/a_state.pt), takes an optimizer step, and
+saves B over A, during which one rank SIGKILLs itself, first writing the time to
+DIRECTORY/killed_at:
+
+* MODE "write": rank 1, after writing the first item of its shard file (the file half written);
+* MODE "commit": rank 0, between the commit's two renames (A moved aside, B not yet in place).
+
+Every rank prints a line when it reaches save B and when save B returns or raises.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+from torch import nn
+
+import optimus2d
+from optimus2d import checkpoint
+from optimus2d.checkpoint_files import PREVIOUS
+
+directory, timeout, mode = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+path = os.path.join(directory, "ckpt")
+torch.set_num_threads(1)
+world = optimus2d.init(timeout=timeout)
+mesh = optimus2d.Mesh(q=2)
+torch.manual_seed(0)
+model = optimus2d.parallelize(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), mesh)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def step() -> None:
+    opt.zero_grad()
+    model(optimus2d.scatter(torch.randn(8, 5, 16), mesh)).square().mean().backward()
+    opt.step()
+
+
+def die() -> None:
+    with open(os.path.join(directory, "killed_at"), "w") as f:
+        f.write(repr(time.time()))
+        f.flush()
+        os.fsync(f.fileno())
+    print(f"rank {world.rank}: killing itself ({mode})", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+step()
+checkpoint.save(path, model, opt)
+state_a = optimus2d.serial_state_dict(model)
+if world.rank == 0:
+    torch.save(checkpoint.read(path), os.path.join(directory, "a.pt"))
+    torch.save(state_a, os.path.join(directory, "a_state.pt"))
+step()
+
+if mode == "write" and world.rank == 1:
+    real_write_item = dcp_filesystem._write_item
+
+    def write_item_then_die(transforms, stream, data, *args, **kwargs):
+        result = real_write_item(transforms, stream, data, *args, **kwargs)
+        stream.flush()
+        die()
+        return result
+
+    dcp_filesystem._write_item = write_item_then_die
+elif mode == "commit" and world.rank == 0:
+    real_rename = os.rename
+
+    def rename_then_die(src, dst):
+        real_rename(src, dst)
+        if os.fspath(dst) == path + PREVIOUS:
+            die()
+
+    os.rename = rename_then_die
+
+print(f"rank {world.rank}: saving B", flush=True)
+start = time.monotonic()
+try:
+    checkpoint.save(path, model, opt)
+except BaseException as err:  # DCP's CheckpointException is a BaseException
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    print(f"rank {world.rank}: save B raised after {time.monotonic() - start:.1f}s: {type(err).__name__}: {first}")
+    sys.stdout.flush()
+    raise
+print(f"rank {world.rank}: save B returned", flush=True)
