@@ -11,6 +11,16 @@ from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
 
 
+def _mesh_of(params: list[torch.Tensor]) -> Mesh | None:
+    meshes = {id(m): m for p in params if (m := getattr(p, "_optimus2d_mesh", None)) is not None}
+    if len(meshes) > 1:
+        raise ValueError(
+            f"clip_grad_norm_: the parameters live on {len(meshes)} meshes ({', '.join(map(repr, meshes.values()))}); "
+            "clip each mesh's parameters, or pass mesh="
+        )
+    return next(iter(meshes.values()), None)
+
+
 def _replicas(param: torch.Tensor, mesh: Mesh) -> int:
     """How many ranks hold the same block of ``param``."""
     sharding = getattr(param, "_optimus2d_sharding", None)
@@ -25,16 +35,24 @@ def _replicas(param: torch.Tensor, mesh: Mesh) -> int:
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, mesh: Mesh, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    mesh: Mesh | None = None,
+    norm_type: float = 2.0,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a model on the mesh: the norm of the serial gradient.
 
     Each block of a sharded parameter counts once; a parameter replicated over some axes (a bias
     over col and depth, a plain torch parameter everywhere) counts once, not once per replica.
     One all-reduce over the mesh (a max for ``norm_type=inf``). Returns the total norm, the same
-    on every rank.
+    on every rank. ``mesh``: found from the parameters when not given (``parallelize`` and every
+    layer mark theirs); parameters of no mesh at all are clipped as torch does.
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if mesh is None:
+        mesh = _mesh_of(params)
+        if mesh is None:  # plain torch parameters only: nothing is split
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
     grads = [(p.grad, _replicas(p, mesh)) for p in params if p.grad is not None]
     device = grads[0][0].device if grads else torch.device("cpu")
     if norm_type == float("inf"):

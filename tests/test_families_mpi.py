@@ -90,3 +90,36 @@ def test_gpt2_logits_and_one_training_step(mesh, vocab):
     assert set(state) == set(serial.state_dict())
     for key, value in serial.state_dict().items():
         assert_close(state[key], value, 1e-4, key)
+
+
+def _tiny_gpt2(mesh):
+    config = transformers.GPT2Config(
+        vocab_size=96, n_positions=32, n_embd=48, n_layer=2, n_head=6, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize("family", [_tiny_llama, _tiny_gpt2], ids=["llama", "gpt2"])
+def test_frozen_parameters_of_a_family_stay_frozen(mesh, family):
+    serial = family(mesh)
+    names = [name for name, _ in serial.named_parameters()]
+    frozen = set(names[1::2])  # every other parameter: norms, projections, the embedding or not
+    for name, param in serial.named_parameters():
+        param.requires_grad_(name not in frozen)
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    assert {n: p.requires_grad for n, p in parallel.named_parameters()} == {n: n not in frozen for n in names}
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (2 * mesh.depth * mesh.q, 9))
+    logits_ref = serial(input_ids=ids, use_cache=False).logits
+    F.cross_entropy(logits_ref[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    torch.optim.SGD([p for p in serial.parameters() if p.requires_grad], lr=0.5).step()
+    local = scatter_batch(ids, mesh)
+    logits = parallel(input_ids=local, use_cache=False).logits
+    optimus2d.cross_entropy(logits[:, :-1], local[:, 1:], mesh).backward()
+    torch.optim.SGD([p for p in parallel.parameters() if p.requires_grad], lr=0.5).step()
+    assert all(p.grad is None for n, p in parallel.named_parameters() if n in frozen)
+    state = serial_state_dict(parallel)
+    for key, value in serial.state_dict().items():
+        assert_close(state[key], value, 1e-4, key)

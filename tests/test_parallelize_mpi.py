@@ -145,3 +145,50 @@ def test_other_shared_parameters_are_refused(mesh):
     b.weight = a.weight
     with pytest.raises(TypeError, match=r"one parameter is shared by 0\.weight, 1\.weight"):
         parallelize(nn.Sequential(a, b), mesh)
+
+
+class _Everything(nn.Module):
+    """One of every module parallelize converts from torch.nn, in a chain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(12, 6, 24, dropout=0.0, batch_first=True)
+        self.embed = nn.Embedding(10, 12)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.attn = nn.MultiheadAttention(12, 6, batch_first=True)
+        self.norm = nn.LayerNorm(12)
+        self.rms = nn.RMSNorm(12)
+        self.head = nn.Linear(12, 6)
+
+    def forward(self, ids):
+        x = self.encoder(self.embed(ids))
+        x = x + self.attn(x, x, x, need_weights=False)[0]
+        return self.head(self.rms(self.norm(x)))
+
+
+def test_frozen_parameters_stay_frozen_and_unchanged(mesh):
+    torch.manual_seed(0)
+    serial = _Everything()
+    names = [name for name, _ in serial.named_parameters()]
+    frozen = set(names[::2])  # every other parameter, of every kind of module
+    for name, param in serial.named_parameters():
+        param.requires_grad_(name not in frozen)
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    flags = {name: param.requires_grad for name, param in parallel.named_parameters()}
+    assert flags == {name: name not in frozen for name in names}
+    torch.manual_seed(1)
+    ids = torch.randint(0, 10, (2 * mesh.depth * mesh.q, 5))
+    before = serial_state_dict(parallel)
+    for model, out in (
+        (serial, lambda: serial(ids)),
+        (parallel, lambda: gather(parallel(optimus2d.scatter_batch(ids, mesh)), mesh)),
+    ):
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        out().square().sum().backward()
+        opt.step()
+    assert all(p.grad is None for n, p in parallel.named_parameters() if n in frozen)
+    after, want = serial_state_dict(parallel), serial.state_dict()
+    for key in want:
+        assert_close(after[key], want[key], 1e-5, key)
+        if key in frozen:
+            assert torch.equal(after[key], before[key]), key

@@ -31,7 +31,7 @@ def test_clip_grad_norm_is_the_serial_norm(mesh):
     serial(x).square().sum().backward()
     parallel(scatter(x, mesh)).square().sum().backward()
     norm_ref = torch.nn.utils.clip_grad_norm_(serial.parameters(), max_norm=0.5)
-    norm = clip_grad_norm_(parallel.parameters(), max_norm=0.5, mesh=mesh)
+    norm = clip_grad_norm_(parallel.parameters(), max_norm=0.5)  # the mesh found from the parameters
     inf_ref = max(p.grad.abs().max() for p in serial.parameters())  # after clipping, both sides
     inf = clip_grad_norm_(parallel.parameters(), max_norm=1e9, mesh=mesh, norm_type=float("inf"))
     torch.optim.SGD(serial.parameters(), lr=1.0).step()
@@ -41,6 +41,21 @@ def test_clip_grad_norm_is_the_serial_norm(mesh):
     assert_close(norm, norm_ref, what="total norm")
     assert_close(inf, inf_ref, what="inf norm")
     assert_state_close(state, serial.state_dict())
+
+
+def test_clip_grad_norm_finds_one_mesh_or_refuses(mesh):
+    plain = nn.Linear(3, 4)
+    plain(torch.ones(2, 3)).sum().backward()
+    grads = [p.grad.clone() for p in plain.parameters()]
+    norm = clip_grad_norm_(plain.parameters(), max_norm=0.1)  # no mesh anywhere: torch's own
+    assert_close(norm, torch.cat([g.flatten() for g in grads]).norm(), what="plain norm")
+    from optimus2d import Mesh
+
+    other = Mesh(mesh.q, mesh.depth)
+    params = [*TransformerBlock2D.from_serial(_serial_block(), mesh).parameters()]
+    params += [*TransformerBlock2D.from_serial(_serial_block(), other).parameters()]
+    with pytest.raises(ValueError, match=r"the parameters live on 2 meshes .*pass mesh="):
+        clip_grad_norm_(params, max_norm=1.0)
 
 
 def test_dropout_masks_differ_between_shards_and_repeat_for_a_seed(mesh):

@@ -254,10 +254,12 @@ def _gather(mesh, axis: str, t: torch.Tensor) -> torch.Tensor:
         out = t.new_empty((n, t.numel()))
         mesh.mpi.all_gather(t, out, axis).wait()
         return out
-    device = mesh.device
+    device, group = mesh.device, mesh.group(axis)
+    if axis == "mesh" and mesh.check_group is not None:  # NCCL: the host words go over gloo, no sync
+        device, group = torch.device("cpu"), mesh.check_group
     t = t.to(device)
     out = t.new_empty((n, t.numel()))
-    work = dist.all_gather_single(out.view(-1), t, group=mesh.group(axis), async_op=True)
+    work = dist.all_gather_single(out.view(-1), t, group=group, async_op=True)
     if device.type == "cpu":
         watch.Watched(work, mesh, f"agreement of {axis}", mesh.timeout).wait()
     else:

@@ -166,6 +166,10 @@ class Mesh:
                 group = dist.new_group(members, sort_ranks=False)
                 if self.rank in members:
                     self._groups[axis] = group
+        self.check_group = None  # NCCL meshes: a gloo group of the mesh for agreement's host words
+        if self.backend == "nccl" and self.size > 1:  # (comm/agreement.py: no device sync to check shapes)
+            group = dist.new_group(list(self.ranks), backend="gloo", sort_ranks=False)
+            self.check_group = group if self.rank in self.ranks else None
         if transport != "torch" and self.size > 1:
             from optimus2d.comm import mpi
 

@@ -117,6 +117,9 @@ class MultiheadAttention2D(ShardedModule):
         if mha.in_proj_bias is not None:
             module.load_serial_tensor("in_proj_bias", mha.in_proj_bias)
             module.out_proj.load_serial_tensor("bias", mha.out_proj.bias)
+        for twin, serial in ((module, mha), (module.out_proj, mha.out_proj)):  # frozen stays frozen
+            for name, param in twin.named_parameters(recurse=twin is module.out_proj):
+                param.requires_grad_(getattr(serial, name).requires_grad)
         return module
 
     # ---- forward ----------------------------------------------------------------------------
