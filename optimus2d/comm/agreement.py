@@ -114,8 +114,17 @@ def decide(
 ) -> None:
     """``agree``'s logic over any all-gather (a mesh axis, or the default group for ``Mesh``);
     ``ident`` (default ``where``) names the operation alike on every rank."""
-    words = [_crc(ident or where), _crc(description), int(error is not None), *content, *[0] * (2 - len(content))]
-    table = gather(torch.tensor(words, dtype=torch.int64))
+    table = gather(torch.tensor(_words(ident or where, description, content, error), dtype=torch.int64))
+    _verdict(table, gather, ranks, where, description, error, mesh)
+
+
+def _words(ident: str, description: str, content: tuple[int, ...], error: BaseException | None) -> list[int]:
+    return [_crc(ident), _crc(description), int(error is not None), *content, *[0] * (2 - len(content))]
+
+
+def _verdict(table, gather, ranks, where: str, description: str, error, mesh) -> None:
+    """Return if every row of ``table`` is the same and this rank has no ``error``; else raise, on
+    every rank alike (after one more all-gather, of each rank's text)."""
     record_check(where, table)
     if bool((table == table[0]).all()):
         if error is not None:
@@ -145,26 +154,60 @@ def decide(
     raise ValueError(f"{where}: the ranks {kind}: this rank ({me}) has {mine}; " + "; ".join(parts))
 
 
-def check_call(mesh, what: str, args: tuple, kwargs: dict) -> bool:
-    """At the entry of a module call on ``mesh`` (level "entry" and up): every rank passes tensors
-    of the same dtypes and shapes, and none is empty (refused on every rank, before any collective).
+class Pending:
+    """A module call's agreement on an MPI mesh, posted at its entry and resolved at its exit.
 
-    Skipped when every tensor argument is already agreed (``tag``: an optimus2d module's output
-    or ``scatter``'s, on this mesh's layout). Returns whether the inputs are agreed now, so the
-    caller may ``tag`` its outputs.
+    The 5-word all-gather runs beside the module's own collectives instead of adding a sync point
+    before them. It is resolved (and raises, on every rank alike, if the ranks disagree) at the
+    module's exit, before its output is returned; by any wait of the mesh that finds it finished
+    (so ranks stuck in a collective that a disagreement broke raise the agreement's error); at
+    once on a rank that refuses its own input; and after an error inside the module.
+    """
+
+    def __init__(self, mesh, what: str, description: str, error: BaseException | None) -> None:
+        self.mesh, self.error = mesh, error
+        self.where, self.description = f"{what} on {mesh}", f"{what} of {description}"
+        words = torch.tensor(_words(f"{what} of mesh #{mesh.uid}", self.description, (), error), dtype=torch.int64)
+        self.table = words.new_empty((mesh.size, words.numel()))
+        self._handle = mesh.mpi.all_gather(words, self.table, "mesh")
+        self.ready = self._handle.test
+        mesh.pending = self
+
+    def resolve(self) -> None:
+        """Wait for the exchange and raise, on every rank alike, if the ranks disagree."""
+        if self.mesh.pending is self:
+            self.mesh.pending = None
+        self._handle.wait()
+        gather = lambda t: _gather(self.mesh, "mesh", t)  # noqa: E731
+        _verdict(self.table, gather, self.mesh.members("mesh"), self.where, self.description, self.error, self.mesh)
+
+
+def check_call(mesh, what: str, args: tuple, kwargs: dict) -> tuple[Pending | None, bool]:
+    """At the entry of a module call on ``mesh`` (level "entry" and up): every rank passes tensors
+    of the same dtypes and shapes, and none is empty (refused on every rank, before any result).
+
+    Returns ``(pending, agreed)``: the ``Pending`` agreement to resolve at the module's exit (None
+    when none is needed), and whether the inputs are agreed, so the caller may ``tag`` its outputs.
+    None is needed when every tensor argument is already agreed (``tag``: an optimus2d module's
+    output or ``scatter``'s, on this mesh's layout). Over MPI the check rides beside the module's
+    collectives (a message of another size is an MPI error there, or arrives short and is never
+    returned); over torch.distributed it is settled first, before any block moves: gloo aborts the
+    process on a message of another size, and NCCL may hang or corrupt.
     """
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     known = bool(tensors) and all(getattr(t, "_optimus2d_agreed", None) == layout(mesh) for t in tensors)
     if mesh.check == "off" or mesh.size == 1 or known:
         _refuse_input(what, tensors, mesh)
-        return known or mesh.size == 1
+        return None, known or mesh.size == 1
     error = None
     try:
         _refuse_input(what, tensors, mesh)
     except ValueError as err:
         error = err
-    agree(mesh, what, description=describe_call(args, kwargs), error=error)
-    return True
+    if mesh.mpi is None:  # gloo aborts the process, NCCL may hang, on blocks of other sizes: check first
+        agree(mesh, what, description=describe_call(args, kwargs), error=error)
+        return None, True
+    return Pending(mesh, what, describe_call(args, kwargs), error), True
 
 
 def layout(mesh) -> tuple:

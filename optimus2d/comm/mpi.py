@@ -77,6 +77,10 @@ class Request:
         self._buffers = buffers  # alive until the operation ends
         self._point_to_point = point_to_point
 
+    def test(self) -> bool:
+        """Whether the operation has ended (``wait()`` then returns at once); never blocks."""
+        return self._requests is None or _mpi().Request.Testall(self._requests)
+
     def wait(self) -> bool:
         if self._requests is None:
             return True

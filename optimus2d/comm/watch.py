@@ -97,6 +97,9 @@ def wait(done, mesh, what: str, timeout: float) -> None:
     start = time.monotonic()
     heard = start
     while not done():
+        pending = getattr(mesh, "pending", None)
+        if pending is not None and pending.ready():  # a module's agreement: raises if the ranks disagree
+            pending.resolve()
         now = time.monotonic()
         if now - heard > _LISTEN_S:
             heard = now
@@ -135,7 +138,7 @@ class Watched:
             future = _waiters.submit(work.wait)
             wait(future.done, self._mesh, self._what, self._timeout)
             return future.result()
-        except (PeerFailedError, TimeoutError):
+        except (PeerFailedError, TimeoutError, ValueError, TypeError):  # lost peers, disagreements
             raise
         except Exception as err:  # gloo's own error (a peer's connection closed, its timeout)
             peer = failure(self._mesh)  # a peer that failed and exited: name it and its error

@@ -10,6 +10,7 @@ from torch import nn
 from optimus2d.comm.agreement import check_call, tag
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
+from optimus2d.comm.watch import PeerFailedError
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -28,18 +29,35 @@ class ShardedModule(nn.Module):
     shardings: dict[str, Sharding]
 
     def __call__(self, *args, **kwargs):
-        """The outermost optimus2d module of a call first checks that every rank passes inputs of
-        the same dtypes and shapes, none empty (``comm/agreement.py``; ``Mesh(check="off")`` skips),
-        unless they come unchanged from another optimus2d module or ``scatter``: its outputs are
-        tagged as agreed."""
+        """The outermost optimus2d module of a call checks that every rank passes inputs of the same
+        dtypes and shapes, none empty (``comm/agreement.py``; ``Mesh(check="off")`` skips), unless
+        they come unchanged from another optimus2d module or ``scatter`` (its outputs are tagged as
+        agreed). The check rides beside the module's collectives and is settled before the output
+        is returned: ranks that disagree all raise the same ``ValueError``, none returns a block."""
         if _inside.get():
             return super().__call__(*args, **kwargs)
-        agreed = check_call(self.mesh, type(self).__name__, args, kwargs)
+        pending, agreed = check_call(self.mesh, type(self).__name__, args, kwargs)
         token = _inside.set(True)
         try:
+            if pending is not None and pending.error is not None:  # this rank refuses its input
+                pending.resolve()
             out = super().__call__(*args, **kwargs)
+        except Exception as err:
+            # Does the ranks' disagreement explain err (a refusal of this rank's own, a message of
+            # another size)? Then say that, on every rank: wait for the exchange, which every rank
+            # posted on entry. After a lost peer (a timeout, a failure reported) only read it if
+            # it is already there: waiting for a lost peer again would double the time to fail.
+            lost = isinstance(err, (PeerFailedError, TimeoutError))
+            if pending is not None and self.mesh.pending is pending and (not lost or pending.ready()):
+                try:
+                    pending.resolve()
+                except (ValueError, TypeError) as disagreement:
+                    raise disagreement from err
+            raise
         finally:
             _inside.reset(token)
+        if pending is not None and self.mesh.pending is pending:
+            pending.resolve()
         tag(out, self.mesh, agreed)
         return out
 
