@@ -8,7 +8,8 @@ token ids for LLaMA) of the full batch, checksummed at "entry"; the forward, who
 optimus2d modules agree on their inputs unless those come unchanged from another optimus2d module
 (for LLaMA: each layer's two norms and the products after attention and after the gate); the
 backward (and LLaMA's ``cross_entropy``). Three meshes of the same shape over the same ranks,
-interleaved rounds; each checked against serial first. Reported: median fwd+bwd and forward
+interleaved rounds, "off" first and again last (their difference is the spread that the order
+within a round gives); each checked against serial first. Reported: median fwd+bwd and forward
 times, their ratio to "off", and the agreement exchanges of one step.
 """
 
@@ -25,7 +26,7 @@ import optimus2d
 from benchmarks import compare
 from benchmarks.compare import Peer
 
-LEVELS = ("off", "entry", "every")
+LEVELS = ("off", "entry", "every", "off")  # "off" twice, first and last: the spread of the rounds' order
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         grad = torch.randn_like(reference)
         peers = [_peer(level, serial, mesh, x, grad) for level in LEVELS]
         what = f"MLP {h}→{args.ffn}→{h}"
+    peers[-1].name += " again"
     compare.check(peers, reference, tol=1e-5 if args.model == "llama" else None)
     exchanges = {}
     for peer in peers:
