@@ -37,13 +37,12 @@ import torch.distributed as dist
 
 from optimus2d.comm import watch
 
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = watch.DEFAULT_TIMEOUT_S
 _MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
 _EXIT_BARRIER_S = 30.0
 _STORE_LINGER_S = 1.0  # a failing rank 0 keeps the store up this long for its peers to read the failure
 _owned = False  # whether init() created the process group (and so destroys it at exit)
 _crashed = False  # an uncaught exception is ending this process: do not wait for peers at exit
-_timeout_s: float | None = None  # the timeout init() gave the process group
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     ``timeout``: seconds (or a timedelta) before a collective waiting on a lost peer raises;
     default ``$OPTIMUS2D_TIMEOUT`` or 300 s.
     """
-    global _owned, _timeout_s
+    global _owned
     if timeout is None:
         timeout = float(os.environ.get("OPTIMUS2D_TIMEOUT", DEFAULT_TIMEOUT_S))
     if not isinstance(timeout, datetime.timedelta):
@@ -90,7 +89,7 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
             rank, size, local, store = 0, 1, 0, dist.HashStore()
         _set_device(backend, local)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-    _timeout_s = timeout.total_seconds()
+    watch.set_collective_timeout(timeout.total_seconds())
     if not _owned:
         atexit.register(shutdown)
         _note_crashes()
@@ -100,10 +99,8 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
 
 def collective_timeout() -> float:
     """Seconds a collective may wait on a peer: what ``init()`` gave the process group, else
-    ``$OPTIMUS2D_TIMEOUT`` or 300 s (for transports that keep their own clock, ``comm/mpi.py``)."""
-    if _timeout_s is not None:
-        return _timeout_s
-    return float(os.environ.get("OPTIMUS2D_TIMEOUT", DEFAULT_TIMEOUT_S))
+    ``$OPTIMUS2D_TIMEOUT`` or 300 s (the clock of every watched wait, ``comm/watch.py``)."""
+    return watch.collective_timeout()
 
 
 def report_failure(error: BaseException | str) -> None:

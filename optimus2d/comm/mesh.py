@@ -75,9 +75,7 @@ class Mesh:
             members = _validate(q, depth, ranks, transport, check, world, initialized)
         except (ValueError, TypeError) as err:
             error = err
-        from optimus2d.launch import collective_timeout
-
-        self.timeout = collective_timeout()
+        self.timeout = watch.collective_timeout()
         if world > 1:  # every rank asked for the same mesh, as its n-th: else all refuse, none hangs
             gather = lambda t: agreement.gather_world(t, self.timeout)  # noqa: E731
             agreement.decide(gather, tuple(range(world)), "Mesh", f"{asked} #{_built}", (), error)

@@ -14,6 +14,7 @@ new one, or let the process end (``optimus2d.init`` makes every process exit non
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,22 @@ _LISTEN_S = 0.2  # between reads of the failure channel (a round trip to the sto
 _meshes: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # uid → Mesh, built on this rank
 _failed: list[str] = []  # what this process reported: a fatal error happened here
 _waiters: ThreadPoolExecutor | None = None  # blocks in the waits that cannot be polled
+_timeout_s: float | None = None  # what optimus2d.init() gave the process group
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def collective_timeout() -> float:
+    """Seconds a wait may last: what ``optimus2d.init()`` gave the process group, else
+    ``$OPTIMUS2D_TIMEOUT`` or 300 s."""
+    if _timeout_s is not None:
+        return _timeout_s
+    return float(os.environ.get("OPTIMUS2D_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Called by ``optimus2d.init()`` with the timeout it gave the process group."""
+    global _timeout_s
+    _timeout_s = float(seconds)
 
 
 class PeerFailedError(RuntimeError):
