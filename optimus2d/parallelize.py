@@ -118,8 +118,9 @@ def parallelize(module: nn.Module, mesh: Mesh, *, check: bool | None = None) -> 
     """
     walk = _Walk(mesh, {}, _tied_embeddings(module))
     walk.check(module, "")
-    tensors = [*module.named_parameters(remove_duplicate=True), *module.named_buffers(remove_duplicate=True)]
-    check_same_tensors(mesh, "parallelize: the serial weights", tensors, check)
+    if _current.get() is None:  # a converter's own parallelize() of a part: the whole was checked
+        tensors = [*module.named_parameters(remove_duplicate=True), *module.named_buffers(remove_duplicate=True)]
+        check_same_tensors(mesh, "parallelize: the serial weights", tensors, check)
     token = _current.set(walk)
     try:
         return walk.convert(module, "")

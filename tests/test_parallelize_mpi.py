@@ -192,3 +192,9 @@ def test_frozen_parameters_stay_frozen_and_unchanged(mesh):
         assert_close(after[key], want[key], 1e-5, key)
         if key in frozen:
             assert torch.equal(after[key], before[key]), key
+
+
+def test_a_model_without_parameters_converts(mesh):
+    model = parallelize(nn.Sequential(nn.GELU(), nn.Identity()), mesh)  # nothing to compare: no exchange fails
+    x = torch.randn(2 * mesh.depth * mesh.q, 3, 4 * mesh.q)
+    assert torch.equal(gather(model(scatter(x, mesh)), mesh), nn.functional.gelu(x))

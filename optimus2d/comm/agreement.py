@@ -74,6 +74,8 @@ def fingerprint(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _mix(hashes: torch.Tensor) -> int:
+    if hashes.numel() == 0:
+        return 0
     weights = torch.arange(1, 2 * hashes.numel(), 2, dtype=torch.int64, device=hashes.device)  # odd: invertible
     return int((hashes * weights).sum().item())
 
