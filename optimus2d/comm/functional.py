@@ -110,7 +110,7 @@ def scatter(x: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> torch.
 
     forward: local slice, no communication; backward: all-gather, so a replicated input receives
     its whole gradient on every rank. ``check``: verify that ``x`` is the same on every rank (one
-    16-word all-gather of its shape and checksum; default: unless the mesh's check is "off").
+    5-word all-gather of its shape and checksum; default: unless the mesh's check is "off").
     """
     check_replicated(mesh, "scatter", x, lambda: _check_activation("scatter", x, mesh), check)
     out = _Split.apply(x, mesh, activation_sharding(x.shape))

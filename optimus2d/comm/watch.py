@@ -2,8 +2,8 @@
 
 Every wait of a mesh collective (MPI requests, torch.distributed works on CPU) polls its operation
 and, every ``_LISTEN_S``, the job's **failure channel**: a key per mesh in torch.distributed's
-store. A rank that fails (an uncaught exception, ``optimus2d.abort``, a timeout of its own) writes
-``"rank r: Type: message"`` under the key of every mesh it belongs to; its peers, waiting in that
+store. A rank that fails (an uncaught exception, ``optimus2d.report_failure``, a timeout of its
+own) writes ``"rank r: Type: message"`` under the key of every mesh it built; its peers, waiting in that
 mesh's collectives, read it within ``_LISTEN_S`` and raise ``PeerFailedError`` naming the rank and its
 error, instead of waiting out the timeout. A wait longer than the collective timeout raises
 ``TimeoutError`` and reports it on the channel too.

@@ -32,8 +32,9 @@ class ShardedModule(nn.Module):
         """The outermost optimus2d module of a call checks that every rank passes inputs of the same
         dtypes and shapes, none empty (``comm/agreement.py``; ``Mesh(check="off")`` skips), unless
         they come unchanged from another optimus2d module or ``scatter`` (its outputs are tagged as
-        agreed). The check rides beside the module's collectives and is settled before the output
-        is returned: ranks that disagree all raise the same ``ValueError``, none returns a block."""
+        agreed). On an MPI mesh the check rides beside the module's collectives and is settled
+        before the output is returned; over torch.distributed it is settled first. Either way ranks
+        that disagree all raise the same ``ValueError`` and none returns a block."""
         if _inside.get():
             return super().__call__(*args, **kwargs)
         pending, agreed = check_call(self.mesh, type(self).__name__, args, kwargs)
