@@ -55,7 +55,15 @@ ELEMENTWISE: tuple[type, ...] = (
 )
 
 
-def register_converter(cls: type, converter: Converter | None = None, *, converts_children: bool = False):
+def keep(module: nn.Module, mesh: Mesh) -> nn.Module:
+    """The converter that keeps ``module`` as it is: its children are converted, its forward kept."""
+    convert_children(module, mesh)
+    return module
+
+
+def register_converter(
+    cls: type, converter: Converter | None = None, *, converts_children: bool = False, keep: bool = False
+):
     """Teach ``parallelize`` to convert modules of type ``cls`` (and subclasses that keep its forward).
 
     ``converter(module, mesh)`` returns the module that replaces ``module``. Use directly or as a
@@ -64,7 +72,17 @@ def register_converter(cls: type, converter: Converter | None = None, *, convert
         @optimus2d.register_converter(MyNorm)
         def _(norm, mesh):
             return optimus2d.RMSNorm2D.from_serial(as_rmsnorm(norm), mesh)
+
+    ``keep=True`` (no converter) declares that ``cls``'s forward is correct on blocks as it is —
+    it acts element by element on the hidden dim, or only on whole heads, once its children are
+    converted — so ``parallelize`` converts its children and keeps it. That is a promise only its
+    author can make: a forward that reduces, splits or reshapes the hidden dim by a size gives
+    wrong numbers on the mesh.
     """
+    if keep:
+        if converter is not None:
+            raise TypeError("register_converter: give a converter or keep=True, not both")
+        converter, converts_children = _keep, True
 
     def add(fn: Converter) -> Converter:
         _CONVERTERS[cls] = fn
@@ -73,6 +91,9 @@ def register_converter(cls: type, converter: Converter | None = None, *, convert
         return fn
 
     return add(converter) if converter is not None else add
+
+
+_keep = keep
 
 
 def _stack(module: nn.Module, mesh: Mesh) -> nn.Module:

@@ -1,0 +1,25 @@
+"""Converters for model families from other libraries, registered when a model from them is met.
+
+``hf``: Hugging Face ``transformers`` (LLaMA and the decoders shaped like it, GPT-2); ``timm``:
+timm's ``VisionTransformer``. Each file's ``register()`` teaches ``parallelize`` its classes.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_registered: set[str] = set()
+_FILES = {"transformers": ("hf",), "timm": ("timm",)}  # library → the files that register its classes
+
+
+def register_for(module: nn.Module) -> bool:
+    """Register the converters of the library ``module`` comes from; True if there were any."""
+    library = type(module).__module__.split(".")[0]
+    if library not in _FILES or library in _registered:
+        return False
+    _registered.add(library)
+    for name in _FILES[library]:
+        importlib.import_module(f"optimus2d.families.{name}").register()
+    return True
