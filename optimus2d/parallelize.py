@@ -144,9 +144,12 @@ def parallelize(module: nn.Module, mesh: Mesh, *, check: bool | None = None) -> 
         check_same_tensors(mesh, "parallelize: the serial weights", tensors, check)
     token = _current.set(walk)
     try:
-        return walk.convert(module, "")
+        out = walk.convert(module, "")
     finally:
         _current.reset(token)
+    if _current.get() is None:
+        families.finish(out, mesh)
+    return out
 
 
 def convert_children(module: nn.Module, mesh: Mesh) -> None:

@@ -23,3 +23,13 @@ def register_for(module: nn.Module) -> bool:
     for name in _FILES[library]:
         importlib.import_module(f"optimus2d.families.{name}").register()
     return True
+
+
+def finish(root: nn.Module, mesh) -> None:
+    """After ``parallelize`` converted ``root``: each registered file's ``finish(root, mesh)``, if it
+    has one (e.g. Hugging Face's ``labels=`` and ``generate()`` on the converted model)."""
+    for library in sorted(_registered):
+        for name in _FILES[library]:
+            fn = getattr(importlib.import_module(f"optimus2d.families.{name}"), "finish", None)
+            if fn is not None:
+                fn(root, mesh)
