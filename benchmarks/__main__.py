@@ -16,11 +16,13 @@ from benchmarks import (
     calibrate,
     ceiling,
     checks,
+    compile,
     gpt,
     linear,
     memory,
     mlp,
     plan,
+    pretrained,
     report,
     transport,
     waits,
@@ -39,6 +41,8 @@ SUBCOMMANDS = {
     "waits": waits,
     "ceiling": ceiling,
     "checks": checks,
+    "compile": compile,
+    "pretrained": pretrained,
     "report": report,
 }
 RESULTS = Path(__file__).parent / "results"

@@ -4,7 +4,8 @@ Parameters *and* activations are split over a q×q mesh of ranks (``depth`` of t
 2.5D); matrix products run as SUMMA. See docs/DESIGN.md for which block every rank holds.
 """
 
-from optimus2d import checkpoint
+from optimus2d import blockwise, checkpoint
+from optimus2d.blockwise import as_norm, forward_problems
 from optimus2d.comm import Mesh, count_comm, gather, scatter, scatter_batch
 from optimus2d.comm.watch import PeerFailedError
 from optimus2d.launch import World, init, report_failure, shutdown
@@ -19,7 +20,9 @@ from optimus2d.layers import (
     TransformerBlock2D,
     cross_entropy,
 )
-from optimus2d.parallelize import parallelize, register_converter
+from optimus2d.meta_init import materialize
+from optimus2d.parallelize import convert_children, keep, parallelize, register_converter, register_recogniser
+from optimus2d.pretrained import load_pretrained, save_pretrained
 from optimus2d.random import shard_rng
 from optimus2d.serial import load_serial_state_dict, serial_state_dict
 from optimus2d.training import clip_grad_norm_
@@ -39,16 +42,25 @@ __all__ = [
     "TransformerBlock2D",
     "World",
     "__version__",
+    "as_norm",
+    "blockwise",
     "checkpoint",
     "clip_grad_norm_",
+    "convert_children",
     "count_comm",
     "cross_entropy",
+    "forward_problems",
     "gather",
     "init",
+    "keep",
+    "load_pretrained",
     "load_serial_state_dict",
+    "materialize",
     "parallelize",
     "register_converter",
+    "register_recogniser",
     "report_failure",
+    "save_pretrained",
     "scatter",
     "scatter_batch",
     "serial_state_dict",

@@ -39,7 +39,7 @@ from optimus2d.comm.sharding import Sharding
 from optimus2d.layers.base import sharding_of
 from optimus2d.serial import _owners
 
-_MESH_DIMS = {"depth": 0, "col": 1, "row": 2}  # DeviceMesh (depth, i, j): "col" varies i, "row" varies j
+_MESH_DIMS = {"depth": 0, "col": 1, "row": 2}  # mesh group → the DeviceMesh dim (k, i, j) it varies
 
 
 @dataclass
@@ -126,7 +126,8 @@ def _device_mesh(mesh: Mesh | None):
     if mesh is None or mesh.size == 1:
         return None
     ranks = torch.tensor(mesh.ranks).view(mesh.depth, mesh.q, mesh.q)
-    return DeviceMesh(mesh.device.type, ranks, mesh_dim_names=("depth", "col", "row"), _init_backend=False)
+    # dims named as Mesh.device_mesh's (a dim names the coordinate it indexes); no process groups
+    return DeviceMesh(mesh.device.type, ranks, mesh_dim_names=("depth", "row", "col"), _init_backend=False)
 
 
 def _process_group(mesh: Mesh | None):
@@ -190,11 +191,18 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     checkpoint, an empty directory or nothing) is replaced only once every rank has written, and a
     rank killed meanwhile leaves it as it was. Raises ``ValueError`` before writing if ``path``
     holds files that ``save`` did not write. With a plain ``torch.nn`` model, call it on one rank.
+
+    Data-parallel replicas (a model on one of several replica meshes, ``len(mesh.replicas) > 1``,
+    e.g. from ``Mesh.from_device_mesh`` of a DeviceMesh with a "dp" dim; a ``DistributedDataParallel``
+    model is saved as its module): replicas hold the same blocks, so replica 0 alone writes them.
+    Every rank of every replica calls ``save``: the commit is collective over the world, and no rank
+    returns before it. The checkpoint is that of one mesh, and loads on any mesh or in one process.
     """
+    model = _unwrap(model)
     entries = _entries(model)
     mesh = _model_mesh(entries)
     device_mesh = _device_mesh(mesh)
-    state: dict[str, object] = {}
+    state: dict[str, object] = {}  # on every rank, so that every rank refuses what does not fit
     for e in entries:
         for suffix, view in zip(
             _suffixes(e.sharding), _stored_views(e.tensor.detach(), e.sharding, e.mesh, device_mesh), strict=True
@@ -211,12 +219,28 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     state["meta"] = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)
     group, no_dist = _process_group(mesh)
 
-    def write(directory: str) -> None:
+    def write(directory: str) -> int | None:
+        if _replicated(mesh) and mesh.replica != 0:  # replica 0 writes these blocks
+            return None
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process")
             dcp.save(state, checkpoint_id=directory, process_group=group, no_dist=no_dist)
+        return 0 if no_dist else dist.get_rank(group)  # DCP names its files after the rank in its group
 
-    _files.save_atomically(path, write, group, no_dist)
+    if _replicated(mesh):  # replica 0 writes; the commit waits for every rank of the world
+        _files.save_atomically(path, write, None, False)
+    else:
+        _files.save_atomically(path, write, group, no_dist)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module a ``DistributedDataParallel`` wraps (its state dict keys, without "module.")."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _replicated(mesh: Mesh | None) -> bool:
+    """Whether ``mesh`` is one of several data-parallel replicas (``Mesh.replicas``)."""
+    return mesh is not None and dist.is_initialized() and len(mesh.replicas) > 1
 
 
 def _parts_dims(entries: list[_Entry], state: dict) -> dict[str, int]:
@@ -298,16 +322,19 @@ def load(
 ) -> dict[str, torch.Tensor] | None:
     """Read a checkpoint into ``model`` (and ``optimizer``) on whatever mesh they live on.
 
-    Collective over the model's mesh. With no model, returns the serial ``state_dict`` (see
-    ``read``). Raises ``ValueError`` if there is no checkpoint at ``path`` or it has no manifest (a
-    save did not finish) or it does not fit (other keys or shapes, another optimizer), and
-    ``RuntimeError`` if a file is missing, truncated or damaged (its size or crc32 differs from the
-    manifest's). Files are verified on every rank (each checksums a share) and every rank raises
-    the same error. In every case nothing is changed. ``verify=False`` skips the manifest: only for
-    a checkpoint written before manifests (optimus2d 0.1.0).
+    Collective over the model's mesh (each data-parallel replica reads on its own, at the same
+    time; a ``DistributedDataParallel`` model loads into its module). With no model, returns the
+    serial ``state_dict`` (see ``read``). Raises ``ValueError`` if there is no checkpoint at
+    ``path`` or it has no manifest (a save did not finish) or it does not fit (other keys or
+    shapes, another optimizer), and ``RuntimeError`` if a file is missing, truncated or damaged
+    (its size or crc32 differs from the manifest's). Files are verified on every rank (each
+    checksums a share) and every rank raises the same error. In every case nothing is changed.
+    ``verify=False`` skips the manifest: only for a checkpoint written before manifests (optimus2d
+    0.1.0).
     """
     if model is None:
         return read(path, verify=verify)["model"]
+    model = _unwrap(model)
     entries = _entries(model)
     mesh = _model_mesh(entries)
     group, no_dist = _process_group(mesh)
@@ -422,7 +449,7 @@ def _write_back(buffer: torch.Tensor, views: list[torch.Tensor], sharding: Shard
         return
     pieces = _split_parts(buffer, sharding, None if mesh is None or mesh.size == 1 else mesh)
     for piece, local in zip(pieces, locals_, strict=True):
-        piece[tuple(slice(0, n) for n in local.shape)].copy_(local)
+        piece[tuple(slice(0, n) for n in local.shape)].copy_(local.clone())  # local may alias the buffer
 
 
 def _install_optimizer_state(optimizer, optim_targets, meta) -> None:

@@ -9,7 +9,9 @@ Commit. ``save`` never writes into ``path`` (P below) itself:
    directory of files optimus2d writes. Then it creates ``P.optimus2d-saving`` (beside P: the same
    file system, so renames are atomic) and broadcasts its verdict: the others wait for it.
 2. Every rank writes its blocks into ``P.optimus2d-saving`` (DCP, files fsynced), then checksums
-   the files it wrote; the coordinator gathers the lists and writes ``manifest.json`` last.
+   the files it wrote; the coordinator gathers the lists and writes ``manifest.json`` last. With
+   data-parallel replicas the group is the world and only replica 0 writes (its blocks are every
+   replica's); the other ranks wait in the gather, so that none returns before the commit.
 3. The coordinator commits: renames P → ``P.optimus2d-previous`` (if P exists), then
    ``P.optimus2d-saving`` → P, removes ``P.optimus2d-previous``, and broadcasts its verdict: no
    rank returns from ``save`` before the commit, or without its error.
@@ -109,27 +111,44 @@ def checksum(file: str | os.PathLike) -> dict[str, int | str]:
     return {"bytes": size, "crc32": f"{crc:08x}"}
 
 
-def save_atomically(path: str | os.PathLike, write: Callable[[str], None], group, no_dist: bool) -> None:
+def save_atomically(path: str | os.PathLike, write: Callable[[str], int | None], group, no_dist: bool) -> None:
     """Run ``write(directory)`` on every rank into a temporary directory, then commit it as ``path``.
 
     Collective over ``group`` (or this process alone when ``no_dist``); see the module docstring.
+    ``write`` returns the rank its files are named after (DCP's ``__<rank>_*.distcp``: its rank in
+    the group that wrote them), or None where it wrote nothing (data-parallel replicas: one writes,
+    the others only take part in the commit). A rank whose ``write`` raises still takes part, so
+    no rank waits for it: every rank then raises (that rank its own error).
     """
     ranks, final = _Ranks(group, no_dist), os.path.normpath(os.fspath(path))
     tmp = final + SAVING
     verdict = _attempt(lambda: _prepare(final), f"preparing {final!r}")[1] if ranks.rank == 0 else None
     _raise(ranks.broadcast(verdict))
-    write(tmp)  # DCP returns on every rank once all have written and rank 0 has written .metadata
-    prefix = f"__{ranks.rank}_"
-    mine = _attempt(
-        lambda: {n: checksum(os.path.join(tmp, n)) for n in os.listdir(tmp) if n.startswith(prefix)},
-        f"checksumming the files written into {tmp!r}",
-    )
+    own = None
+    try:  # DCP returns on every writer once all have written and its rank 0 has written .metadata
+        wrote = write(tmp)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        own, wrote = err, None
+    mine: tuple = ({}, None)
+    if own is not None:
+        mine = (None, ("RuntimeError", f"optimus2d.checkpoint: writing into {tmp!r}: {type(own).__name__}: {own}"))
+    elif wrote is not None:
+        prefix = f"__{wrote}_"
+        mine = _attempt(
+            lambda: {n: checksum(os.path.join(tmp, n)) for n in os.listdir(tmp) if n.startswith(prefix)},
+            f"checksumming the files written into {tmp!r}",
+        )
     gathered = ranks.gather(mine)
     verdict = None
     if ranks.rank == 0:
         failures = [f for _, f in gathered if f is not None]
         verdict = failures[0] if failures else _attempt(lambda: _finish(final, gathered), f"committing {final!r}")[1]
-    _raise(ranks.broadcast(verdict))
+    verdict = ranks.broadcast(verdict)
+    if own is not None:
+        raise own
+    _raise(verdict)
 
 
 def _finish(final: str, gathered: list) -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
-from optimus2d import families
+from optimus2d import blockwise, families
 from optimus2d.comm.agreement import check_same_tensors
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers import (
@@ -29,6 +29,7 @@ from optimus2d.layers import (
 )
 from optimus2d.layers.block import TransformerDecoderBlock2D, TransformerStack2D
 from optimus2d.layers.embedding import TiedHead2D
+from optimus2d.meta_init import has_meta, record_init
 
 Converter = Callable[[nn.Module, Mesh], nn.Module]
 _CONVERTERS: dict[type, Converter] = {}
@@ -94,6 +95,7 @@ def register_converter(
 
 
 _keep = keep
+_CONVERTS_CHILDREN.add(_keep)
 
 
 def _stack(module: nn.Module, mesh: Mesh) -> nn.Module:
@@ -114,6 +116,18 @@ for _cls, _fn in (
     (nn.Dropout, lambda m, mesh: Dropout2D(m.p, mesh=mesh)),
 ):
     register_converter(_cls, _fn, converts_children=_fn is _stack)
+
+
+Recogniser = Callable[[nn.Module], "Converter | None"]
+_RECOGNISERS: list[Recogniser] = []
+
+
+def register_recogniser(recognise: Recogniser) -> Recogniser:
+    """Teach ``parallelize`` a structure: ``recognise(module)`` returns a converter for a module it
+    recognises (by the children it holds and how its forward uses them), else None. Asked, in order of
+    registration, about each module with no converter of its class."""
+    _RECOGNISERS.append(recognise)
+    return recognise
 
 
 def converter_for(module: nn.Module) -> Converter | None:
@@ -139,8 +153,13 @@ def parallelize(module: nn.Module, mesh: Mesh, *, check: bool | None = None) -> 
     """
     walk = _Walk(mesh, {}, _tied_embeddings(module))
     walk.check(module, "")
+    walk.raise_refused()
+    # Built on meta: note now how the serial model initialises each tensor (materialize replays it)
+    records = record_init(module) if _current.get() is None and has_meta(module) else None
     if _current.get() is None:  # a converter's own parallelize() of a part: the whole was checked
-        tensors = [*module.named_parameters(remove_duplicate=True), *module.named_buffers(remove_duplicate=True)]
+        named = [*module.named_parameters(remove_duplicate=True), *module.named_buffers(remove_duplicate=True)]
+        # blocks of a part converted already differ by rank: only the serial tensors must agree
+        tensors = [(name, t) for name, t in named if getattr(t, "_optimus2d_mesh", None) is None]
         check_same_tensors(mesh, "parallelize: the serial weights", tensors, check)
     token = _current.set(walk)
     try:
@@ -149,6 +168,8 @@ def parallelize(module: nn.Module, mesh: Mesh, *, check: bool | None = None) -> 
         _current.reset(token)
     if _current.get() is None:
         families.finish(out, mesh)
+    if records is not None:
+        out._optimus2d_init = records
     return out
 
 
@@ -162,27 +183,107 @@ def convert_children(module: nn.Module, mesh: Mesh) -> None:
 _current: contextvars.ContextVar[_Walk | None] = contextvars.ContextVar("optimus2d_parallelize", default=None)
 
 
-def _tied_embeddings(root: nn.Module) -> dict[int, nn.Embedding]:
-    """Parameters held by more than one module: only an Embedding's weight shared with bias-free
-    Linear heads is supported (returned: weight id → embedding); any other sharing is refused."""
+class _Tied(dict):
+    """id(shared embedding weight) → the ``nn.Embedding`` whose conversion holds it (the first one).
+
+    ``co_holders``: id(a tied head's shared bias) → the other modules holding it, as (module, name);
+    ``blocks``: id(serial shared bias) → its converted block, once made. The shared serial
+    parameters are kept referenced here, so their ids stay theirs during the walk.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.co_holders: dict[int, list[tuple[nn.Module, str]]] = {}
+        self.blocks: dict[int, nn.Parameter] = {}
+        self.serial: list[nn.Parameter] = []
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+def _tied_embeddings(root: nn.Module) -> _Tied:
+    """Parameters held by more than one module. Supported: an embedding table shared by
+    ``nn.Embedding`` modules (as their ``weight``) and output heads (plain ``nn.Linear``s, as their
+    ``weight``, biased or not), e.g. BART's ``shared``/``embed_tokens``/``lm_head``; and such a
+    head's bias shared with other heads of the same table or with modules that are neither Linear
+    nor Embedding (BERT's ``cls.predictions.bias`` is its decoder's bias: that holder, which still
+    needs a converter of its own, gets the head's bias block). Any other sharing raises
+    ``TypeError`` naming every holder.
+    """
     owners: dict[int, dict[int, tuple[str, nn.Module, str]]] = {}
+    params: dict[int, nn.Parameter] = {}
     for path, sub in root.named_modules(remove_duplicate=False):
         for name, param in sub._parameters.items():
             if param is not None:
                 owners.setdefault(id(param), {})[id(sub)] = (path or "the model itself", sub, name)
-    tied = {}
-    for pid, holders in owners.items():
-        if len(holders) < 2:
-            continue
-        subs = [sub for _, sub, _ in holders.values()]
-        embeddings = [m for m in subs if isinstance(m, nn.Embedding)]
-        heads = [m for m in subs if isinstance(m, nn.Linear) and m.bias is None and id(m.weight) == pid]
-        if len(embeddings) == 1 and len(heads) == len(subs) - 1:
+                params[id(param)] = param
+    shared = {  # blocks already shared by converted modules (a model converted before) stay as they are
+        pid: list(holders.values())
+        for pid, holders in owners.items()
+        if len(holders) > 1 and getattr(params[pid], "_optimus2d_mesh", None) is None
+    }
+    tied = _Tied()
+    for pid, holders in shared.items():  # embedding tables, and the heads that share them
+        embeddings = [m for _, m, _ in holders if isinstance(m, nn.Embedding)]
+        tables = all((isinstance(m, nn.Embedding) or _plain_linear(m)) and name == "weight" for _, m, name in holders)
+        if tables and embeddings:
             tied[pid] = embeddings[0]
-        else:
-            where = ", ".join(f"{path}.{name}" for path, _, name in holders.values())
-            raise TypeError(f"parallelize: one parameter is shared by {where}; only a tied embedding/head is supported")
+    for pid, holders in shared.items():
+        tied.serial.append(params[pid])
+        if pid in tied:
+            continue
+        heads = [m for _, m, name in holders if _plain_linear(m) and name == "bias" and id(m.weight) in tied]
+        others = [(m, name) for _, m, name in holders if not any(m is head for head in heads)]
+        if (
+            heads
+            and len({id(head.weight) for head in heads}) == 1
+            and not any(isinstance(m, (nn.Linear, nn.Embedding)) for m, _ in others)
+        ):
+            tied.co_holders[pid] = others
+            continue
+        where = ", ".join(f"{path}.{name}" for path, _, name in holders)
+        raise TypeError(
+            f"parallelize: one parameter is shared by {where}; only an embedding table shared by nn.Embedding "
+            f"modules and nn.Linear output heads (as their weight), and such a head's bias, are supported"
+        )
     return tied
+
+
+def _convert_tied(walk: _Walk, module: nn.Module) -> nn.Module:
+    """A module holding a shared embedding table, not its owner: a head → ``TiedHead2D`` on the
+    owner's ``Embedding2D`` Parameter (its bias a vocabulary block, shared with the bias's other
+    holders); another embedding → converted by its own converter, then given the owner's Parameter."""
+    owner = walk.tied[id(module.weight)]
+    table = walk.convert(owner, "(tied embedding)")
+    if not isinstance(table, Embedding2D):
+        raise TypeError(
+            f"parallelize: {type(owner).__name__}'s weight is shared with {type(module).__name__}, but its converter "
+            f"made a {type(table).__name__}, not an Embedding2D whose table could be shared"
+        )
+    if isinstance(module, nn.Embedding):  # its own forward (BART's scaled embedding), the owner's table
+        converter = converter_for(module)
+        converted = converter(module, walk.mesh) if converter is not None else None
+        if not isinstance(converted, Embedding2D) or converted.shardings["weight"] != table.shardings["weight"]:
+            raise TypeError(
+                f"parallelize: {type(module).__name__} shares the weight of {type(owner).__name__}, but its "
+                f"converter does not make an Embedding2D of the same table"
+            )
+        converted.weight = table.weight
+        return converted
+    bias = module.bias
+    if bias is None or id(bias) not in walk.tied.co_holders:  # no bias, or a bias of its own
+        return TiedHead2D.from_serial(module, table)
+    if id(bias) in walk.tied.blocks:  # another head of this table converted the shared bias already
+        return TiedHead2D(table, walk.tied.blocks[id(bias)])
+    head = TiedHead2D.from_serial(module, table)
+    walk.tied.blocks[id(bias)] = head.bias
+    for holder, name in walk.tied.co_holders[id(bias)]:  # e.g. BERT's cls.predictions.bias
+        holder._parameters[name] = head.bias
+        shardings = getattr(holder, "_optimus2d_shardings", None) or {}
+        shardings[name] = head.shardings["bias"]
+        holder._optimus2d_shardings, holder._optimus2d_mesh = shardings, walk.mesh
+    return head
 
 
 @dataclass
@@ -191,43 +292,54 @@ class _Walk:
     done: dict[int, nn.Module]  # id(serial module) → its conversion: a module used twice converts once
     tied: dict[int, nn.Embedding]  # id(shared weight) → the embedding that owns it
 
-    def check(self, module: nn.Module, path: str) -> None:
-        """Raise for anything that would be refused, before any module is changed."""
+    refused: list[str] = field(default_factory=list)  # "path (Class): why", every offender of the model
+    plans: dict[int, Converter] = field(default_factory=dict)  # id(module) → how it converts
+    seen: list[nn.Module] = field(default_factory=list)  # the modules of those ids, kept alive: no id reused
+
+    def check(self, module: nn.Module, path: str, parent: nn.Module | None = None) -> None:
+        """Note in ``refused`` everything that would be refused, before any module is changed."""
         if isinstance(module, (ShardedModule, Dropout2D)) or getattr(module, "_optimus2d_mesh", None) is not None:
             return
         if isinstance(module, nn.Linear) and id(module.weight) in self.tied:
             return
-        converter = converter_for(module)
-        if converter is None and families.register_for(module):  # e.g. the first transformers module met
-            converter = converter_for(module)
-        if converter is not None:
-            if converter in _CONVERTS_CHILDREN:
-                for name, child in _children(module):
-                    self.check(child, f"{path}.{name}" if path else name)
-            return
-        _refuse_unconvertible(module, path)
-        for name, child in _children(module):
-            self.check(child, f"{path}.{name}" if path else name)
+        how = _plan(module, parent, self.mesh)
+        if isinstance(how, str):
+            self.refused.append(f"{path or 'the model itself'} ({type(module).__name__}): {how}")
+        else:
+            self.plans[id(module)] = how
+            self.seen.append(module)
+        if isinstance(how, str) or how in _CONVERTS_CHILDREN:  # a refused container: its children too
+            for name, child in _children(module):
+                self.check(child, f"{path}.{name}" if path else name, module)
+
+    def raise_refused(self) -> None:
+        if self.refused:
+            lines = "\n  ".join(self.refused)
+            raise TypeError(
+                f"parallelize: {len(self.refused)} module(s) cannot be converted, as nothing says they are correct "
+                f"on blocks of the split hidden dim:\n  {lines}\nTeach parallelize with "
+                f"optimus2d.register_converter(cls, converter), or, for a forward that acts element by element or "
+                f"on whole heads once its children are converted, optimus2d.register_converter(cls, keep=True)"
+            )
 
     def convert(self, module: nn.Module, path: str) -> nn.Module:
         if id(module) not in self.done:
             self.done[id(module)] = self._convert(module, path)
+            self.seen.append(module)
         return self.done[id(module)]
 
     def _convert(self, module: nn.Module, path: str) -> nn.Module:
         if isinstance(module, (ShardedModule, Dropout2D)):
             return module
-        if isinstance(module, nn.Linear) and id(module.weight) in self.tied:
-            return TiedHead2D(self.convert(self.tied[id(module.weight)], "(tied embedding)"))
-        converter = converter_for(module)
-        if converter is not None:
-            return converter(module, self.mesh)
-        if isinstance(module, ELEMENTWISE):
-            return module
-        _refuse_unconvertible(module, path)
-        for child_name, child in _children(module):
-            setattr(module, child_name, self.convert(child, f"{path}.{child_name}" if path else child_name))
-        return module
+        if isinstance(module, (nn.Linear, nn.Embedding)) and id(module.weight) in self.tied:
+            if module is not self.tied[id(module.weight)]:  # the owner itself converts as usual
+                return _convert_tied(self, module)
+        how = self.plans.get(id(module))
+        if how is None:  # reached through a converter's convert_children without check()
+            how = _plan(module, None, self.mesh)
+            if isinstance(how, str):
+                raise TypeError(f"parallelize: {path or 'the model itself'} ({type(module).__name__}): {how}")
+        return how(module, self.mesh)
 
 
 def _children(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -235,19 +347,41 @@ def _children(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, child) for name, child in module._modules.items() if child is not None]
 
 
-def _refuse_unconvertible(module: nn.Module, path: str) -> None:
+def _as_is(module: nn.Module, mesh: Mesh) -> nn.Module:
+    return module
+
+
+def _plan(module: nn.Module, parent: nn.Module | None, mesh: Mesh) -> Converter | str:
+    """How ``module`` converts, or why it cannot (``blockwise.py`` says what is known to be correct)."""
+    converter = converter_for(module)
+    if converter is None and families.register_for(module):  # e.g. the first transformers module met
+        converter = converter_for(module)
+    if converter is None:
+        converter = next((c for r in _RECOGNISERS if (c := r(module)) is not None), None)
+    if converter is not None:
+        return converter
     if isinstance(module, ELEMENTWISE):
-        return
-    where, name = path or "the model itself", type(module).__name__
+        return _as_is
+    norm = blockwise.as_norm(module)
+    if norm is not None:
+        if blockwise.per_head(norm, parent):  # over head_dim, which is whole on every rank: replicated
+            return blockwise.replicated
+        norm_2d = RMSNorm2D if isinstance(norm, nn.RMSNorm) else LayerNorm2D
+        return lambda _module, mesh: norm_2d.from_serial(norm, mesh)
+    if not module._modules and blockwise.independent_of_hidden(module):  # a rotary table: replicated
+        return _as_is
     own = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]
     if own:
-        raise TypeError(
-            f"parallelize: {where} ({name}) holds {', '.join(own)} and has no converter; a module that reads "
-            f"the full hidden size would give wrong results on the mesh. Register one with "
-            f"optimus2d.register_converter({name})"
+        return f"holds {', '.join(own)} and has no converter (a module that reads the full hidden size)"
+    if not module._modules:
+        if blockwise.acts_elementwise(module):
+            return _as_is
+        return "is not known to act element by element (a probe with a random input says it does not)"
+    if type(module).forward is nn.Module.forward or type(module).forward is nn.Sequential.forward:
+        return _keep  # no forward (a ModuleList, a holder of parts), or a chain of children
+    problems = blockwise.forward_problems(module) + blockwise.head_problems(module, mesh)
+    if problems:
+        return (
+            "its forward " + "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
         )
-    if not list(module.children()) and not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
-        raise TypeError(
-            f"parallelize: {where} ({name}) is not known to act element by element and has no converter; "
-            f"register one with optimus2d.register_converter({name})"
-        )
+    return _keep

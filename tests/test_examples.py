@@ -42,3 +42,9 @@ def test_vit_trains_like_its_serial_twin_on_a_3x3_mesh():
 def test_mlp_demo_runs():
     out = _run([str(BIN / "mpiexec"), "-n", "4"], "train_mlp.py", "--steps", "3")
     assert "max |param 2D - param serial|" in out
+
+
+def test_a_pretrained_llama_fine_tunes_from_meta_beside_its_serial_twin(tmp_path):
+    args = ["--check", "--steps", "3", "--dir", str(tmp_path)]
+    out = _run([str(BIN / "mpiexec"), "-n", "4"], "train_pretrained.py", *args)
+    assert "check passed: 3 steps equal to the serial model's" in out

@@ -13,7 +13,7 @@ import optimus2d
 from optimus2d import gather, parallelize, scatter_batch, serial_state_dict
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.families]
 
 
 def _tiny_llama(mesh):

@@ -18,6 +18,10 @@ where it enters (``scatter``, ``scatter_batch``, ``gather``, ``parallelize``'s s
 the inputs of every outermost optimus2d module call; "every" also checks before each collective
 (a debugging level, like ``TORCH_DISTRIBUTED_DEBUG=DETAIL``). The exchanges are counted apart, in
 ``CommCounter.checks``: they are not the algorithm's traffic.
+
+Under ``torch.compile`` the same checks are steps of the compiled graph (``comm/compiled.py``):
+the descriptions (dtypes and shapes, fixed in a graph) are made while tracing, the exchange and
+the verdict run with the graph, every call, before the module's own collectives.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from optimus2d.comm import watch
+from optimus2d.comm import compiled, watch
 from optimus2d.comm.counter import record_check
 
 LEVELS = ("off", "entry", "every")
@@ -97,6 +101,9 @@ def agree(
     if mesh.size == 1 or mesh.axis_size(axis) == 1:
         if error is not None:
             raise error
+        return
+    if torch.compiler.is_compiling() and not content:
+        compiled.agree(mesh, what, axis, description, None, error)
         return
     where = f"{what} over {axis} of {mesh}" if axis != "mesh" else f"{what} on {mesh}"
     ident = f"{what} over {axis} of mesh #{mesh.uid}"  # where, without this rank's coordinates
@@ -201,11 +208,11 @@ def check_call(mesh, what: str, args: tuple, kwargs: dict) -> tuple[Pending | No
     if mesh.check == "off" or mesh.size == 1 or known:
         _refuse_input(what, tensors, mesh)
         return None, known or mesh.size == 1
-    error = None
-    try:
-        _refuse_input(what, tensors, mesh)
-    except ValueError as err:
-        error = err
+    refusal = _refusal(what, tensors, mesh)
+    error = ValueError(refusal) if refusal is not None else None
+    if torch.compiler.is_compiling():  # a step of the graph, settled before the module's collectives
+        compiled.agree(mesh, what, "mesh", describe_call(args, kwargs), None, error)
+        return None, True
     if mesh.mpi is None:  # gloo aborts the process, NCCL may hang, on blocks of other sizes: check first
         agree(mesh, what, description=describe_call(args, kwargs), error=error)
         return None, True
@@ -238,6 +245,9 @@ def check_replicated(mesh, what: str, t: torch.Tensor, validate: Callable[[], No
         validate()
     except (ValueError, TypeError) as err:
         error = err
+    if torch.compiler.is_compiling():  # the checksum is taken when the graph runs
+        compiled.agree(mesh, what, "mesh", describe(t), t if error is None else None, error)
+        return
     content = fingerprint(t) if error is None else ()
     agree(mesh, what, description=describe(t), content=content, error=error)
 
@@ -267,17 +277,25 @@ def check_same_tensors(mesh, what: str, named: list[tuple[str, torch.Tensor]], c
 
 
 def _refuse_input(what: str, tensors: list[torch.Tensor], mesh) -> None:
+    refusal = _refusal(what, tensors, mesh)
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
+def _refusal(what: str, tensors: list[torch.Tensor], mesh) -> str | None:
+    """Why this rank refuses a module's input (a block of another mesh, an empty one), or None."""
     for t in tensors:
         given = getattr(t, "_optimus2d_layout", None)
         if given is not None and given != layout(mesh):
-            raise ValueError(
+            return (
                 f"{what}: its input is a block of Mesh(q={given[0]}, depth={given[1]}, ranks={list(given[2])}), "
                 f"not of this module's {mesh}: scatter it on the module's mesh"
             )
     first = tensors[0] if tensors else None
     if first is not None and first.numel() == 0 and first.dim() > 0:
         dim = list(first.shape).index(0)
-        raise ValueError(f"{what}: input of shape {list(first.shape)} is empty along dim {dim} ({mesh})")
+        return f"{what}: input of shape {list(first.shape)} is empty along dim {dim} ({mesh})"
+    return None
 
 
 def _crc(text: str) -> int:

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-from optimus2d.comm import agreement, watch
+from optimus2d.comm import agreement, replicas, watch
 
 AXES = ("row", "col", "depth")
 TRANSPORTS = ("auto", "torch", "mpi")
@@ -42,6 +43,14 @@ class Mesh:
     process group at all and runs as plain torch. Groups of one rank are never created and
     communication over them is skipped.
 
+    Replicas (data parallelism): the ranks may instead each build the mesh of their own replica,
+    ``ranks`` then differing between replicas: on 8 ranks, ``Mesh(2, ranks=range(4))`` on ranks
+    0..3 and ``Mesh(2, ranks=range(4, 8))`` on 4..7 (or ``Mesh.from_device_mesh`` of a DeviceMesh
+    with a data-parallel dim). The meshes must have the same shape and split the world: every rank
+    in the mesh it asks for, and all the ranks of a mesh asking for it with the same ranks in the
+    same order (else every rank raises ``ValueError``). ``replicas``: every replica's ranks, ordered
+    by their smallest rank (one tuple for a single mesh); ``replica``: the index of this rank's.
+
     ``transport``: what carries the mesh's collectives. "torch": torch.distributed (gloo, NCCL);
     "mpi": MPI communicators through mpi4py (``comm/mpi.py``; CPU under gloo, launched by
     ``mpiexec``), whose sync points cost 1.6–14× less than gloo's; "auto" (default, or
@@ -50,8 +59,10 @@ class Mesh:
     ``check``: how much the ranks verify that they agree before exchanging blocks
     (``comm/agreement.py``): "off", "entry" (default, or ``$OPTIMUS2D_CHECK``) or "every".
     Building the mesh always checks, over the default group and within the collective timeout,
-    that every rank asked for the same mesh as its n-th; otherwise every rank raises ``ValueError``.
-    ``uid`` is that n, the same on every rank.
+    that every rank asked for the same mesh (or its replica of the same shape) as its n-th;
+    otherwise every rank raises ``ValueError``. ``uid`` is that n, the same on every rank.
+
+    ``device_mesh``: the mesh as a torch ``DeviceMesh`` with dims ("depth", "row", "col").
     """
 
     def __init__(
@@ -63,28 +74,67 @@ class Mesh:
         transport: str | None = None,
         check: str | None = None,
     ) -> None:
+        self._build(q, depth, ranks, transport, check)
+
+    @classmethod
+    def from_device_mesh(
+        cls, device_mesh: DeviceMesh, *, transport: str | None = None, check: str | None = None
+    ) -> Mesh:
+        """The mesh of a torch ``DeviceMesh`` with dims named "depth", "row" and "col"; any others
+        are data-parallel replicas, each rank getting the mesh of its own replica.
+
+        ``device_mesh.mesh[..., k, i, j]`` (dims "depth", "row", "col") is the rank at coordinates
+        (k, i, j): ``Mesh.from_device_mesh(init_device_mesh("cpu", (d, q, q), mesh_dim_names=("depth",
+        "row", "col")))`` is ``Mesh(q, d)``. A dim names a coordinate, so the DeviceMesh's group along
+        "row" holds a column of the mesh: ``mesh.group("col")``, and its "col" a row. On 8 ranks::
+
+            dm = init_device_mesh("cpu", (2, 1, 2, 2), mesh_dim_names=("dp", "depth", "row", "col"))
+            mesh = Mesh.from_device_mesh(dm["depth", "row", "col"])  # 2×2 over 0..3, or over 4..7
+            model = DistributedDataParallel(parallelize(model, mesh), process_group=dm.get_group("dp"))
+
+        Collective over the world, like ``Mesh``: every rank calls it, at the same point. Uses the
+        DeviceMesh's process groups of its three dims (where each holds the mesh's group in its
+        order, on every rank) and builds the others; ``mesh.device_mesh`` is the DeviceMesh sliced to
+        ("depth", "row", "col"). ``transport`` and ``check``: as for ``Mesh``.
+        """
+        initialized = dist.is_available() and dist.is_initialized()
+        if not initialized:
+            raise RuntimeError("Mesh.from_device_mesh needs torch.distributed: call optimus2d.init() first")
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        q, depth, ranks, sub, error = replicas.read_device_mesh(device_mesh, device)
+        mesh = cls.__new__(cls)
+        mesh._build(q, depth, ranks, transport, check, sub, error)
+        return mesh
+
+    def _build(self, q, depth, ranks, transport, check, device_mesh=None, refused=None) -> None:
         global _built
         initialized = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialized else 1
         rank = dist.get_rank() if initialized else 0
         transport = transport or os.environ.get("OPTIMUS2D_TRANSPORT") or "auto"
         check = check or os.environ.get("OPTIMUS2D_CHECK") or "entry"
-        asked = f"Mesh(q={q!r}, depth={depth!r}, ranks={_short(ranks)}, transport={transport!r}, check={check!r})"
-        error = None
+        how = "Mesh.from_device_mesh" if device_mesh is not None or refused is not None else "Mesh"
+        options = f"transport={transport!r}, check={check!r}"
+        asked = f"{how}(q={q!r}, depth={depth!r}, ranks={_short(ranks)}, {options}) #{_built}"
+        error, members = refused, None
         try:
-            members = _validate(q, depth, ranks, transport, check, world, initialized)
+            members = _validate(q, depth, ranks, transport, check, world, initialized) if error is None else None
         except (ValueError, TypeError) as err:
             error = err
         self.timeout = watch.collective_timeout()
-        if world > 1:  # every rank asked for the same mesh, as its n-th: else all refuse, none hangs
-            gather = lambda t: agreement.gather_world(t, self.timeout)  # noqa: E731
-            agreement.decide(gather, tuple(range(world)), "Mesh", f"{asked} #{_built}", (), error)
+        if world > 1:  # the same mesh shape everywhere, as the n-th mesh; one mesh or replicas: else all refuse
+            shape = f"{how}(q={q!r}, depth={depth!r}, {options}) #{_built}"
+            self.replicas = replicas.agree("Mesh", shape, asked, members, error, self.timeout)
         elif error is not None:
             raise error
+        else:
+            self.replicas = (members,)
         self.uid, _built = _built, _built + 1
         self.q, self.depth, self.size, self.ranks = q, depth, depth * q * q, members
         self.rank, self.check = rank, check
+        self.replica = next((n for n, r in enumerate(self.replicas) if rank in r), None)
         self.backend = dist.get_backend() if initialized else "gloo"
+        self._device_mesh = device_mesh
         self._groups: dict[str, dist.ProcessGroup | None] = {}
         self._members: dict[str, tuple[int, ...]] = {}
         self.coord: tuple[int, int, int] | None = None
@@ -146,18 +196,24 @@ class Mesh:
 
     def _build_groups(self, transport: str, world: int) -> None:
         q, d = self.q, self.depth
-        layouts = {
-            "row": [[self.rank_at(k, i, j) for j in range(q)] for k in range(d) for i in range(q)],
-            "col": [[self.rank_at(k, i, j) for i in range(q)] for k in range(d) for j in range(q)],
-            "depth": [[self.rank_at(k, i, j) for k in range(d)] for i in range(q) for j in range(q)],
-            "mesh": [list(self.ranks)],
-        }
+        layouts: dict[str, list[list[int]]] = {"row": [], "col": [], "depth": [], "mesh": []}
+        for ranks in self.replicas:  # every replica's groups, on every rank: creating one is collective
+            at = lambda k, i, j, ranks=ranks: ranks[(k * q + i) * q + j]  # noqa: E731
+            layouts["row"] += [[at(k, i, j) for j in range(q)] for k in range(d) for i in range(q)]
+            layouts["col"] += [[at(k, i, j) for i in range(q)] for k in range(d) for j in range(q)]
+            layouts["depth"] += [[at(k, i, j) for k in range(d)] for i in range(q) for j in range(q)]
+            layouts["mesh"].append(list(ranks))
         for axis, members_list in layouts.items():
-            self._groups[axis] = None
             for members in members_list:
                 if self.rank in members:
                     self._members[axis] = tuple(members)
-                if len(members) == 1:
+        given = {}  # the DeviceMesh's groups, where they are the mesh's (the same verdict on every rank)
+        if self._device_mesh is not None and world > 1:
+            given = replicas.reusable_groups(self, self._device_mesh, self._members)
+        for axis, members_list in layouts.items():
+            self._groups[axis] = given.get(axis)
+            for members in members_list:
+                if len(members) == 1 or axis in given:
                     continue
                 # collective: every rank creates every group, in the same order; group ranks follow
                 # mesh order (not sorted), so roots and gathers follow the mesh. Never the default
@@ -167,8 +223,9 @@ class Mesh:
                     self._groups[axis] = group
         self.check_group = None  # NCCL meshes: a gloo group of the mesh for agreement's host words
         if self.backend == "nccl" and self.size > 1:  # (comm/agreement.py: no device sync to check shapes)
-            group = dist.new_group(list(self.ranks), backend="gloo", sort_ranks=False)
-            self.check_group = group if self.rank in self.ranks else None
+            for members in layouts["mesh"]:
+                group = dist.new_group(members, backend="gloo", sort_ranks=False)
+                self.check_group = group if self.rank in members else self.check_group
         if transport != "torch" and self.size > 1:
             from optimus2d.comm import mpi
 
@@ -197,12 +254,42 @@ class Mesh:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """This mesh as a torch ``DeviceMesh`` with dims ("depth", "row", "col"): ``.mesh[k, i, j]`` is
+        the rank at (k, i, j) of this rank's replica (``Mesh.from_device_mesh`` reads the same way).
+
+        For a mesh built by ``Mesh.from_device_mesh``: that DeviceMesh, sliced to these dims. Else
+        built on first use, with process groups of its own (of every replica, under a root DeviceMesh
+        with a leading "replica" dim when there are several): that is collective over the world, so
+        every rank must ask for it at the same point of the program (checked first, as ``Mesh`` is).
+        """
+        if self._device_mesh is None:
+            self._device_mesh = replicas.build_device_mesh(self)
+        return self._device_mesh
+
+    # ---- copies -------------------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict) -> Mesh:
+        """The mesh itself: a handle on process groups and communicators, like a ProcessGroup, so a
+        deep copy of a model (an EMA twin) runs on the same mesh as the original."""
+        return self
+
+    def __copy__(self) -> Mesh:
+        return self
+
+    def __reduce__(self):
+        raise TypeError(
+            f"{self} cannot be pickled: it is a handle on this process's communicators. Save the model's "
+            f"weights instead (optimus2d.serial_state_dict, optimus2d.checkpoint)"
+        )
+
     def __repr__(self) -> str:
         where = f", coord(k,i,j)={self.coord}" if self.coord is not None else ""
         r = self.ranks
         ranks = f"{r[0]}..{r[-1]}" if r == tuple(range(r[0], r[-1] + 1)) else list(r)
         via = ", transport=mpi" if self.mpi is not None else ""
-        return f"Mesh(q={self.q}, depth={self.depth}, ranks={ranks}{where}{via})"
+        many = f", replica {self.replica} of {len(self.replicas)}" if len(self.replicas) > 1 else ""
+        return f"Mesh(q={self.q}, depth={self.depth}, ranks={ranks}{where}{many}{via})"
 
 
 def _validate(q, depth, ranks, transport: str, check: str, world: int, initialized: bool) -> tuple[int, ...]:

@@ -26,6 +26,10 @@ waits), runs between 1 % faster and 12 % slower over five runs. ``Mesh``'s "auto
   for so few members, but a message a receiver can take alone, where ``Ibcast``/``Ireduce``
   schedules advance only while every member is inside MPI. SUMMA on the issue's 2×2 MLP, same-run
   A/B: 0.95× the step at batch 8 × 128, 0.75× at batch 2 × 128 (``benchmarks/RESULTS.md``).
+* Under ``torch.compile`` the helpers of ``comm/primitives.py`` call the operators of
+  ``comm/compiled.py``, whose compiled graph runs this transport on real tensors. Dynamo never
+  traces it (it would hand MPI fake tensors): every operation here is ``torch.compiler.disable``d,
+  so any other caller gets a graph break, and the operation runs eagerly.
 """
 
 from __future__ import annotations
@@ -203,6 +207,14 @@ class MpiTransport:
         buf, done = _contiguous(t)
         request = self.comms[axis].Irecv(_bytes(buf), member, tag)
         return Request([request], f"receive over {axis}", self, [buf], done, point_to_point=True)
+
+
+for _cls, _names in (
+    (Request, ("test", "wait")),
+    (MpiTransport, ("broadcast", "reduce", "all_reduce", "all_gather", "isend", "irecv")),
+):
+    for _name in _names:
+        setattr(_cls, _name, torch.compiler.disable(getattr(_cls, _name)))
 
 
 def _contiguous(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:

@@ -10,6 +10,9 @@ the same choice on every rank.
 Every wait on CPU is watched (``comm/watch.py``): bounded by the mesh's timeout, and ended at once
 by a peer's reported failure. On a mesh built with ``check="every"`` each collective first checks
 that the group's members agree on it (``comm/agreement.py``).
+
+Under ``torch.compile`` each helper calls its operator in ``comm/compiled.py`` instead: the
+compiled graph runs these same helpers, synchronously, in the order the eager code calls them.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from optimus2d.comm import agreement, watch
+from optimus2d.comm import agreement, compiled, watch
 from optimus2d.comm.counter import record
 from optimus2d.comm.mesh import Mesh
 
@@ -37,6 +40,11 @@ class Done:
 
 def _mpi_reduces(mesh: Mesh, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> bool:
     return mesh.mpi is not None and mesh.mpi.reducible(t, op)
+
+
+def _compiling() -> bool:
+    """While dynamo traces: call the operators of ``comm/compiled.py``, never a transport."""
+    return torch.compiler.is_compiling()
 
 
 def _finished(handle, async_op: bool):
@@ -65,6 +73,9 @@ def broadcast(t: torch.Tensor, mesh: Mesh, axis: str, root: int, async_op: bool 
     group = mesh.group(axis)
     if group is None:
         return Done() if async_op else None
+    if _compiling():
+        compiled.broadcast(t, mesh, axis, root)
+        return Done() if async_op else None
     _check(mesh, "broadcast", axis, t, f" from member {root}")
     record("broadcast", axis, t)
     if mesh.mpi is not None and mesh.mpi.carries(t):
@@ -78,6 +89,9 @@ def reduce(t: torch.Tensor, mesh: Mesh, axis: str, root: int, async_op: bool = F
     group = mesh.group(axis)
     if group is None:
         return Done() if async_op else None
+    if _compiling():
+        compiled.reduce(t, mesh, axis, root)
+        return Done() if async_op else None
     _check(mesh, "reduce", axis, t, f" to member {root}")
     record("reduce", axis, t)
     if _mpi_reduces(mesh, t):
@@ -90,6 +104,9 @@ def all_reduce(t: torch.Tensor, mesh: Mesh, axis: str, op: dist.ReduceOp = dist.
     """In place: ``t`` becomes the reduction (sum by default) over the ``axis`` group."""
     group = mesh.group(axis)
     if group is None:
+        return Done() if async_op else None
+    if _compiling():
+        compiled.all_reduce(t, mesh, axis, op)
         return Done() if async_op else None
     _check(mesh, "all_reduce", axis, t, f" {op}")
     record("all_reduce", axis, t)
@@ -107,6 +124,8 @@ def all_reduce_max(t: torch.Tensor, mesh: Mesh, axis: str) -> None:
 def summed_copy(t: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Tensor:
     """A contiguous copy of ``t`` summed over each of ``axes`` (``t`` itself is left alone: autograd
     may hand one gradient tensor to two branches)."""
+    if _compiling():
+        return compiled.summed(t, mesh, axes)
     out = t.clone(memory_format=torch.contiguous_format)
     for axis in axes:
         all_reduce(out, mesh, axis)
@@ -118,6 +137,8 @@ def all_gather(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor
     group = mesh.group(axis)
     if group is None:
         return t
+    if _compiling():
+        return compiled.all_gather(t, mesh, axis, dim)
     n = mesh.axis_size(axis)
     t = t.movedim(dim, 0).contiguous()
     out = t.new_empty((n * t.shape[0], *t.shape[1:]))
@@ -137,6 +158,8 @@ def reduce_scatter(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Te
     group = mesh.group(axis)
     if group is None:
         return t
+    if _compiling():
+        return compiled.reduce_scatter(t, mesh, axis, dim)
     n, me = mesh.axis_size(axis), mesh.index(axis)
     t = t.movedim(dim, 0).contiguous()
     _check(mesh, "reduce_scatter", axis, t, f" along dim {dim}")
@@ -161,6 +184,8 @@ def transpose(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     Ranks on the diagonal (i = j) keep their own and send nothing.
     """
     k, i, j = mesh.k, mesh.i, mesh.j
+    if _compiling() and (i != j or mesh.check == "every"):
+        return compiled.transpose(t, mesh)
     _check(mesh, "transpose", "mesh", t)
     if i == j:
         return t
@@ -192,6 +217,9 @@ class Blocks:
         self._handles: dict[int, object] = {}
         self._sends: list = []
         if self.group is None:
+            return
+        if _compiling():  # one operator: every block at once
+            self.blocks = dict(enumerate(compiled.blocks(t, mesh, axis).unbind(0)))
             return
         t = t.contiguous()
         _check(mesh, "all_gather (blocks)", axis, t)
@@ -231,7 +259,8 @@ class PartialSums:
         self.me = mesh.index(axis) if self.group is not None else 0
         self.partials: dict[int, torch.Tensor] = {}
         self._handles: list = []
-        if self.group is None:
+        self._traced = self.group is not None and _compiling()  # result(): one operator on every partial
+        if self.group is None or self._traced:
             return
         _check(mesh, "reduce_scatter (partial sums)", axis, like.new_empty(shape, device="meta"))
         record("reduce_scatter", axis, like.new_empty(shape, device="meta"), times=n)
@@ -243,12 +272,18 @@ class PartialSums:
                 self._handles.append(irecv(self.partials[member], mesh, axis, member, _PARTIALS_TAG))
 
     def put(self, member: int, partial: torch.Tensor) -> None:
+        if self._traced:
+            self.partials[member] = partial
+            return
         if member == self.me or not _direct(self.mesh):
             self.partials[member if member != self.me else -1] = partial
             return
         self._handles.append(isend(partial, self.mesh, self.axis, member, _PARTIALS_TAG))
 
     def result(self) -> torch.Tensor:
+        if self._traced:
+            stacked = torch.stack([self.partials[m] for m in range(self.mesh.axis_size(self.axis))])
+            return compiled.partial_sums(stacked, self.mesh, self.axis)
         own = self.partials.pop(-1)
         if self.group is None:
             return own

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import AXES, Mesh
 
+Slices = tuple[slice, ...]
+
 
 @dataclass(frozen=True)
 class Sharding:
@@ -67,6 +69,31 @@ class Sharding:
         """Axes (of more than one rank) over which the tensor is replicated."""
         used = {a for axes in self.dims for a in axes}
         return tuple(a for a in AXES if a not in used and mesh.axis_size(a) > 1)
+
+
+def block_slices(sharding: Sharding, mesh: Mesh) -> list[tuple[Slices, Slices]]:
+    """This rank's block as (slices of the full tensor, slices of the local block), one pair per
+    part of a fused tensor (one otherwise). Entries of the local block outside every pair are zero
+    padding; a pair may be empty (a block wholly past the end of a dim that does not divide)."""
+    if sharding.parts:
+        d, src_at, dst_at, out = sharding.parts_dim, 0, 0, []
+        for part, local in zip(sharding._part_shardings(), sharding.part_sizes(mesh), strict=True):
+            for src, dst in block_slices(part, mesh):
+                src = (*src[:d], slice(src[d].start + src_at, src[d].stop + src_at), *src[d + 1 :])
+                dst = (*dst[:d], slice(dst[d].start + dst_at, dst[d].stop + dst_at), *dst[d + 1 :])
+                out.append((src, dst))
+            src_at, dst_at = src_at + part.full_shape[d], dst_at + local
+        return out
+    src, dst = [], []
+    for size, per, axes in zip(sharding.full_shape, sharding.local_shape(mesh), sharding.dims, strict=True):
+        index = 0
+        for axis in axes:  # outermost first, as comm.sharding.shard splits
+            index = index * mesh.axis_size(axis) + mesh.index(axis)
+        start = min(index * per, size)
+        stop = min(start + per, size)
+        src.append(slice(start, stop))
+        dst.append(slice(0, stop - start))
+    return [(tuple(src), tuple(dst))]
 
 
 def replicated(shape: tuple[int, ...]) -> Sharding:

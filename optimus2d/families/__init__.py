@@ -11,7 +11,8 @@ import importlib
 from torch import nn
 
 _registered: set[str] = set()
-_FILES = {"transformers": ("hf",), "timm": ("timm",)}  # library → the files that register its classes
+# library → the files that register its classes
+_FILES = {"transformers": ("hf", "hf_causal_lm", "hf_vision", "hf_bert", "hf_seq2seq"), "timm": ("timm",)}
 
 
 def register_for(module: nn.Module) -> bool:
@@ -21,7 +22,9 @@ def register_for(module: nn.Module) -> bool:
         return False
     _registered.add(library)
     for name in _FILES[library]:
-        importlib.import_module(f"optimus2d.families.{name}").register()
+        register = getattr(importlib.import_module(f"optimus2d.families.{name}"), "register", None)
+        if register is not None:
+            register()
     return True
 
 

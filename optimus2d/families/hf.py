@@ -15,13 +15,20 @@ so its ``.split(self.split_size)`` yields this rank's heads; the tied ``lm_head`
 
 from __future__ import annotations
 
+import ast
+import copy
 import importlib
+import inspect
+import textwrap
 
+import torch
 from torch import nn
 
+from optimus2d.blockwise import forward_problems
 from optimus2d.comm.mesh import Mesh
-from optimus2d.layers import RMSNorm2D
+from optimus2d.layers import Embedding2D, Linear2D
 from optimus2d.layers.linear import TransposedLinear2D
+from optimus2d.parallelize import Converter, keep
 from optimus2d.random import Dropout2D
 
 _HF_ELEMENTWISE = (
@@ -37,12 +44,6 @@ _HF_ELEMENTWISE = (
     "LinearActivation",
     "ReLUSquaredActivation",
 )
-
-
-def _hf_rmsnorm(norm: nn.Module, mesh: Mesh) -> nn.Module:
-    serial = nn.RMSNorm(norm.weight.shape[0], eps=norm.variance_epsilon, device="meta")
-    serial.weight = norm.weight  # LlamaRMSNorm: weight · x / sqrt(mean(x²) + eps), as nn.RMSNorm
-    return RMSNorm2D.from_serial(serial, mesh)
 
 
 def _gpt2_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
@@ -61,18 +62,127 @@ def _gpt2_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
     return attn
 
 
+class ScaledEmbedding2D(Embedding2D):
+    """``Embedding2D`` times a constant ``embed_scale`` (Gemma's and BART's scaled word embeddings)."""
+
+    embed_scale: float = 1.0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.embed_scale
+
+
+def _scaled_embedding(module: nn.Module) -> Converter | None:
+    """An ``nn.Embedding`` whose forward is ``super().forward(ids) * self.embed_scale`` (perhaps
+    ``.to(dtype)``), the scale a number or a 0-d buffer that is not saved."""
+    if not isinstance(module, nn.Embedding) or type(module).forward is nn.Embedding.forward:
+        return None
+    scale = getattr(module, "embed_scale", None)
+    saved = isinstance(scale, torch.Tensor) and "embed_scale" not in module._non_persistent_buffers_set
+    if not isinstance(scale, (float, int, torch.Tensor)) or saved or (isinstance(scale, torch.Tensor) and scale.dim()):
+        return None
+    body = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward))).body[0].body
+    if len(body) != 1 or not isinstance(body[0], ast.Return):
+        return None
+    code = ast.unparse(body[0].value)
+    if code not in (f"super().forward({body[0].value.left.args[0].id if _is_super_call(body[0].value) else ''}) * {s}"
+                    for s in ("self.embed_scale", "self.embed_scale.to(self.weight.dtype)")):  # fmt: skip
+        return None
+
+    def convert(embedding: nn.Module, mesh: Mesh) -> nn.Module:
+        out = Embedding2D.from_serial(embedding, mesh)
+        out.__class__ = ScaledEmbedding2D
+        out.embed_scale = float(scale)
+        return out
+
+    return convert
+
+
+def _is_super_call(expr: ast.AST) -> bool:
+    left = getattr(expr, "left", None)
+    return (
+        isinstance(expr, ast.BinOp)
+        and isinstance(left, ast.Call)
+        and ast.unparse(left.func) == "super().forward"
+        and len(left.args) == 1
+        and isinstance(left.args[0], ast.Name)
+    )
+
+
+def _fused_gate_up_mlp(module: nn.Module) -> Converter | None:
+    """An MLP whose ``gate_up_proj`` output is ``chunk(2, dim=-1)``-ed into gate and up (Phi-3, GLM):
+    split per part, the local output is [gate block | up block], so the chunk gives local halves."""
+    fused, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if (
+        not isinstance(fused, nn.Linear)
+        or not isinstance(down, nn.Linear)
+        or fused.out_features != 2 * down.in_features
+    ):
+        return None
+    problems = forward_problems(module)
+    if len(problems) != 1 or ".chunk(2, dim=-1)" not in problems[0]:
+        return None
+
+    def convert(mlp: nn.Module, mesh: Mesh) -> nn.Module:
+        half = mlp.down_proj.in_features
+        mlp.gate_up_proj = Linear2D.from_serial(mlp.gate_up_proj, mesh, parts=(half, half))
+        return keep(mlp, mesh)
+
+    return convert
+
+
+def _fused_qkv_attention(module: nn.Module) -> Converter | None:
+    """An attention whose ``qkv_proj`` output is sliced at ``config.num_attention_heads · head_dim``
+    and ``num_key_value_heads · head_dim`` (Phi-3): split per part, and the instance given its own
+    config and counts of local heads, its slices are the local q, k and v."""
+    fused, config, head_dim = (
+        getattr(module, "qkv_proj", None),
+        getattr(module, "config", None),
+        getattr(module, "head_dim", None),
+    )
+    if not isinstance(fused, nn.Linear) or config is None or not isinstance(head_dim, int):
+        return None
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(module, "num_key_value_heads", None)
+    if (
+        not isinstance(heads, int)
+        or not isinstance(kv_heads, int)
+        or fused.out_features != (heads + 2 * kv_heads) * head_dim
+    ):
+        return None
+    source = inspect.getsource(type(module).forward)
+    if (
+        "self.config.num_attention_heads * self.head_dim" not in source
+        or "self.num_key_value_heads * self.head_dim" not in source
+    ):
+        return None
+    if any("slices the last dim (qkv[" not in p for p in forward_problems(module)):
+        return None
+
+    def convert(attn: nn.Module, mesh: Mesh) -> nn.Module:
+        attn.qkv_proj = Linear2D.from_serial(
+            attn.qkv_proj, mesh, parts=(heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+        )
+        attn.config = copy.copy(attn.config)  # this instance's own: the model's config keeps the global counts
+        attn.config.num_attention_heads, attn.config.num_key_value_heads = heads // mesh.q, kv_heads // mesh.q
+        attn.num_key_value_heads = kv_heads // mesh.q
+        return keep(attn, mesh)
+
+    return convert
+
+
 def register() -> None:
     """Register the Hugging Face converters (needs ``transformers``)."""
-    from optimus2d.parallelize import register_converter
+    from optimus2d.parallelize import register_converter, register_recogniser
 
     activations = importlib.import_module("transformers.activations")
     for name in _HF_ELEMENTWISE:
         if hasattr(activations, name):
             register_converter(getattr(activations, name), keep=True)
-    llama = importlib.import_module("transformers.models.llama.modeling_llama")
-    register_converter(llama.LlamaRMSNorm, _hf_rmsnorm)
-    register_converter(llama.LlamaRotaryEmbedding, keep=True)
     pytorch_utils = importlib.import_module("transformers.pytorch_utils")
     register_converter(pytorch_utils.Conv1D, TransposedLinear2D.from_serial)
     gpt2 = importlib.import_module("transformers.models.gpt2.modeling_gpt2")
     register_converter(gpt2.GPT2Attention, _gpt2_attention)
+    for cls in (gpt2.GPT2Block, gpt2.GPT2Model):  # read: residuals, norms, the view back to [b, s, local h]
+        register_converter(cls, keep=True)
+    register_recogniser(_scaled_embedding)
+    register_recogniser(_fused_gate_up_mlp)
+    register_recogniser(_fused_qkv_attention)

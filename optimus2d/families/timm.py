@@ -11,25 +11,22 @@ import importlib
 import torch
 from torch import nn
 
-from optimus2d.comm import primitives as P
 from optimus2d.comm import scatter
 from optimus2d.comm.mesh import Mesh
-from optimus2d.comm.sharding import Sharding, shard
+from optimus2d.families.vision import split_hidden, with_forward
 from optimus2d.layers import LayerNorm2D, Linear2D
 from optimus2d.random import Dropout2D
+
+
+def _scattered_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return scatter(type(self).__mro__[1].forward(self, x), self._scatter_mesh)  # whole on every rank, then the block
 
 
 def _timm_patch_embed(embed: nn.Module, mesh: Mesh) -> nn.Module:
     if hasattr(embed, "_scatter_mesh"):  # converted already
         return embed
-    base = type(embed)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return scatter(base.forward(self, x), self._scatter_mesh)  # whole on every rank, then the block
-
-    embed.__class__ = type(f"{base.__name__}Scattered", (base,), {"forward": forward})
     embed._scatter_mesh = mesh
-    return embed
+    return with_forward(embed, _scattered_forward, "Scattered")
 
 
 def _timm_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
@@ -55,13 +52,6 @@ def _timm_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
     return attn
 
 
-def _sum_over_replicas(mesh: Mesh):
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        return P.summed_copy(grad, mesh, ("col", "depth"))
-
-    return hook
-
-
 def _timm_vit(vit: nn.Module, mesh: Mesh) -> nn.Module:
     from optimus2d.parallelize import convert_children
 
@@ -70,18 +60,7 @@ def _timm_vit(vit: nn.Module, mesh: Mesh) -> nn.Module:
     convert_children(vit, mesh)
     if getattr(vit, "_optimus2d_mesh", None) is not None:  # converted already
         return vit
-    vit._optimus2d_shardings, vit._optimus2d_mesh = {}, mesh
-    for name in ("cls_token", "reg_token", "pos_embed"):
-        full = getattr(vit, name, None)
-        if full is None:
-            continue
-        sharding = Sharding((*(() for _ in full.shape[:-1]), ("row",)), tuple(full.shape))
-        block = nn.Parameter(shard(full.detach(), mesh, sharding).clone(), requires_grad=full.requires_grad)
-        if block.requires_grad:
-            block.register_hook(_sum_over_replicas(mesh))  # replicated over col and depth
-        block._optimus2d_sharding, block._optimus2d_mesh = sharding, mesh
-        setattr(vit, name, block)
-        vit._optimus2d_shardings[name] = sharding
+    split_hidden(vit, ("cls_token", "reg_token", "pos_embed"), mesh)  # blocks [..., E/q], summed over col, depth
     return vit
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextvars
+import copy
+import weakref
 
 import torch
 from torch import nn
@@ -34,7 +36,10 @@ class ShardedModule(nn.Module):
         they come unchanged from another optimus2d module or ``scatter`` (its outputs are tagged as
         agreed). On an MPI mesh the check rides beside the module's collectives and is settled
         before the output is returned; over torch.distributed it is settled first. Either way ranks
-        that disagree all raise the same ``ValueError`` and none returns a block."""
+        that disagree all raise the same ``ValueError`` and none returns a block. Under
+        ``torch.compile`` the check is a step of the graph, settled before the module runs."""
+        if torch.compiler.is_compiling():
+            return self._traced_call(args, kwargs)
         if _inside.get():
             return super().__call__(*args, **kwargs)
         pending, agreed = check_call(self.mesh, type(self).__name__, args, kwargs)
@@ -62,6 +67,27 @@ class ShardedModule(nn.Module):
         tag(out, self.mesh, agreed)
         return out
 
+    def _traced_call(self, args: tuple, kwargs: dict):
+        """``__call__`` while dynamo traces: the same check and tags, with the nesting in a plain
+        list (dynamo does not trace ``ContextVar.set``) and no error handling (the check runs
+        before any collective of the module)."""
+        if _traced_depth:
+            return super().__call__(*args, **kwargs)
+        _, agreed = check_call(self.mesh, type(self).__name__, args, kwargs)
+        _traced_depth.append(self)
+        try:
+            out = super().__call__(*args, **kwargs)
+        finally:
+            _traced_depth.pop()
+        tag(out, self.mesh, agreed)
+        return out
+
+    def __deepcopy__(self, memo: dict) -> ShardedModule:
+        """``copy.deepcopy`` as torch makes it, on the same mesh (``Mesh.__deepcopy__``), and with
+        each parameter's optimus2d attributes and gradient hooks, which ``nn.Parameter``'s own
+        deep copy drops: the copy (an EMA twin, say) trains as the original does."""
+        return deepcopy_keeping_blocks(self, memo)
+
     def tag_parameters(self) -> None:
         """Mark each own parameter with its Sharding (``clip_grad_norm_`` counts replicas once)."""
         for name, param in self.named_parameters(recurse=False):
@@ -78,6 +104,50 @@ class ShardedModule(nn.Module):
 
 
 _inside: contextvars.ContextVar[bool] = contextvars.ContextVar("optimus2d_in_module", default=False)
+_traced_depth: list[ShardedModule] = []  # the optimus2d modules dynamo is tracing, outermost first
+
+
+def deepcopy_keeping_blocks(module: nn.Module, memo: dict) -> nn.Module:
+    """The deep copy ``copy.deepcopy`` makes of ``module`` (its state, copied with ``memo``), whose
+    parameters keep the originals' ``_optimus2d_*`` attributes (their Sharding and mesh, which
+    ``clip_grad_norm_`` reads) and gradient hooks (a replicated block's sum over its replicas).
+    A tied parameter is copied once and given them once."""
+    new = type(module).__new__(type(module))
+    memo[id(module)] = new
+    state = module.__getstate__()
+    state.pop("__deepcopy__", None)  # the copy gets its own (keep_blocks_on_copy)
+    new.__setstate__(copy.deepcopy(state, memo))
+    for name, param in module._parameters.items():
+        twin = new._parameters.get(name)
+        if param is None or twin is None or twin is param:
+            continue
+        for key, value in vars(param).items():
+            if key.startswith("_optimus2d_") and key not in vars(twin):
+                setattr(twin, key, copy.deepcopy(value, memo))
+        if param._backward_hooks and not twin._backward_hooks:
+            for hook in param._backward_hooks.values():
+                twin.register_hook(hook)
+    if "__deepcopy__" in module.__dict__:
+        keep_blocks_on_copy(new)
+    return new
+
+
+class _KeepBlocks:
+    """A foreign module's ``__deepcopy__`` (``keep_blocks_on_copy``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = weakref.ref(module)
+
+    def __call__(self, memo: dict) -> nn.Module:
+        return deepcopy_keeping_blocks(self.module(), memo)
+
+
+def keep_blocks_on_copy(module: nn.Module) -> nn.Module:
+    """Make ``copy.deepcopy`` of ``module`` — a library's module whose parameters a converter
+    replaced by blocks, tagged and hooked (``_optimus2d_sharding``, a gradient hook summing over
+    replicas) — keep those tags and hooks, as ``ShardedModule`` does. Returns ``module``."""
+    module.__dict__["__deepcopy__"] = _KeepBlocks(module)
+    return module
 
 
 def sharding_of(module: nn.Module, name: str) -> tuple[Sharding | None, Mesh | None]:

@@ -9,7 +9,7 @@ from torch import nn
 from optimus2d.comm import primitives as P
 from optimus2d.comm import reduce_grad, reduce_scatter, summa_abt
 from optimus2d.comm.mesh import Mesh
-from optimus2d.comm.sharding import Sharding
+from optimus2d.comm.sharding import Sharding, shard
 from optimus2d.layers.base import ShardedModule
 
 
@@ -133,10 +133,19 @@ class Embedding2D(ShardedModule):
         return f"{self.num_embeddings}, {self.embedding_dim}{pad}, local={list(self.weight.shape)}, mesh={self.mesh}"
 
 
-def tied_logits(x: torch.Tensor, weight: torch.Tensor, mesh: Mesh, num_embeddings: int) -> torch.Tensor:
-    """``x·Eᵀ`` for an ``Embedding2D`` table block ``weight`` [⌈V/q⌉, h/q]; padded columns −inf."""
+def tied_logits(
+    x: torch.Tensor, weight: torch.Tensor, mesh: Mesh, num_embeddings: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x·Eᵀ (+ b)`` for an ``Embedding2D`` table block ``weight`` [⌈V/q⌉, h/q]; padded columns −inf.
+
+    ``bias``: this rank's vocabulary block ``[⌈V/q⌉]`` of a ``[V]`` bias (block j, replicated over
+    col and depth: its gradient is summed over them). It is added before the padded columns are
+    masked, so its padded entries get no gradient and stay zero.
+    """
     rows = x.reshape(-1, x.shape[-1])
     logits = summa_abt(rows, weight.to(x.dtype), mesh).view(*x.shape[:-1], -1)
+    if bias is not None:
+        logits = logits + reduce_grad(bias, mesh, ("col", "depth")).to(logits.dtype)
     per_rank = weight.shape[0]
     start = mesh.index("row") * per_rank  # the logits' vocabulary block is the row index j
     if start + per_rank <= num_embeddings:  # no padded row in this block
@@ -146,23 +155,62 @@ def tied_logits(x: torch.Tensor, weight: torch.Tensor, mesh: Mesh, num_embedding
 
 
 class TiedHead2D(ShardedModule):
-    """An output head whose weight *is* an ``Embedding2D``'s table (GPT-2's tied ``lm_head``).
+    """An output head whose weight *is* an ``Embedding2D``'s table (GPT-2's tied ``lm_head``, BERT's
+    ``cls.predictions.decoder``, BART's ``lm_head``).
 
     Registers the same Parameter as ``weight``, so the state_dict keeps the head's key and the
-    optimizer sees one tensor; forward is ``Embedding2D.attend``.
+    optimizer sees one tensor; forward is ``Embedding2D.attend`` plus the bias, if any.
+
+    Global: x ``[b, ..., h]`` → logits ``[b, ..., V]``; ``bias`` ``[V]``. On rank (k, i, j): x
+    ``[b/(d·q), ..., h/q]`` → logits ``[b/(d·q), ..., ⌈V/q⌉]`` (vocabulary block j, padded columns
+    −inf); ``bias`` ``[⌈V/q⌉]`` = vocabulary block j (zero-padded), replicated over col and depth,
+    like ``Linear2D``'s bias. ``bias`` is given as that block (a Parameter, shared as it is: BERT's
+    decoder bias is also ``cls.predictions.bias``); ``from_serial`` makes it from a serial head.
     """
 
-    def __init__(self, embedding: Embedding2D) -> None:
+    def __init__(self, embedding: Embedding2D, bias: nn.Parameter | None = None) -> None:
         super().__init__()
         self.mesh, self.num_embeddings = embedding.mesh, embedding.num_embeddings
         self.shardings = {"weight": embedding.shardings["weight"]}
         self.weight = embedding.weight
+        if bias is None:
+            self.register_parameter("bias", None)
+            return
+        self.shardings["bias"] = bias_sharding(self.num_embeddings)
+        local = self.shardings["bias"].local_shape(self.mesh)
+        if not isinstance(bias, nn.Parameter) or tuple(bias.shape) != local:
+            raise ValueError(
+                f"TiedHead2D: bias must be a Parameter of this rank's vocabulary block {list(local)} "
+                f"(vocabulary {self.num_embeddings}) on {self.mesh}, got {_describe(bias)}"
+            )
+        self.bias = bias
+        self.tag_parameters()
+
+    @classmethod
+    def from_serial(cls, linear: nn.Linear, embedding: Embedding2D) -> TiedHead2D:
+        """The head ``linear`` (whose weight is ``embedding``'s serial table) on the mesh: its weight
+        is ``embedding.weight``, its bias, if any, this rank's block of ``linear.bias`` (flag kept)."""
+        shape = (embedding.num_embeddings, embedding.embedding_dim)
+        if tuple(linear.weight.shape) != shape:
+            got = tuple(linear.weight.shape)
+            raise ValueError(f"TiedHead2D.from_serial: head weight {got} is not the table's {shape} ({embedding.mesh})")
+        bias = None
+        if linear.bias is not None:
+            full = linear.bias.detach()
+            block = shard(full, embedding.mesh, bias_sharding(embedding.num_embeddings)).clone()
+            bias = nn.Parameter(block, requires_grad=linear.bias.requires_grad)
+        return cls(embedding, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tied_logits(x, self.weight, self.mesh, self.num_embeddings)
+        return tied_logits(x, self.weight, self.mesh, self.num_embeddings, self.bias)
 
     def extra_repr(self) -> str:
-        return f"tied to an Embedding2D({self.num_embeddings}, ...)"
+        return f"tied to an Embedding2D({self.num_embeddings}, ...), bias={self.bias is not None}"
+
+
+def bias_sharding(num_embeddings: int) -> Sharding:
+    """A ``[V]`` bias on the logits: vocabulary block j (split over row), like the logits' last dim."""
+    return Sharding((("row",),), (num_embeddings,))
 
 
 def _describe(x: object) -> str:

@@ -20,6 +20,7 @@ def cross_entropy(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
+    num_classes: int | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy`` of the full logits, computed from this rank's block.
 
@@ -28,6 +29,9 @@ def cross_entropy(
     ``attend``) take no part: exp(−inf) = 0, and label smoothing averages over the finite logits
     of each row, so padding is invisible to the loss.
     target_local: ``[b/(d·q), ...]`` class indices (``optimus2d.scatter_batch``).
+    num_classes: the real vocabulary ``V`` where the last block is padded (``Embedding2D.attend``,
+    ``V`` not divisible by q): a target in ``[V, q·⌈V/q⌉)`` is refused like any other target
+    outside the vocabulary (default: every column of the logits is a class).
 
     Returns, on every rank, the global loss (``"mean"``: over the targets that are not
     ``ignore_index``; ``"sum"``) or this rank's block ``[b/(d·q), ...]`` of the per-target losses
@@ -51,6 +55,14 @@ def cross_entropy(
 
     per_rank = logits_local.shape[-1]
     vocab = per_rank * mesh.q
+    if num_classes is not None:
+        low = (per_rank - 1) * mesh.q + 1  # the vocabularies whose blocks are per_rank wide
+        if not low <= num_classes <= vocab:
+            raise ValueError(
+                f"cross_entropy: num_classes={num_classes} does not fit logits whose last dim is {per_rank} "
+                f"(a vocabulary of {low}..{vocab} split over q={mesh.q}) on {mesh}"
+            )
+        vocab = num_classes
     start = mesh.index("row") * per_rank
     valid = target_local != ignore_index
     # Targets are the same across the row; a bad one is reported on every rank at once (the

@@ -88,6 +88,7 @@ class _Norm2DBase(ShardedModule):
             raise ValueError(f"{name}: hidden size {hidden} is not divisible by q={mesh.q} ({mesh})")
         self.normalized_shape, self.eps, self.mesh = shape, eps, mesh
         self.elementwise_affine = elementwise_affine
+        self.weight_offset = 0.0  # the scale is weight + weight_offset (1.0: Gemma's RMSNorm)
         self.shardings = {}
         local = hidden // mesh.q
         for pname, wanted in (("weight", elementwise_affine), ("bias", elementwise_affine and bias)):
@@ -113,6 +114,8 @@ class _Norm2DBase(ShardedModule):
                 f"hidden/q = {local} on {self.mesh}"
             )
         weight = reduce_grad(self.weight, self.mesh, ("col", "depth")) if self.weight is not None else None
+        if weight is not None and self.weight_offset:  # Gemma's RMSNorm scales by (1 + w)
+            weight = weight + self.weight_offset
         bias = reduce_grad(self.bias, self.mesh, ("col", "depth")) if self.bias is not None else None
         if self.mesh.q == 1:  # the hidden dim is whole here: torch's own fused kernel
             if rms:
@@ -121,6 +124,7 @@ class _Norm2DBase(ShardedModule):
         return _Norm2D.apply(x, weight, bias, self.mesh, self.normalized_shape[0], eps, rms)
 
     def _from_serial(self, module: nn.Module) -> None:
+        self.weight_offset = float(getattr(module, "weight_offset", 0.0))
         self.to_empty(device=(module.weight if module.weight is not None else torch.empty(0)).device)
         self.tag_parameters()
         for pname in ("weight", "bias"):
@@ -129,8 +133,10 @@ class _Norm2DBase(ShardedModule):
                 getattr(self, pname).requires_grad_(getattr(module, pname).requires_grad)
 
     def extra_repr(self) -> str:
+        offset = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
         return (
-            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, mesh={self.mesh}"
+            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}{offset}, "
+            f"mesh={self.mesh}"
         )
 
 

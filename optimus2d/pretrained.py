@@ -1,0 +1,495 @@
+"""Hugging Face checkpoints (safetensors) into a converted model block by block, and back.
+
+``load_pretrained(model, path)``: each rank reads from ``model.safetensors`` (or the shards named
+by ``model.safetensors.index.json``) only the slices of its own blocks, with
+``safe_open(file).get_slice(key)[slices]``; a tensor is read whole only where this rank holds it
+whole (a replicated one, or any on a 1-rank mesh). For a ``Sharding`` whose dim d is split over
+axes of total size n, this rank's block along d is ``[b·⌈N/n⌉, (b+1)·⌈N/n⌉) ∩ [0, N)`` with b its
+index over those axes (outermost first); the rest of the block is zero padding (a vocabulary of 97
+on q = 2: the block of j = 1 holds rows 49..96 and one zero row). A fused projection's parts are
+split each on its own: one slice per part (``block_slices``). A tied head (``lm_head.weight``,
+which Hugging Face leaves out of the files) is the embedding's Parameter: it is read once.
+
+``save_pretrained(model, path)``: the serial tensors one at a time (each all-gathered, written by
+the mesh's rank 0 into the open shard, dropped), in Hugging Face's layout: ``config.json``, shards of
+at most ``max_shard_size`` with ``model.safetensors.index.json`` when there are several, a tied
+head written once, so ``transformers``' ``from_pretrained`` loads it into the serial class.
+
+Both are collective over the model's mesh; every check is made, and settled between the ranks (an
+all-reduce of their verdicts), before anything is read or written: a checkpoint that does not fit
+raises the same ``ValueError`` on every rank and leaves the model unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from optimus2d.comm import primitives as P
+from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.sharding import Sharding, Slices, block_slices
+from optimus2d.layers.base import serial_tensor, sharding_of
+from optimus2d.serial import _owners
+
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+SAVING, PREVIOUS = ".optimus2d-saving", ".optimus2d-previous"  # beside path, as optimus2d.checkpoint
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_OURS = (WEIGHTS, INDEX, "config.json", "generation_config.json")  # what a save replaces in path
+_CODES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+_TEXT_BYTES = 1024  # of an error's text sent to the other ranks
+_SENT = (ValueError, TypeError, OSError)  # error classes the other ranks raise as they are (else RuntimeError)
+
+
+@dataclass
+class _Tensor:
+    """One tensor of the model, under all its state_dict keys (a tied head's: two)."""
+
+    keys: list[str]
+    holders: list[tuple[nn.Module, str]]  # (module, attribute) for every key
+    tensor: torch.Tensor  # this rank's block (a Parameter or buffer)
+    sharding: Sharding | None  # None: held whole (replicated)
+    mesh: Mesh | None
+
+    @property
+    def serial_shape(self) -> tuple[int, ...]:
+        return self.sharding.full_shape if self.sharding is not None else tuple(self.tensor.shape)
+
+
+def _volume(slices: Slices) -> int:
+    return math.prod(s.stop - s.start for s in slices)
+
+
+def _tensors(model: nn.Module) -> list[_Tensor]:
+    """The model's tensors in state_dict order, each once (aliases grouped under its first key)."""
+    owners, by_id, out = _owners(model), {}, []
+    for key, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"optimus2d.pretrained: {key} is not a tensor (a module's extra state)")
+        if id(value) in by_id:
+            by_id[id(value)].keys.append(key)
+            by_id[id(value)].holders.append(owners[key])
+            continue
+        owner, name = owners[key]
+        sharding, mesh = sharding_of(owner, name)
+        by_id[id(value)] = _Tensor([key], [owners[key]], value, sharding, mesh)
+        out.append(by_id[id(value)])
+    return out
+
+
+def _model_mesh(tensors: list[_Tensor]) -> Mesh | None:
+    meshes = {id(t.mesh): t.mesh for t in tensors if t.mesh is not None}
+    if len(meshes) > 1:
+        raise ValueError("optimus2d.pretrained: the model's modules live on more than one Mesh")
+    return next(iter(meshes.values()), None)
+
+
+def _agree(mesh: Mesh | None, what: str, error: BaseException | None) -> None:
+    """Raise on every rank of ``mesh`` if any rank has an error: a failing rank its own, the others
+    the first failing rank's (its class for ValueError, TypeError and OSError; else RuntimeError). Two
+    all-reduces, the second only on failure; nothing is left half-exchanged, so (unlike a failed
+    collective) the mesh stays usable: a failed save can be retried elsewhere."""
+    if mesh is None or mesh.size == 1:
+        if error is not None:
+            raise error
+        return
+    flags = torch.zeros(mesh.size, dtype=torch.int64, device=mesh.device)
+    flags[mesh.index("mesh")] = int(error is not None)
+    P.all_reduce(flags, mesh, "mesh")
+    failing = flags.nonzero().flatten().tolist()
+    if not failing:
+        return
+    text = torch.zeros(1 + _TEXT_BYTES, dtype=torch.int64, device=mesh.device)  # [class, bytes of the message]
+    if mesh.index("mesh") == failing[0]:
+        raw = f"{type(error).__name__}: {error}".encode()[:_TEXT_BYTES]
+        text[0] = next((n for n, cls in enumerate(_SENT, 1) if isinstance(error, cls)), 0)
+        text[1 : 1 + len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
+    P.all_reduce(text, mesh, "mesh")
+    if error is not None:
+        raise error
+    cls = _SENT[int(text[0]) - 1] if text[0] else RuntimeError
+    message = bytes(text[1:][text[1:] > 0].tolist()).decode(errors="replace")
+    ranks = ", ".join(str(mesh.ranks[n]) for n in failing)
+    raise cls(f"{what} on {mesh}: rank {mesh.ranks[failing[0]]} (of the failing ranks {ranks}): {message}") from error
+
+
+# ---- load ------------------------------------------------------------------------------------
+def _checkpoint_files(path: str) -> dict[str, str]:
+    """Checkpoint key → file holding it."""
+    if not os.path.isdir(path) and os.path.isdir(path + PREVIOUS):  # a save killed between its renames
+        path += PREVIOUS
+    index, single = os.path.join(path, INDEX), os.path.join(path, WEIGHTS)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {key: os.path.join(path, name) for key, name in weight_map.items()}
+    if os.path.isfile(single):
+        with safe_open(single, "pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    raise ValueError(
+        f"load_pretrained: no {WEIGHTS} or {INDEX} in {path!r} (only safetensors checkpoints are read; "
+        f"convert a pytorch_model.bin with transformers' save_pretrained)"
+    )
+
+
+def _headers(files: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Checkpoint key → (shape, safetensors dtype), from the files' headers (no tensor read)."""
+    out = {}
+    for name in sorted(set(files.values())):
+        with safe_open(name, "pt") as f:
+            present = set(f.keys())
+            for key in (k for k, n in files.items() if n == name):
+                if key not in present:
+                    raise ValueError(f"load_pretrained: {INDEX} places {key} in {name!r}, which does not hold it")
+                piece = f.get_slice(key)
+                out[key] = (tuple(piece.get_shape()), piece.get_dtype())
+    return out
+
+
+def _ignored(model: nn.Module, which: str) -> re.Pattern | None:
+    """transformers' patterns of checkpoint keys to ignore (``_keys_to_ignore_on_load_<which>``)."""
+    patterns = set(getattr(model, f"_keys_to_ignore_on_load_{which}", None) or ())
+    if which == "unexpected":  # transformers also drops these obsolete buffers of old checkpoints
+        patterns |= {r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"}
+    return re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+
+
+def _plan_load(model, tensors, mesh, path, strict) -> list[tuple[_Tensor, str, str]]:
+    """[(tensor, checkpoint key, file)]; raises ``ValueError`` if the checkpoint does not fit."""
+    files = _checkpoint_files(path)
+    headers = _headers(files)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    own = {k for t in tensors for k in t.keys}
+    add = None  # a checkpoint of the base model (GPT-2's hub files: "h.0...", not "transformer.h.0...")
+    if prefix and not any(k.startswith(f"{prefix}.") for k in headers) and any(k.startswith(f"{prefix}.") for k in own):
+        add = f"{prefix}."
+    renamed = {(add + k if add else k): k for k in headers}
+    plan, missing, shapes = [], [], []
+    for t in tensors:
+        key = next((k for k in t.keys if k in renamed), None)
+        if key is None:
+            missing.append(t.keys[0])
+            continue
+        stored, dtype = headers[renamed[key]]
+        if stored != t.serial_shape:
+            shapes.append(f"{key}: checkpoint {list(stored)}, model {list(t.serial_shape)}")
+        if dtype not in _CODES.values():
+            shapes.append(f"{key}: dtype {dtype} is not one torch reads")
+        if t.sharding is not None and tuple(t.tensor.shape) != t.sharding.local_shape(t.mesh):
+            got, want = list(t.tensor.shape), list(t.sharding.local_shape(t.mesh))
+            shapes.append(f"{key}: the model's block is {got}, its Sharding's {want}")
+        plan.append((t, renamed[key], files[renamed[key]]))
+    ignore_missing, ignore_unexpected = _ignored(model, "missing"), _ignored(model, "unexpected")
+    missing = [k for k in missing if not (ignore_missing and ignore_missing.search(k))]
+    unexpected = [
+        c for m, c in renamed.items() if m not in own and not (ignore_unexpected and ignore_unexpected.search(c))
+    ]
+    if shapes or (strict and (missing or unexpected)):
+        raise ValueError(
+            f"load_pretrained: {path!r} does not fit the model on {mesh}: "
+            + "; ".join(
+                f"{what} ({len(keys)}): {', '.join(keys[:8])}{', ...' if len(keys) > 8 else ''}"
+                for what, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("shapes", shapes))
+                if keys and (strict or what == "shapes")
+            )
+        )
+    return plan
+
+
+def _read_block(f, key: str, t: _Tensor, out: torch.Tensor) -> None:
+    """Copy this rank's block of ``key`` from the open file ``f`` into ``out``, slice by slice.
+    (safetensors' slices are views of the mapped file: the copy is the one read.)"""
+    if t.sharding is None:
+        out.copy_(f.get_tensor(key))
+        return
+    pieces = block_slices(t.sharding, t.mesh)
+    if sum(_volume(dst) for _, dst in pieces) < out.numel():
+        out.zero_()  # padding
+    reader = None
+    for src, dst in pieces:
+        if _volume(src):
+            reader = reader or f.get_slice(key)
+            out[dst].copy_(reader[src])
+
+
+def _install(t: _Tensor, block: torch.Tensor) -> None:
+    """Put a block read for a tensor that was on the meta device in its place: the same Parameter
+    (or buffer) object where ``torch.utils.swap_tensors`` can, else a new one in every holder."""
+    old = t.tensor
+    new = nn.Parameter(block, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else block
+    new.__dict__.update(old.__dict__)  # optimus2d's tags (swap_tensors swaps the __dict__s too)
+    hooks = list(old._backward_hooks.values()) if getattr(old, "_backward_hooks", None) else []
+    try:
+        torch.utils.swap_tensors(old, new)
+    except RuntimeError:  # weak references to it (swap_tensors refuses): the new tensor in every holder
+        for module, name in t.holders:
+            (module._parameters if isinstance(new, nn.Parameter) else module._buffers)[name] = new
+        old = t.tensor = new
+    if hooks:  # gradient hooks stay with the object: moved over
+        old._backward_hooks = None
+        for hook in hooks:
+            old.register_hook(hook)
+
+
+def load_pretrained(
+    model: nn.Module, path: str | os.PathLike, *, strict: bool = True, device: torch.device | str | None = None
+) -> None:
+    """Fill ``model`` (converted by ``optimus2d.parallelize``, or plain torch) from the Hugging Face
+    checkpoint directory ``path`` (safetensors), in place; collective over the model's mesh.
+
+    Each rank reads only its blocks' slices (see the module's docstring); values are cast to the
+    model's dtypes. Tensors on the meta device get this rank's block, allocated on ``device``
+    (default: the mesh's device), as the same Parameter objects; those the checkpoint does not hold
+    (buffers that are not saved, such as LLaMA's rotary table; with ``strict=False``, missing
+    weights) are then initialised as the serial model does (``optimus2d.materialize``, seed 0), so
+    the model is whole, as after transformers' ``from_pretrained``. Checkpoints of the base model
+    (keys without ``model.base_model_prefix``) are read too, and transformers' patterns of keys to
+    ignore are honoured. Raises ``ValueError`` on every rank, before anything is read, listing
+    missing and unexpected keys (``strict=False``: those are skipped) and shapes that differ;
+    ``RuntimeError`` (or the error itself) on every rank if a rank fails while reading.
+    """
+    path = os.fspath(path)
+    tensors = _tensors(model)
+    mesh = _model_mesh(tensors)
+    plan, error = [], None
+    try:
+        plan = _plan_load(model, tensors, mesh, path, strict)
+    except Exception as err:  # a file unreadable or damaged (safetensors' error), on this rank or every one
+        error = err if isinstance(err, (ValueError, TypeError)) else ValueError(f"load_pretrained: {path!r}: {err!r}")
+    _agree(mesh, "load_pretrained", error)
+    by_file: dict[str, list[tuple[_Tensor, str]]] = {}
+    for t, key, name in plan:
+        by_file.setdefault(name, []).append((t, key))
+    error = None
+    try:
+        with torch.no_grad():
+            for name, items in sorted(by_file.items()):
+                for t, key in items:  # the file opened per tensor: its pages leave the rank's memory at once
+                    with safe_open(name, "pt") as f:
+                        if t.tensor.is_meta:
+                            where = device or (t.mesh.device if t.mesh is not None else "cpu")
+                            block = torch.empty(t.tensor.shape, dtype=t.tensor.dtype, device=where)
+                            _read_block(f, key, t, block)
+                            _install(t, block)
+                        else:
+                            _read_block(f, key, t, t.tensor)
+    except Exception as err:  # every rank learns of it (none is left waiting): raised below
+        error = err
+    _agree(mesh, "load_pretrained (reading the blocks)", error)
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # what no checkpoint holds
+        from optimus2d.meta_init import materialize  # (LLaMA's rotary table) as the serial model makes it
+
+        materialize(model, seed=0, device=device or (mesh.device if mesh is not None else None))
+
+
+# ---- save ------------------------------------------------------------------------------------
+def _shard_bytes(size: int | str) -> int:
+    """``max_shard_size`` in bytes: an int, or "5GB" (10⁹), "500MiB" (2²⁰), "30KB"..."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]I?B|B)?\s*", size.upper())
+    if not match:
+        raise ValueError(f"save_pretrained: max_shard_size {size!r} is not a size such as 5GB or 500MiB")
+    units = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    return int(match.group(1)) * units[match.group(2)]
+
+
+def _plan_save(model, tensors, max_bytes: int) -> list[list[tuple[_Tensor, str]]]:
+    """Shards of (tensor, key written), greedily in order as transformers does; each alias group
+    under one key: not a key transformers declares tied (``lm_head.weight``), else its first."""
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    skip = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    shards, size = [[]], 0
+    for t in tensors:
+        if t.tensor.is_meta:
+            raise ValueError(f"save_pretrained: {t.keys[0]} is on the meta device (load it first)")
+        if t.tensor.dtype not in _CODES:
+            raise TypeError(f"save_pretrained: {t.keys[0]} has dtype {t.tensor.dtype}, which safetensors lacks")
+        key = next((k for k in t.keys if k not in tied), t.keys[0])
+        if key in skip:
+            continue
+        nbytes = math.prod(t.serial_shape) * t.tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((t, key))
+        size += nbytes
+    return shards
+
+
+def _header(shard: list[tuple[_Tensor, str]]) -> bytes:
+    entries, at = {}, 0
+    for t, key in shard:
+        end = at + math.prod(t.serial_shape) * t.tensor.element_size()
+        entries[key] = {"dtype": _CODES[t.tensor.dtype], "shape": list(t.serial_shape), "data_offsets": [at, end]}
+        at = end
+    entries["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_tensor(f, full: torch.Tensor, t: _Tensor) -> None:
+    if tuple(full.shape) != t.serial_shape or full.dtype != t.tensor.dtype:  # what the header says
+        raise ValueError(
+            f"save_pretrained: {t.keys[0]} gathered as {full.dtype}{list(full.shape)}, not its serial shape"
+        )
+    data = full.detach().to("cpu").contiguous().reshape(-1)
+    f.write(data.view(torch.uint8).numpy().data)
+
+
+def _close(f) -> BaseException | None:
+    """Flush, fsync and close ``f``; the error, if any."""
+    try:
+        f.flush()
+        os.fsync(f.fileno())
+    except Exception as err:
+        return err
+    finally:
+        f.close()
+    return None
+
+
+def _prepare(path: str) -> str:
+    """Rank 0: finish what a killed save left, then a fresh temporary directory beside ``path``."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ValueError(f"save_pretrained: {path!r} exists and is not a directory")
+    saving, previous = path + SAVING, path + PREVIOUS
+    if os.path.isdir(previous):
+        if os.path.isdir(path):
+            shutil.rmtree(previous)  # its replacement was committed
+        else:
+            os.rename(previous, path)  # killed between the two renames: the last save is this one
+    if os.path.lexists(saving):
+        shutil.rmtree(saving)
+    os.makedirs(saving)
+    return saving
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _commit(saving: str, path: str) -> None:
+    """Rank 0: ``saving`` becomes ``path`` by renames; files of ``path`` a save does not write (a
+    tokenizer) are carried over, the old weights are not."""
+    previous = path + PREVIOUS
+    if os.path.isdir(path):
+        for name in os.listdir(path):
+            if name in _OURS or _SHARD.fullmatch(name) or os.path.lexists(os.path.join(saving, name)):
+                continue
+            src, dst = os.path.join(path, name), os.path.join(saving, name)
+            if os.path.isdir(src) and not os.path.islink(src):
+                shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+            else:
+                _link_or_copy(src, dst)
+        os.rename(path, previous)
+    os.rename(saving, path)
+    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    if os.path.isdir(previous):
+        shutil.rmtree(previous)
+
+
+def _write_config(model: nn.Module, saving: str, dtype: torch.dtype | None) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return
+    config = copy.deepcopy(config)  # as transformers' save_pretrained sets them, on a copy
+    if dtype is not None:
+        config.dtype = str(dtype).removeprefix("torch.")
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(saving)
+    can_generate = getattr(model, "can_generate", None)
+    generation = getattr(model, "generation_config", None)
+    if callable(can_generate) and can_generate() and generation is not None:
+        generation.save_pretrained(saving)
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> None:
+    """Write ``model`` as a Hugging Face checkpoint directory; collective: every rank calls it.
+
+    The files are the serial model's (``from_pretrained(path)`` of its transformers class loads
+    them): ``config.json`` (and ``generation_config.json``) from ``model.config``, safetensors
+    shards of at most ``max_shard_size`` bytes each (an int, or "5GB", "500MiB"; a larger tensor
+    alone), ``model.safetensors.index.json`` when there are several, a tied head once. Serial
+    tensors are all-gathered one at a time (every rank holds at most one full tensor), rank 0 of
+    the mesh streams each into its shard. Atomic: written into ``path.optimus2d-saving`` and
+    renamed to ``path`` once complete (an existing ``path`` is replaced, keeping the files it holds
+    that a save does not write, such as a tokenizer's), so a killed save leaves ``path`` as it was
+    (or, killed between the two renames, at ``path.optimus2d-previous``, which ``load_pretrained``
+    and the next save take up). Errors are raised on every rank.
+    """
+    path = os.path.abspath(os.fspath(path))
+    tensors = _tensors(model)
+    mesh = _model_mesh(tensors)
+    writer = mesh is None or mesh.index("mesh") == 0
+    shards, saving, error = [], None, None
+    try:
+        shards = _plan_save(model, tensors, _shard_bytes(max_shard_size))
+        if writer:
+            saving = _prepare(path)
+    except Exception as err:
+        error = err
+    _agree(mesh, "save_pretrained", error)
+    names = (
+        [WEIGHTS]
+        if len(shards) == 1
+        else [f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" for n in range(len(shards))]
+    )
+    error = None
+    for shard, name in zip(shards, names, strict=True):
+        f = None
+        if writer and error is None:
+            try:
+                f = open(os.path.join(saving, name), "wb")  # closed by _close
+                f.write(_header(shard))
+            except Exception as err:
+                error = err
+        for t, key in shard:
+            full = serial_tensor(*t.holders[t.keys.index(key)])  # collective: every rank, one tensor at a time
+            if f is not None and error is None:
+                try:
+                    _write_tensor(f, full, t)
+                except Exception as err:  # rank 0 goes on gathering with the others: none is left waiting
+                    error = err
+            del full
+        if f is not None:
+            error = error or _close(f)
+    if writer and error is None:
+        try:
+            if len(shards) > 1:
+                weight_map = {key: name for shard, name in zip(shards, names, strict=True) for _, key in shard}
+                total = sum(math.prod(t.serial_shape) * t.tensor.element_size() for s in shards for t, _ in s)
+                params = sum(math.prod(t.serial_shape) for s in shards for t, _ in s)
+                index = {"metadata": {"total_size": total, "total_parameters": params}, "weight_map": weight_map}
+                with open(os.path.join(saving, INDEX), "w") as f:
+                    f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            floats = [t.tensor.dtype for t in tensors if t.tensor.is_floating_point()]
+            _write_config(model, saving, floats[0] if floats else None)
+            _commit(saving, path)
+        except Exception as err:
+            error = err
+    if writer and error is not None and saving is not None:
+        shutil.rmtree(saving, ignore_errors=True)
+    _agree(mesh, "save_pretrained (writing)", error)  # also the barrier: none returns before the commit

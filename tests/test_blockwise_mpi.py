@@ -1,0 +1,154 @@
+"""parallelize keeps a forward only when something says it is correct on blocks: a converter, a
+declaration (``keep=True``), a probe (element-wise leaves, norms) or a reading of its code; every
+other module is refused, all of them in one error, before anything changes or is sent."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close, check_against_serial
+from torch import nn
+
+import optimus2d
+from optimus2d import parallelize
+from optimus2d.parallelize import _CONVERTERS
+
+pytestmark = pytest.mark.mpi
+E, FF = 12, 24
+
+
+def _x(mesh, h=E):
+    torch.manual_seed(3)
+    return torch.randn(2 * mesh.depth * mesh.q, 3, h)
+
+
+class Square(nn.Module):  # an activation no list names: a probe finds it element-wise
+    def forward(self, x):
+        return x * x.abs()
+
+
+class MyRMSNorm(nn.Module):  # a hand-written RMSNorm storing its eps: a probe finds what it computes
+    def __init__(self, h, eps=1e-6, offset=0.0):
+        super().__init__()
+        self.weight, self.variance_epsilon, self.offset = nn.Parameter(torch.rand(h) + 0.5), eps, offset
+
+    def forward(self, x):
+        x32 = x.float()
+        rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return x32 * rms * (self.offset + self.weight)
+
+
+class GatedMLP(nn.Module):  # a container whose forward only calls children, element-wise: kept
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down, self.act = nn.Linear(E, FF), nn.Linear(E, FF), nn.Linear(FF, E), Square()
+
+    def forward(self, x):
+        return self.down(self.act(self.gate(x)) * F.silu(self.up(x)))
+
+
+class FusedMLP(nn.Module):  # Phi-3's habit without Phi-3's names: chunk of the hidden dim, refused
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(E, 2 * FF), nn.Linear(FF, E)
+
+    def forward(self, x):
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.out(F.silu(gate) * up)
+
+
+class Normalised(nn.Module):  # CLIP's habit: a norm over the last dim in a container's forward
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(E, E)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return y / y.norm(dim=-1, keepdim=True)
+
+
+class Sliced(nn.Module):  # slices the hidden dim by a size: refused
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(E, E)
+
+    def forward(self, x):
+        return self.proj(x)[..., : E // 2]
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["w", "1+w"])
+def test_probed_norms_and_activations_and_a_read_container_convert_exactly(mesh, offset):
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(E, E), MyRMSNorm(E, offset=offset), GatedMLP(), Square())
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    assert isinstance(parallel[1], optimus2d.RMSNorm2D) and parallel[1].weight_offset == offset
+    assert type(parallel[2]) is GatedMLP and isinstance(parallel[2].gate, optimus2d.Linear2D)
+    check_against_serial(serial, parallel, _x(mesh), mesh)
+
+
+def test_every_offender_is_named_in_one_error_on_every_rank(mesh):
+    model = nn.Sequential(FusedMLP(), nn.Linear(E, E), Normalised(), nn.Softmax(-1), Sliced(), nn.Linear(E, E))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(TypeError) as err:
+        parallelize(model, mesh)
+    text = str(err.value)
+    assert "4 module(s) cannot be converted" in text
+    assert "0 (FusedMLP): its forward FusedMLP.forward, line" in text and ".chunk()" in text
+    assert "2 (Normalised)" in text and ".norm()" in text
+    assert "3 (Softmax): is not known to act element by element" in text
+    assert "4 (Sliced)" in text and "slices the last dim" in text
+    assert "register_converter(cls, keep=True)" in text
+    assert type(model[1]) is nn.Linear  # refused before anything changed
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+
+
+def test_keep_true_declares_a_forward_the_reader_refuses(mesh):
+    class Halves(nn.Module):  # correct on blocks (each half of the hidden dim alone), but uses chunk
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(E, E)
+
+        def forward(self, x):
+            a, b = self.proj(x).chunk(2, dim=-1)
+            return torch.cat([a, b], -1) * 2
+
+    model = nn.Sequential(nn.Linear(E, E), Halves())
+    with pytest.raises(TypeError, match=r"1 \(Halves\): its forward"):
+        parallelize(copy.deepcopy(model), mesh)
+    optimus2d.register_converter(Halves, keep=True)
+    try:
+        parallel = parallelize(copy.deepcopy(model), mesh)
+        assert type(parallel[1]) is Halves
+    finally:
+        _CONVERTERS.pop(Halves)
+    with pytest.raises(TypeError, match="not both"):
+        optimus2d.register_converter(Halves, lambda m, mesh: m, keep=True)
+
+
+def test_a_norm_over_one_heads_features_is_kept_whole_and_its_gradient_summed(mesh):
+    class HeadNormAttention(nn.Module):  # Qwen3's q_norm: a norm over head_dim, whole on every rank
+        def __init__(self):
+            super().__init__()
+            self.head_dim = 4
+            self.q_proj, self.o_proj = nn.Linear(E, E), nn.Linear(E, E)
+            self.q_norm = MyRMSNorm(self.head_dim)
+
+        def forward(self, x):
+            hidden_shape = (*x.shape[:-1], -1, self.head_dim)
+            q = self.q_norm(self.q_proj(x).view(hidden_shape))
+            return self.o_proj(q.reshape(*x.shape[:-1], -1))
+
+    if 3 % mesh.q:
+        pytest.skip("3 heads of 4 do not split over q = 2")
+    torch.manual_seed(0)
+    serial = HeadNormAttention()
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    assert type(parallel.q_norm) is MyRMSNorm  # whole: its weight is [head_dim] on every rank
+    x = _x(mesh)
+    serial(x).square().sum().backward()
+    optimus2d.gather(parallel(optimus2d.scatter(x, mesh)), mesh).square().sum().backward()
+    assert_close(parallel.q_norm.weight.grad, serial.q_norm.weight.grad, 1e-5, "q_norm.weight.grad")

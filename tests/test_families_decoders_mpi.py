@@ -1,0 +1,161 @@
+"""Hugging Face decoders shaped like LLaMA, converted by structure: none of these families is named
+in optimus2d's code (Phi-3's fused projections are recognised by what they hold and how their
+forward slices them). Logits and one AdamW step equal serial, or the model is refused, on every
+rank, before any collective."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close
+
+import optimus2d
+from optimus2d import gather, parallelize, scatter_batch, serial_state_dict
+from optimus2d.layers import Linear2D, RMSNorm2D
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.mpi, pytest.mark.families]
+
+_COMMON = dict(
+    vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=32,
+    bos_token_id=0, eos_token_id=0, pad_token_id=0,
+)  # fmt: skip
+_EXACT = {  # family → (config class, extra config, model class)
+    "qwen2": ("Qwen2Config", {}, "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", {"head_dim": 8}, "Qwen3ForCausalLM"),  # per-head q/k norms, replicated
+    "mistral": ("MistralConfig", {"sliding_window": 4}, "MistralForCausalLM"),
+    "phi3": ("Phi3Config", {}, "Phi3ForCausalLM"),  # fused qkv and gate_up
+    "gemma": ("GemmaConfig", {"head_dim": 8}, "GemmaForCausalLM"),  # (1 + w) norms, scaled embedding
+    "gemma2": (
+        "Gemma2Config",
+        {"head_dim": 8, "final_logit_softcapping": 3.0, "attn_logit_softcapping": 5.0, "sliding_window": 4},
+        "Gemma2ForCausalLM",
+    ),
+    "olmo2": ("Olmo2Config", {}, "Olmo2ForCausalLM"),  # q/k norms over the whole q/k width: RMSNorm2D
+    "granite": ("GraniteConfig", {"embedding_multiplier": 2.0, "logits_scaling": 3.0}, "GraniteForCausalLM"),
+    "helium": ("HeliumConfig", {"head_dim": 12}, "HeliumForCausalLM"),
+    "glm": ("GlmConfig", {"head_dim": 8}, "GlmForCausalLM"),  # fused gate_up, partial rotary
+}
+
+
+def _heads(mesh) -> tuple[int, int]:
+    return (6, 3) if mesh.q == 3 else (4, 2)  # grouped-query attention, both divisible by q
+
+
+def _model(family: str, mesh):
+    config_cls, config_extra, model_cls = _EXACT[family]
+    heads, kv_heads = _heads(mesh)
+    config = getattr(transformers, config_cls)(
+        **_COMMON, num_attention_heads=heads, num_key_value_heads=kv_heads, attn_implementation="eager",
+        **config_extra,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():  # norms that start at 1 (or 0) would hide a wrong scale: make every weight count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+            if "k_proj.bias" in name:  # softmax ignores a key bias: its gradient is 0 up to roundoff,
+                p.requires_grad_(False)  # which Adam would blow up to a step of lr; frozen instead
+    return model
+
+
+def _step(model, ids, mesh=None):
+    """Logits, and the model after one AdamW step on the next-token loss."""
+    # Adam's first step is lr·g/(|g| + eps): with eps 1e-8, an entry whose gradient is ~1e-7 by chance
+    # steps by ±lr on its roundoff (gradients match to ~1e-6). eps 1e-4 keeps the step well-conditioned.
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-4)
+    if mesh is None:
+        logits = model(input_ids=ids, use_cache=False).logits
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    else:
+        local = scatter_batch(ids, mesh)
+        logits = model(input_ids=local, use_cache=False).logits  # [b/(d·q), s, V/q]
+        optimus2d.cross_entropy(logits[:, :-1], local[:, 1:], mesh).backward()
+        logits = gather(logits.detach(), mesh)
+    opt.step()
+    return logits.detach()
+
+
+@pytest.mark.parametrize("family", sorted(_EXACT))
+def test_a_llama_shaped_family_converts_exactly(mesh, family):
+    serial = _model(family, mesh)
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    assert any(isinstance(m, Linear2D) for m in parallel.modules())
+    assert any(isinstance(m, RMSNorm2D) for m in parallel.modules())
+    frozen = {n: p.requires_grad for n, p in serial.named_parameters()}  # k_proj biases frozen (_model)
+    assert {n: p.requires_grad for n, p in parallel.named_parameters()} == frozen
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (2 * mesh.depth * mesh.q, 7))
+    logits_ref = _step(serial, ids)
+    logits = _step(parallel, ids, mesh)
+    assert_close(logits[..., :96], logits_ref, 1e-4, f"{family} logits")
+    assert all(p.grad is None for n, p in parallel.named_parameters() if not frozen[n])
+    state = serial_state_dict(parallel)
+    assert set(state) == set(serial.state_dict())
+    for key, value in serial.state_dict().items():
+        assert_close(state[key], value, 1e-4, f"{family} {key} after AdamW")
+
+
+# Families named nowhere in optimus2d, nor above: each must be exact or refused (never wrong).
+_UNSEEN = {
+    "cohere": ("CohereConfig", {}, "CohereForCausalLM"),  # LayerNorm without bias, tied head
+    "nemotron": ("NemotronConfig", {"head_dim": 12, "partial_rotary_factor": 1.0}, "NemotronForCausalLM"),
+    "smollm3": ("SmolLM3Config", {}, "SmolLM3ForCausalLM"),
+    "starcoder2": ("Starcoder2Config", {}, "Starcoder2ForCausalLM"),  # F.dropout in forward
+    "stablelm": ("StableLmConfig", {}, "StableLmForCausalLM"),  # partial rotary: torch.cat of head slices
+    "gpt_neox": ("GPTNeoXConfig", {}, "GPTNeoXForCausalLM"),  # fused qkv chunk(3)
+    "phi": ("PhiConfig", {}, "PhiForCausalLM"),
+    "exaone4": ("Exaone4Config", {}, "Exaone4ForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(_UNSEEN))
+def test_an_unseen_family_is_exact_or_refused(mesh, family):
+    config_cls, extra, model_cls = _UNSEEN[family]
+    heads, kv_heads = _heads(mesh)
+    names = {"num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    if family == "gpt_neox":
+        names = {"num_attention_heads": heads}
+    config = getattr(transformers, config_cls)(**_COMMON, **names, attn_implementation="eager", **extra)
+    torch.manual_seed(0)
+    serial = getattr(transformers, model_cls)(config)
+    try:
+        parallel = parallelize(copy.deepcopy(serial), mesh)
+    except TypeError as err:  # refused on every rank, before any collective, naming the modules
+        assert "cannot be converted" in str(err) and "(" in str(err), str(err)
+        return
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (2 * mesh.depth * mesh.q, 7))
+    assert_close(_step(parallel, ids, mesh)[..., :96], _step(serial, ids), 1e-4, f"{family} logits")
+    state = serial_state_dict(parallel)
+    for key, value in serial.state_dict().items():
+        assert_close(state[key], value, 1e-4, f"{family} {key} after AdamW")
+
+
+def test_a_refused_family_taught_in_one_line_converts_exactly(mesh):
+    """GPT-NeoX's attention chunks q, k, v out of each head's fused features: the reader of forwards
+    cannot tell that the chunk is per head, so it refuses; its author declares it, and it is exact."""
+    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
+
+    from optimus2d.parallelize import _CONVERTERS
+
+    config = transformers.GPTNeoXConfig(**_COMMON, num_attention_heads=_heads(mesh)[0], attn_implementation="eager")
+    torch.manual_seed(0)
+    serial = transformers.GPTNeoXForCausalLM(config)
+    with pytest.raises(TypeError, match=r"attention \(GPTNeoXAttention\): its forward .*chunk"):
+        parallelize(copy.deepcopy(serial), mesh)
+    optimus2d.register_converter(GPTNeoXAttention, keep=True)  # the one line (README)
+    try:
+        parallel = parallelize(copy.deepcopy(serial), mesh)
+    finally:
+        _CONVERTERS.pop(GPTNeoXAttention)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (2 * mesh.depth * mesh.q, 7))
+    assert_close(_step(parallel, ids, mesh)[..., :96], _step(serial, ids), 1e-4, "gpt_neox logits")
+    state = serial_state_dict(parallel)
+    for key, value in serial.state_dict().items():
+        assert_close(state[key], value, 1e-4, f"gpt_neox {key} after AdamW")

@@ -1,0 +1,281 @@
+"""Hugging Face ViT and CLIP, built from small random configs (no download), on the mesh: outputs,
+gradients and one AdamW step equal to serial; frozen parameters stay frozen; refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_close
+
+import optimus2d
+from optimus2d import clip_grad_norm_, gather, parallelize, scatter, scatter_batch, serial_state_dict
+from optimus2d.comm import unshard
+from optimus2d.families.vision import PatchConv2D, PositionEmbedding2D
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.mpi, pytest.mark.families]
+
+TOWER = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6)  # 6 heads: q = 2, 3
+VIT = dict(TOWER, image_size=16, patch_size=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+CLIP_VISION = dict(TOWER, num_hidden_layers=1, image_size=16, patch_size=8)
+CLIP_TEXT = dict(
+    TOWER,
+    num_hidden_layers=1,
+    vocab_size=96,
+    max_position_embeddings=16,
+    eos_token_id=95,
+    bos_token_id=0,
+    pad_token_id=1,
+)
+
+
+def _perturbed(model):
+    """Every parameter moved off its init (biases and tokens not zero, norms not one), so a wrong
+    block or a lost gradient shows."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name != "logit_scale":
+                p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _vit(cls=None, **kwargs):
+    config = transformers.ViTConfig(**VIT, num_labels=12, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return _perturbed((cls or transformers.ViTForImageClassification)(config, **kwargs))
+
+
+def _clip():
+    config = transformers.CLIPConfig(
+        text_config=CLIP_TEXT, vision_config=CLIP_VISION, projection_dim=24, attn_implementation="sdpa"
+    )
+    torch.manual_seed(0)
+    return _perturbed(transformers.CLIPModel(config))
+
+
+def _text(b):
+    """Ids [b, 7] ending in eos (95) at different lengths, and the attention mask of the padding."""
+    torch.manual_seed(1)
+    ids, mask = torch.randint(0, 95, (b, 7)), torch.ones(b, 7, dtype=torch.long)
+    for row in range(b):
+        end = 3 + row % 5
+        ids[row, end - 1], mask[row, end:] = 95, 0
+    return ids, mask
+
+
+def _adamw(model, scale):
+    """eps a thousandth of the largest gradient: a gradient that is rounding alone (an attention key
+    bias: softmax ignores it) moves nothing, where a smaller eps would make it a step of ±lr."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3 * scale)
+
+
+def _serial_grads(model, mesh):
+    """name → the serial gradient, assembled from every rank's block."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            sharding = getattr(p, "_optimus2d_sharding", None)
+            out[name] = unshard(p.grad.contiguous(), mesh, sharding) if sharding is not None else p.grad
+    return out
+
+
+def _compare_step(serial, parallel, mesh, tol=1e-4):
+    """Gradients (each within tol of its own size, or of 1e-3 of the largest: an attention key bias has
+    none but rounding), gradient norm, then one AdamW step: the state equals serial."""
+    grads = _serial_grads(parallel, mesh)
+    want = {n: p.grad for n, p in serial.named_parameters() if p.grad is not None}
+    assert set(grads) == set(want)
+    scale = max(g.abs().max().item() for g in want.values())
+    for name, g in want.items():
+        err = (grads[name] - g).abs().max().item() / max(g.abs().max().item(), 1e-3 * scale)
+        assert err <= tol, f"grad of {name}: relative error {err:.3e}"
+    norm_ref = torch.nn.utils.clip_grad_norm_([p for p in serial.parameters() if p.grad is not None], 1e9)
+    assert_close(clip_grad_norm_([p for p in parallel.parameters() if p.grad is not None], 1e9, mesh), norm_ref, 1e-5)
+    _adamw(serial, scale).step()
+    _adamw(parallel, scale).step()
+    state = serial_state_dict(parallel)
+    assert list(state) == list(serial.state_dict())
+    for key, value in serial.state_dict().items():
+        assert_close(state[key], value, tol, key)
+
+
+@pytest.mark.parametrize("family", ["vit", "clip"])
+def test_image_classification(mesh, family):
+    """ViTForImageClassification (the class token) and CLIPForImageClassification (the mean of the
+    patch tokens): logits, the loss of labels=, gradients and one step."""
+    if family == "vit":
+        serial = _vit()
+        parallel = parallelize(copy.deepcopy(serial), mesh)
+        assert isinstance(parallel.vit.embeddings.patch_embeddings.projection, PatchConv2D)
+        assert isinstance(parallel.vit.layers[0].attention.q_proj, optimus2d.Linear2D)
+        assert parallel.vit.layers[0].attention.num_attention_heads == 6 // mesh.q
+    else:
+        config = transformers.CLIPConfig(text_config=CLIP_TEXT, vision_config=CLIP_VISION, num_labels=12)
+        torch.manual_seed(0)
+        serial = _perturbed(transformers.CLIPForImageClassification(config))
+        parallel = parallelize(copy.deepcopy(serial), mesh)
+        assert parallel.vision_model.encoder.layers[0].self_attn.num_heads == 6 // mesh.q
+    b = 2 * mesh.depth * mesh.q
+    torch.manual_seed(1)
+    images, labels = torch.randn(b, 3, 16, 16), torch.randint(0, 12, (b,))
+
+    out_ref = serial(pixel_values=images, labels=labels)
+    out_ref.loss.backward()
+    out = parallel(pixel_values=scatter_batch(images, mesh), labels=scatter_batch(labels, mesh))  # [b/(d·q), 12/q]
+    out.loss.backward()
+
+    assert_close(gather(out.logits.detach(), mesh), out_ref.logits, 1e-4, "logits")
+    assert_close(out.loss, out_ref.loss, 1e-5, "loss")
+    _compare_step(serial, parallel, mesh)
+
+
+def test_vit_model_interpolated_positions_mask_token_and_pooler(mesh):
+    serial = _vit(transformers.ViTModel, use_mask_token=True)  # pooler: dense + tanh on the class token
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    b = 2 * mesh.depth * mesh.q
+    torch.manual_seed(1)
+    images, masked = torch.randn(b, 3, 24, 24), torch.rand(b, 9) < 0.3  # 3×3 patches, 2×2 positions stored
+    probe_seq, probe_pool = torch.randn(b, 10, 48), torch.randn(b, 48)
+
+    out_ref = serial(pixel_values=images, bool_masked_pos=masked, interpolate_pos_encoding=True)
+    ((out_ref.last_hidden_state * probe_seq).sum() + (out_ref.pooler_output * probe_pool).sum()).backward()
+    out = parallel(
+        pixel_values=scatter_batch(images, mesh),
+        bool_masked_pos=scatter_batch(masked, mesh),
+        interpolate_pos_encoding=True,
+    )
+    (
+        (out.last_hidden_state * scatter(probe_seq, mesh)).sum() + (out.pooler_output * scatter(probe_pool, mesh)).sum()
+    ).backward()
+
+    assert_close(gather(out.last_hidden_state.detach(), mesh), out_ref.last_hidden_state, 1e-4, "last_hidden_state")
+    assert_close(gather(out.pooler_output.detach(), mesh), out_ref.pooler_output, 1e-4, "pooler_output")
+    _compare_step(serial, parallel, mesh)
+
+
+def test_clip_model_logits_contrastive_loss_and_step(mesh):
+    serial = _clip()
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    embeddings = parallel.text_model.embeddings
+    assert isinstance(embeddings.position_embedding, PositionEmbedding2D)
+    assert embeddings.position_embedding.weight.shape[0] == 16  # as serial: HF checks the sequence against it
+    b = 2 * mesh.depth * mesh.q
+    ids, mask = _text(b)
+    torch.manual_seed(2)
+    images = torch.randn(b, 3, 16, 16)
+
+    out_ref = serial(input_ids=ids, pixel_values=images, attention_mask=mask, return_loss=True)
+    out_ref.loss.backward()
+    out = parallel(
+        input_ids=scatter_batch(ids, mesh),
+        pixel_values=scatter_batch(images, mesh),
+        attention_mask=scatter_batch(mask, mesh),
+        return_loss=True,
+    )
+    out.loss.backward()
+
+    for name in ("logits_per_image", "logits_per_text", "image_embeds", "text_embeds"):  # full, on every rank
+        assert_close(getattr(out, name).detach(), getattr(out_ref, name), 1e-4, name)
+    assert_close(out.loss, out_ref.loss, 1e-5, "loss")
+    text_pooled = gather(out.text_model_output.pooler_output.detach(), mesh)  # projected, blocks
+    assert_close(text_pooled, out_ref.text_model_output.pooler_output, 1e-4, "text pooler_output")
+    assert parallel.logit_scale.grad is not None
+    _compare_step(serial, parallel, mesh)
+
+
+@pytest.mark.parametrize("tower", ["vision", "text", "vision+projection", "text+projection"])
+def test_clip_tower_alone(mesh, tower):
+    """CLIPVisionModel / CLIPTextModel (pooled: the class token / the eos token, and the last hidden
+    state) and their ...WithProjection variants (the projected pooled output)."""
+    b = 2 * mesh.depth * mesh.q
+    torch.manual_seed(0)
+    projection = tower.endswith("+projection")
+    if tower.startswith("vision"):  # 24×24 images: the 2×2 stored positions interpolated to 3×3
+        cls = transformers.CLIPVisionModelWithProjection if projection else transformers.CLIPVisionModel
+        serial = _perturbed(cls(transformers.CLIPVisionConfig(**CLIP_VISION, projection_dim=24)))
+        torch.manual_seed(1)
+        images = torch.randn(b, 3, 24, 24)
+        inputs_ref = dict(pixel_values=images, interpolate_pos_encoding=True)
+        inputs = dict(pixel_values=scatter_batch(images, mesh), interpolate_pos_encoding=True)
+        seq, pooled = 10, "image_embeds" if projection else "pooler_output"
+    else:
+        cls = transformers.CLIPTextModelWithProjection if projection else transformers.CLIPTextModel
+        serial = _perturbed(cls(transformers.CLIPTextConfig(**CLIP_TEXT, projection_dim=24)))
+        ids, mask = _text(b)
+        inputs_ref = dict(input_ids=ids, attention_mask=mask)
+        inputs = dict(input_ids=scatter_batch(ids, mesh), attention_mask=scatter_batch(mask, mesh))
+        seq, pooled = 7, "text_embeds" if projection else "pooler_output"
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    torch.manual_seed(3)
+    probe_seq, probe_pool = torch.randn(b, seq, 48), torch.randn(b, 24 if projection else 48)
+
+    out_ref = serial(**inputs_ref)
+    ((out_ref.last_hidden_state * probe_seq).sum() + (out_ref[pooled] * probe_pool).sum()).backward()
+    out = parallel(**inputs)  # blocks: [b/(d·q), seq, 48/q], [b/(d·q), 48/q or 24/q]
+    (
+        (out.last_hidden_state * scatter(probe_seq, mesh)).sum() + (out[pooled] * scatter(probe_pool, mesh)).sum()
+    ).backward()
+
+    assert_close(gather(out.last_hidden_state.detach(), mesh), out_ref.last_hidden_state, 1e-4, "last_hidden_state")
+    assert_close(gather(out[pooled].detach(), mesh), out_ref[pooled], 1e-4, pooled)
+    _compare_step(serial, parallel, mesh)
+
+
+@pytest.mark.parametrize("family", ["vit", "clip"])
+def test_frozen_parameters_stay_frozen(mesh, family):
+    serial = _vit() if family == "vit" else _clip()
+    names = [name for name, _ in serial.named_parameters()]
+    frozen = set(names[::2])  # every other one: the patch conv, class token, positions, norms, projections...
+    for name, p in serial.named_parameters():
+        p.requires_grad_(name not in frozen)
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    assert {n: p.requires_grad for n, p in parallel.named_parameters()} == {n: n not in frozen for n in names}
+    b = 2 * mesh.depth * mesh.q
+    torch.manual_seed(1)
+    images = torch.randn(b, 3, 16, 16)
+    if family == "vit":
+        labels = torch.randint(0, 12, (b,))
+        serial(pixel_values=images, labels=labels).loss.backward()
+        parallel(pixel_values=scatter_batch(images, mesh), labels=scatter_batch(labels, mesh)).loss.backward()
+    else:
+        ids, mask = _text(b)
+        serial(input_ids=ids, pixel_values=images, attention_mask=mask, return_loss=True).loss.backward()
+        local = {
+            k: scatter_batch(v, mesh) for k, v in dict(input_ids=ids, pixel_values=images, attention_mask=mask).items()
+        }
+        parallel(**local, return_loss=True).loss.backward()
+    assert all(p.grad is None for n, p in parallel.named_parameters() if n in frozen)
+    _compare_step(serial, parallel, mesh)
+
+
+def test_refusals(mesh):
+    b = 2 * mesh.depth * mesh.q
+    parallel = parallelize(_vit(), mesh)
+    images = scatter_batch(torch.randn(b, 3, 16, 16), mesh)
+    with pytest.raises(ValueError, match="problem_type='multi_label_classification' is not supported"):
+        parallel(pixel_values=images, labels=scatter_batch(torch.rand(b, 12), mesh))
+    if mesh.q > 1:  # 4 heads on q = 3, 5 heads on q = 2
+        config = transformers.ViTConfig(**dict(VIT, hidden_size=60, num_attention_heads=4 if mesh.q == 3 else 5))
+        with pytest.raises(ValueError, match=f"num_attention_heads=[45] is not divisible by q={mesh.q}"):
+            parallelize(transformers.ViTModel(config), mesh)
+
+
+def test_attention_dropout_draws_on_every_shard(mesh):
+    """Attention dropout in training: a mask of its own on each shard (shard_rng), reproducible for a seed."""
+    config = transformers.ViTConfig(**dict(VIT, attention_probs_dropout_prob=0.5), attn_implementation="eager")
+    torch.manual_seed(0)
+    parallel = parallelize(transformers.ViTModel(config, add_pooling_layer=False), mesh)
+    images = scatter_batch(torch.randn(2 * mesh.depth * mesh.q, 3, 16, 16), mesh)
+    parallel.eval()
+    with torch.no_grad():
+        plain = parallel(pixel_values=images).last_hidden_state
+        parallel.train()
+        outs = []
+        for _ in range(2):
+            torch.manual_seed(5)
+            outs.append(parallel(pixel_values=images).last_hidden_state)
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.allclose(outs[0], plain)
