@@ -25,7 +25,7 @@ from optimus2d.layers.base import sharding_of
 from optimus2d.serial import _owners
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.families]
 
 
 def _llama(mesh, seed: int, *, meta: bool = False):
