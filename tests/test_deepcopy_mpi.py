@@ -94,10 +94,11 @@ def _shared_dir() -> str:
 
 def test_deepcopy_of_a_converted_encoder_trains_like_the_original(mesh):
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True, norm_first=True)
-    serial = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(16), enable_nested_tensor=False).double()
+    e, heads = (18, 6) if mesh.q == 3 else (16, 4)  # heads and width divisible by q
+    layer = nn.TransformerEncoderLayer(e, heads, 2 * e, dropout=0.0, batch_first=True, norm_first=True)
+    serial = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(e), enable_nested_tensor=False).double()
     parallel = parallelize(copy.deepcopy(serial), mesh)
-    x = torch.randn(2 * mesh.depth * mesh.q, 5, 16, dtype=torch.float64)
+    x = torch.randn(2 * mesh.depth * mesh.q, 5, e, dtype=torch.float64)
     probe = torch.randn(x.shape, dtype=torch.float64)
 
     def loss_fn(model):
