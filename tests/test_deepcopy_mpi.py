@@ -150,7 +150,7 @@ def test_deepcopy_keeps_the_hooks_and_tags_of_a_foreign_modules_blocks(mesh):
     class Shift(nn.Module):  # y = x + bias, its forward reads the parameter directly
         def __init__(self) -> None:
             super().__init__()
-            self.bias = nn.Parameter(torch.randn(8))
+            self.bias = nn.Parameter(torch.randn(12))
 
         def forward(self, x):
             return x + self.bias
@@ -158,14 +158,14 @@ def test_deepcopy_keeps_the_hooks_and_tags_of_a_foreign_modules_blocks(mesh):
     torch.manual_seed(0)
     serial = Shift()
     model = copy.deepcopy(serial)
-    sharding = Sharding((("row",),), (8,))
+    sharding = Sharding((("row",),), (12,))
     block = nn.Parameter(shard(model.bias.detach(), mesh, sharding).clone())
     block.register_hook(lambda grad: P.summed_copy(grad, mesh, ("col", "depth")))
     block._optimus2d_sharding, block._optimus2d_mesh = sharding, mesh
     model.bias = block
     model._optimus2d_shardings, model._optimus2d_mesh = {"bias": sharding}, mesh
     assert keep_blocks_on_copy(model) is model
-    x, probe = torch.randn(2 * mesh.depth * mesh.q, 3, 8), torch.randn(2 * mesh.depth * mesh.q, 3, 8)
+    x, probe = torch.randn(2 * mesh.depth * mesh.q, 3, 12), torch.randn(2 * mesh.depth * mesh.q, 3, 12)
 
     def loss_fn(m):
         y = m(scatter(x, mesh))
