@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.mpi, pytest.mark.families]
 
 _COMMON = dict(
-    vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=1, max_position_embeddings=32,
+    vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=1, max_position_embeddings=32,
     bos_token_id=0, eos_token_id=0, pad_token_id=0,
 )  # fmt: skip
 _EXACT = {  # family → (config class, extra config, model class)
