@@ -48,6 +48,8 @@ def _heads(mesh) -> tuple[int, int]:
 def _model(family: str, mesh):
     config_cls, config_extra, model_cls = _EXACT[family]
     heads, kv_heads = _heads(mesh)
+    if family == "helium":  # its o_proj takes hidden_size inputs: heads · head_dim must be the width
+        config_extra = {"head_dim": 48 // heads}
     config = getattr(transformers, config_cls)(
         **_COMMON, num_attention_heads=heads, num_key_value_heads=kv_heads, attn_implementation="eager",
         **config_extra,
