@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 def _llama_config(mesh):
     heads = 6 if mesh.q == 3 else 4
     return transformers.LlamaConfig(
-        vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
+        vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=heads,
         num_key_value_heads=heads // 2, max_position_embeddings=32, pad_token_id=0, attn_implementation="eager",
     )  # fmt: skip
 
