@@ -6,7 +6,7 @@ Parameters *and* activations are split over a q×q mesh of ranks (``depth`` of t
 
 from optimus2d import blockwise, checkpoint
 from optimus2d.blockwise import as_norm, forward_problems
-from optimus2d.comm import Mesh, count_comm, gather, scatter, scatter_batch
+from optimus2d.comm import Mesh, count_comm, gather, redistribute, scatter, scatter_batch
 from optimus2d.comm.watch import PeerFailedError
 from optimus2d.launch import World, init, report_failure, shutdown
 from optimus2d.layers import (
@@ -57,6 +57,7 @@ __all__ = [
     "load_serial_state_dict",
     "materialize",
     "parallelize",
+    "redistribute",
     "register_converter",
     "register_recogniser",
     "report_failure",

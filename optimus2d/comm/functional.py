@@ -117,6 +117,7 @@ def scatter(x: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> torch.
     if mesh.size > 1:  # a later gather(x) or scatter(out) is refused: x is not a block, out is one
         x._optimus2d_full = out._optimus2d_block = True
     tag(out, mesh, agreed=check is not False and mesh.check != "off")  # a module on another mesh refuses it
+    out._optimus2d_kind = "activation"  # its layout, for redistribute
     return out
 
 
@@ -155,6 +156,7 @@ def scatter_batch(t: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> 
     check_replicated(mesh, "scatter_batch", t, lambda: _check_batch(t, mesh), check)
     out = _Split.apply(t, mesh, batch_sharding(t.shape))
     tag(out, mesh, agreed=check is not False and mesh.check != "off")
+    out._optimus2d_kind = "batch"  # its layout, for redistribute
     return out
 
 
