@@ -9,13 +9,13 @@ serial. Like torch's ``parallelize_module``, the conversion happens in place.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
 
-from optimus2d import blockwise, families
-from optimus2d.comm.agreement import check_same_tensors
+from optimus2d import blockwise, families, layouts
+from optimus2d.comm.agreement import check_same_tensors, layout
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers import (
     Dropout2D,
@@ -138,7 +138,9 @@ def converter_for(module: nn.Module) -> Converter | None:
     return None
 
 
-def parallelize(module: nn.Module, mesh: Mesh, *, check: bool | None = None) -> nn.Module:
+def parallelize(
+    module: nn.Module, mesh: Mesh, *, plan: Mapping[str, Mesh] | None = None, check: bool | None = None
+) -> nn.Module:
     """The model on ``mesh``, converted in place from the serial ``module`` and returned.
 
     The result takes ``optimus2d.scatter``-ed activations (and ``scatter_batch``-ed ids) and gives
@@ -150,8 +152,12 @@ def parallelize(module: nn.Module, mesh: Mesh, *, check: bool | None = None) -> 
     ``distribute_tensor`` assumes): their checksums are compared over the mesh and the weights that
     differ are named in a ``ValueError`` on every rank (``check=False``, or a mesh built with
     ``check="off"``, skips this one all-gather).
+
+    ``plan``: module path (exact, or a glob) → a ``Mesh`` over the same ranks, on which that module
+    and everything inside it is converted and runs; tensors crossing its boundary move between the
+    meshes' layouts by ``redistribute`` (``optimus2d/layouts.py``). A key naming no module is refused.
     """
-    walk = _Walk(mesh, {}, _tied_embeddings(module))
+    walk = _Walk(mesh, {}, _tied_embeddings(module), plan=layouts.check_plan(plan, mesh))
     walk.check(module, "")
     walk.raise_refused()
     # Built on meta: note now how the serial model initialises each tensor (materialize replays it)
@@ -177,7 +183,7 @@ def convert_children(module: nn.Module, mesh: Mesh) -> None:
     """Convert every child of ``module`` in place (for converters of modules that hold tensors too)."""
     walk = _current.get() or _Walk(mesh, {}, _tied_embeddings(module))
     for name, child in _children(module):
-        setattr(module, name, walk.convert(child, name))
+        setattr(module, name, walk.convert(child, name, mesh))
 
 
 _current: contextvars.ContextVar[_Walk | None] = contextvars.ContextVar("optimus2d_parallelize", default=None)
@@ -295,14 +301,39 @@ class _Walk:
     refused: list[str] = field(default_factory=list)  # "path (Class): why", every offender of the model
     plans: dict[int, Converter] = field(default_factory=dict)  # id(module) → how it converts
     seen: list[nn.Module] = field(default_factory=list)  # the modules of those ids, kept alive: no id reused
+    plan: dict[str, Mesh] = field(default_factory=dict)  # parallelize(plan=): path → the mesh of that module
+    meshes: dict[int, Mesh] = field(default_factory=dict)  # id(module) → its mesh, where the plan names one
+    boundaries: dict[int, layouts.Boundary] = field(default_factory=dict)  # id(planned module) → its hooks
+    planned: set[str] = field(default_factory=set)  # the plan's keys that named a module
 
-    def check(self, module: nn.Module, path: str, parent: nn.Module | None = None) -> None:
-        """Note in ``refused`` everything that would be refused, before any module is changed."""
+    def check(
+        self,
+        module: nn.Module,
+        path: str,
+        parent: nn.Module | None = None,
+        outer: Mesh | None = None,
+        caller: Mesh | None = None,
+    ) -> None:
+        """Note in ``refused`` everything that would be refused, before any module is changed.
+
+        ``outer``: the mesh of the parent; ``caller``: of the module whose forward calls this one
+        (the parent, or the parent's caller for a container without a forward of its own)."""
+        outer = outer or self.mesh
+        caller = caller or outer
+        hit = layouts.planned_mesh(self.plan, path) if self.plan else None
+        mesh = hit[1] if hit is not None else outer
+        if hit is not None:
+            self.planned.add(hit[0])
+        if mesh is not self.mesh:
+            self.meshes[id(module)] = mesh
+        called = type(module).forward is not nn.Module.forward  # a ModuleList is never called itself
+        if called and layout(mesh) != layout(caller):
+            self.boundaries[id(module)] = layouts.Boundary(path, mesh, caller, [self.mesh, *self.plan.values()])
         if isinstance(module, (ShardedModule, Dropout2D)) or getattr(module, "_optimus2d_mesh", None) is not None:
             return
         if isinstance(module, nn.Linear) and id(module.weight) in self.tied:
             return
-        how = _plan(module, parent, self.mesh)
+        how = _plan(module, parent, mesh)
         if isinstance(how, str):
             self.refused.append(f"{path or 'the model itself'} ({type(module).__name__}): {how}")
         else:
@@ -310,9 +341,12 @@ class _Walk:
             self.seen.append(module)
         if isinstance(how, str) or how in _CONVERTS_CHILDREN:  # a refused container: its children too
             for name, child in _children(module):
-                self.check(child, f"{path}.{name}" if path else name, module)
+                self.check(child, f"{path}.{name}" if path else name, module, mesh, mesh if called else caller)
 
     def raise_refused(self) -> None:
+        missing = [key for key in self.plan if key not in self.planned]
+        if missing:
+            raise ValueError(f"parallelize: plan= names no module of the model at {', '.join(map(repr, missing))}")
         if self.refused:
             lines = "\n  ".join(self.refused)
             raise TypeError(
@@ -322,13 +356,15 @@ class _Walk:
                 f"on whole heads once its children are converted, optimus2d.register_converter(cls, keep=True)"
             )
 
-    def convert(self, module: nn.Module, path: str) -> nn.Module:
+    def convert(self, module: nn.Module, path: str, mesh: Mesh | None = None) -> nn.Module:
         if id(module) not in self.done:
-            self.done[id(module)] = self._convert(module, path)
+            self.done[id(module)] = self._convert(module, path, self.meshes.get(id(module), mesh or self.mesh))
             self.seen.append(module)
+            if id(module) in self.boundaries:
+                self.boundaries[id(module)].install(self.done[id(module)])
         return self.done[id(module)]
 
-    def _convert(self, module: nn.Module, path: str) -> nn.Module:
+    def _convert(self, module: nn.Module, path: str, mesh: Mesh) -> nn.Module:
         if isinstance(module, (ShardedModule, Dropout2D)):
             return module
         if isinstance(module, (nn.Linear, nn.Embedding)) and id(module.weight) in self.tied:
@@ -336,10 +372,10 @@ class _Walk:
                 return _convert_tied(self, module)
         how = self.plans.get(id(module))
         if how is None:  # reached through a converter's convert_children without check()
-            how = _plan(module, None, self.mesh)
+            how = _plan(module, None, mesh)
             if isinstance(how, str):
                 raise TypeError(f"parallelize: {path or 'the model itself'} ({type(module).__name__}): {how}")
-        return how(module, self.mesh)
+        return how(module, mesh)
 
 
 def _children(module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -38,6 +38,9 @@ class ShardedModule(nn.Module):
         before the output is returned; over torch.distributed it is settled first. Either way ranks
         that disagree all raise the same ``ValueError`` and none returns a block. Under
         ``torch.compile`` the check is a step of the graph, settled before the module runs."""
+        boundary = self.__dict__.get("_optimus2d_boundary")
+        if boundary is not None:  # parallelize(plan=): inputs move to this module's mesh first (layouts.py)
+            args, kwargs = boundary.before(self, args, kwargs)
         if torch.compiler.is_compiling():
             return self._traced_call(args, kwargs)
         if _inside.get():

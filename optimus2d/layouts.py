@@ -1,0 +1,183 @@
+"""Per-module layouts: a submodule on a mesh of its own over the same ranks (colocated), and the
+boundaries where tensors cross from one mesh's layout to another's.
+
+``parallelize(model, mesh, plan={"model.vision_tower": Mesh(1, depth=4)})`` converts the named
+submodule, and everything inside it, on the plan's mesh; the rest on ``mesh``. A plan key is a
+module path, exact or a glob matched atom by atom (``"encoders.*"``); the innermost match wins.
+A container without a forward of its own (``nn.ModuleList``) is never called: the boundary is
+then at each of its children, which its parent calls. At the boundary of a planned module:
+
+* going in, every tensor of its arguments (inside tuples, lists and dicts) that is a block of
+  another mesh moves to the module's mesh by ``redistribute``, in the layout it carries (from
+  ``scatter``, ``scatter_batch``, ``redistribute``; a module's output is an activation). A tensor
+  of one dim or more that carries no layout (computed by plain torch from blocks) cannot be
+  placed: it is refused, on every rank, before anything is sent. A 0-dim tensor and other
+  arguments pass unchanged;
+* coming out, every tensor of its output (tuples, lists, dicts, ``ModelOutput``s) is a block of the
+  module's mesh — an activation ``[b, ..., h]`` when floating, a batch tensor ``[b, ...]``
+  otherwise, unless it carries its own layout — and moves to the parent's mesh. A tuple or list
+  of tensors (Hugging Face's ``hidden_states``) moves each tensor when it is read, so only the
+  layers the caller uses are sent. Per-head outputs (``attentions``) have no activation layout:
+  a planned module must not return them (refused).
+
+Gradients flow back through the same boundaries (``redistribute``'s backward).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from optimus2d.comm.agreement import layout
+from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.redistribute import redistribute
+from optimus2d.layers.base import ShardedModule
+
+_PER_HEAD = ("attentions", "cross_attentions", "encoder_attentions", "decoder_attentions")
+
+
+def check_plan(plan: Mapping[str, Mesh] | None, mesh: Mesh) -> dict[str, Mesh]:
+    """The plan, checked: every value a ``Mesh`` over the same ranks as ``mesh`` (``ValueError`` otherwise)."""
+    if plan is None:
+        return {}
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"parallelize: plan= must map module paths to meshes, got {type(plan).__name__}")
+    for path, other in plan.items():
+        if not isinstance(path, str) or not isinstance(other, Mesh):
+            raise TypeError(f"parallelize: plan= maps module paths (str) to Mesh, got {path!r}: {type(other).__name__}")
+        if sorted(other.ranks) != sorted(mesh.ranks):
+            raise ValueError(
+                f"parallelize: plan[{path!r}] is over ranks {sorted(other.ranks)}, not over the model mesh's "
+                f"{sorted(mesh.ranks)}: a planned module shares the ranks of the model (colocated)"
+            )
+    return dict(plan)
+
+
+def matches(key: str, path: str) -> bool:
+    """``key`` names ``path``: equal, or a glob matching it atom by atom (``"layers.*"`` names
+    ``layers.0``, not ``layers.0.mlp``), as torch's ``parallelize_module`` reads its plan."""
+    atoms, parts = key.split("."), path.split(".")
+    return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for p, a in zip(parts, atoms, strict=True))
+
+
+def planned_mesh(plan: dict[str, Mesh], path: str) -> tuple[str, Mesh] | None:
+    """(key, mesh) of the plan entry naming ``path`` itself (the longest key of several), or None."""
+    hits = [(key, m) for key, m in plan.items() if matches(key, path)]
+    return max(hits, key=lambda hit: len(hit[0])) if hits else None
+
+
+class Boundary:
+    """The hooks of a planned module: its inputs moved to ``inner``, its outputs to ``outer``."""
+
+    def __init__(self, path: str, inner: Mesh, outer: Mesh, meshes: Sequence[Mesh]) -> None:
+        self.path, self.inner, self.outer = path, inner, outer
+        self.meshes = {layout(m): m for m in meshes}
+
+    def install(self, module: nn.Module) -> None:
+        if not isinstance(module, ShardedModule):  # a ShardedModule's __call__ calls before() itself,
+            module.register_forward_pre_hook(self.before, with_kwargs=True)  # ahead of its input check
+        module.register_forward_hook(self.after)
+        module.__dict__["_optimus2d_boundary"] = self
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        named = [(f"argument {n}", a) for n, a in enumerate(args)] + list(kwargs.items())
+        for name, t in (hit for key, value in named for hit in _tensors(value, key)):  # refuse before sending
+            if t.dim() and getattr(t, "_optimus2d_layout", None) is None:
+                raise ValueError(
+                    f"parallelize: {self.path} (on {_shape(self.inner)}) receives {name} of shape {tuple(t.shape)} "
+                    f"whose layout cannot be known (computed by plain torch, not given by scatter, scatter_batch, "
+                    f"redistribute or an optimus2d module): it cannot be moved from the model's mesh to the module's"
+                )
+        return _map((args, kwargs), self._in)
+
+    def after(self, module: nn.Module, args: tuple, output: object) -> object:
+        if isinstance(output, Mapping):
+            for key in _PER_HEAD:
+                if output.get(key) is not None:
+                    raise ValueError(
+                        f"parallelize: {self.path} (on {_shape(self.inner)}) returns {key}, per-head tensors that "
+                        f"have no activation layout to move to {_shape(self.outer)}: do not ask for them"
+                    )
+        if isinstance(output, Mapping) and hasattr(output, "to_tuple"):  # a ModelOutput: fields in place
+            for key in list(output.keys()):
+                value = output[key]
+                lazy = isinstance(value, (tuple, list)) and value and all(isinstance(t, torch.Tensor) for t in value)
+                output[key] = MovedOnRead(value, self._out) if lazy else _map(value, self._out)
+            return output
+        return _map(output, self._out)
+
+    def _in(self, t: torch.Tensor) -> torch.Tensor:
+        given = getattr(t, "_optimus2d_layout", None)
+        if t.dim() == 0 or given is None or given == layout(self.inner):
+            return t
+        src = self.meshes.get(given)
+        if src is None:
+            raise ValueError(f"parallelize: {self.path} receives a block of a mesh that is not in the plan")
+        return redistribute(t, src, self.inner, layout=_kind(t))
+
+    def _out(self, t: torch.Tensor) -> torch.Tensor:
+        given = getattr(t, "_optimus2d_layout", None)
+        if t.dim() == 0 or given == layout(self.outer):
+            return t
+        src = self.meshes.get(given, self.inner) if given is not None else self.inner
+        return redistribute(t, src, self.outer, layout=_kind(t))
+
+
+class MovedOnRead(Sequence):
+    """A tuple of a planned module's output tensors, each moved to the outer mesh when first read."""
+
+    def __init__(self, items: Sequence, move) -> None:
+        self._items, self._move, self._moved = list(items), move, {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self[n] for n in range(len(self))[index])
+        n = range(len(self))[index]
+        if n not in self._moved:
+            self._moved[n] = _map(self._items[n], self._move)
+        return self._moved[n]
+
+    def __repr__(self) -> str:
+        return f"MovedOnRead({len(self)} items)"
+
+
+def _kind(t: torch.Tensor) -> str:
+    given = getattr(t, "_optimus2d_kind", None)
+    if given is not None:
+        return given
+    return "activation" if t.is_floating_point() and t.dim() >= 2 else "batch"
+
+
+def _shape(mesh: Mesh) -> str:
+    return f"Mesh(q={mesh.q}, depth={mesh.depth})"
+
+
+def _tensors(obj: object, name: str):
+    if isinstance(obj, torch.Tensor):
+        yield name, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _tensors(value, f"{name}[{key!r}]")
+    elif isinstance(obj, (tuple, list)):
+        for n, value in enumerate(obj):
+            yield from _tensors(value, f"{name}[{n}]")
+
+
+def _map(obj: object, fn) -> object:
+    """``obj`` with ``fn`` applied to each tensor inside it (tuples, lists, dicts, namedtuples)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return type(obj)({key: _map(value, fn) for key, value in obj.items()})
+    if isinstance(obj, (tuple, list)):
+        items = [_map(value, fn) for value in obj]
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+            return type(obj)(*items)
+        return type(obj)(items)
+    return obj

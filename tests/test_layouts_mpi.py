@@ -1,0 +1,110 @@
+"""``parallelize(..., plan=)``: a module on its own mesh over the same ranks, the tensors crossing
+its boundary moved by ``redistribute``. Every pair of mesh shapes of the world (4: 2×2 and 1×1×4;
+8: 2×2×2 and 1×1×8; 9: 3×3 and 1×1×9) as (model mesh, encoder mesh): outputs, input gradients
+and one AdamW step equal to serial."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from conftest import _meshes, mesh_shapes
+from helpers import check_against_serial
+from torch import nn
+
+from optimus2d import Mesh, count_comm, parallelize, scatter, serial_state_dict
+
+pytestmark = pytest.mark.mpi
+
+
+def _meshes_of(world) -> list[Mesh]:
+    for shape in mesh_shapes(world.size):
+        if shape not in _meshes:
+            _meshes[shape] = Mesh(*shape)
+    return [_meshes[shape] for shape in mesh_shapes(world.size)]
+
+
+def _layer(width: int) -> nn.TransformerEncoderLayer:
+    return nn.TransformerEncoderLayer(width, 6, 2 * width, dropout=0.0, batch_first=True)
+
+
+class EncoderProjectorLM(nn.Module):
+    """A small multimodal shape: an encoder, a projector to the LM's width, the LM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.TransformerEncoder(_layer(24), 1, enable_nested_tensor=False)
+        self.proj = nn.Linear(24, 36)
+        self.lm = nn.TransformerEncoder(_layer(36), 1, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm(self.proj(self.encoder(x)))
+
+
+def _serial(frozen: bool = False) -> EncoderProjectorLM:
+    torch.manual_seed(0)
+    model = EncoderProjectorLM().double()
+    model.encoder.requires_grad_(not frozen)
+    return model
+
+
+def _input(world) -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(world.size, 3, 24, dtype=torch.float64)
+
+
+def test_every_pair_exact(world):
+    x = _input(world)
+    for model_mesh, encoder_mesh in itertools.product(_meshes_of(world), repeat=2):
+        serial = _serial()
+        parallel = parallelize(copy.deepcopy(serial), model_mesh, plan={"encoder": encoder_mesh})
+        assert parallel.encoder.layers[0].linear1.mesh is encoder_mesh
+        assert parallel.lm.layers[0].linear1.mesh is model_mesh and parallel.proj.mesh is model_mesh
+        check_against_serial(serial, parallel, x, model_mesh, tol=1e-5, optimizer=torch.optim.AdamW)
+
+
+def test_glob_keys_and_the_innermost_wins(world):
+    meshes = _meshes_of(world)
+    outer, inner = meshes[0], meshes[-1]
+    serial = _serial()
+    parallel = parallelize(copy.deepcopy(serial), outer, plan={"*": inner, "lm": outer, "lm.layers.*": inner})
+    assert parallel.encoder.layers[0].linear1.mesh is inner and parallel.proj.mesh is inner
+    assert parallel.lm.layers[0].linear1.mesh is inner and parallel.lm.norm is None
+    x = _input(world)
+    check_against_serial(serial, parallel, x, outer, tol=1e-9)
+
+
+def test_plan_refusals(world):
+    mesh = _meshes_of(world)[0]
+    with pytest.raises(ValueError, match=r"plan= names no module of the model at 'vision'"):
+        parallelize(_serial(), mesh, plan={"vision": mesh})
+    with pytest.raises(TypeError, match="plan= maps module paths"):
+        parallelize(_serial(), mesh, plan={"encoder": (2, 2)})
+
+
+def test_untagged_input_refused_on_every_rank(world):
+    meshes = _meshes_of(world)
+    if len(meshes) < 2:
+        pytest.skip("needs two mesh shapes")
+    outer, inner = meshes
+    parallel = parallelize(_serial(), outer, plan={"encoder": inner})
+    x = scatter(_input(world), outer)
+    with pytest.raises(ValueError, match=r"encoder .* receives argument 0 of shape .* whose layout cannot be known"):
+        parallel.encoder(x * 1.0)  # a product of plain torch: its layout is not known
+
+
+def test_frozen_encoder_state(world):
+    """A frozen encoder on its own mesh stays frozen and gets no gradient; the rest trains as serial."""
+    meshes = _meshes_of(world)
+    serial = _serial(frozen=True)
+    parallel = parallelize(copy.deepcopy(serial), meshes[0], plan={"encoder": meshes[-1]})
+    assert not any(p.requires_grad for p in parallel.encoder.parameters())
+    x = _input(world)
+    check_against_serial(serial, parallel, x, meshes[0], tol=1e-5, optimizer=torch.optim.AdamW)
+    assert all(p.grad is None for p in parallel.encoder.parameters())
+    assert set(serial_state_dict(parallel)) == set(serial.state_dict())
+    with count_comm() as c:
+        parallel.encoder(scatter(_input(world), meshes[0]))
+    assert c.count() >= 0
