@@ -43,6 +43,14 @@ def _input_derivative(activation: Activation):
     return None
 
 
+def kept_for_backward(ctx, a: torch.Tensor, activation: Activation) -> torch.Tensor | None:
+    """``a`` (A of a product A·B, before its activation) where backward reads it: for B's gradient,
+    or for A's through an activation; else None. A frozen weight (B needs no gradient) under a
+    plain input keeps no activation at all."""
+    need_a, need_b = ctx.needs_input_grad[:2]
+    return a if need_b or (need_a and activation is not None) else None
+
+
 class Recomputed:
     """In backward: ``value`` = activation(pre) again (made when first read), and ``grad`` takes
     dL/d(value) to dL/d(pre).

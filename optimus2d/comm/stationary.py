@@ -38,7 +38,7 @@ from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
-from optimus2d.recompute import Activation, Recomputed, activated
+from optimus2d.recompute import Activation, Recomputed, activated, kept_for_backward
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -97,7 +97,8 @@ class _StationaryAB(Function):
     def forward(ctx, a, b, mesh, activation):
         ctx.mesh, ctx.activation = mesh, activation
         a_swapped = P.transpose(a.contiguous(), mesh)  # A[batch blk j, blk i] on rank (k, i, j)
-        ctx.save_for_backward(a_swapped, b)  # before the activation (optimus2d/recompute.py)
+        ctx.a_shape = a_swapped.shape
+        ctx.save_for_backward(kept_for_backward(ctx, a_swapped, activation), b)  # before the activation (recompute.py)
         out = P.PartialSums(mesh, "col", (a.shape[0], b.shape[1]), a)  # batch block t → col member t
         _products(P.Blocks(activated(a_swapped, activation), mesh, "row"), b, out)  # row member t: batch block t
         return out.result()
@@ -109,7 +110,7 @@ class _StationaryAB(Function):
         a_swapped = Recomputed(pre_swapped, ctx.activation)
         grads = P.Blocks(grad_c.contiguous(), mesh, "col")  # dC[batch blk t, blk j]
         inputs = P.Blocks(a_swapped.value, mesh, "row") if need_b else None  # A[batch blk t, blk i]
-        grad_a = P.PartialSums(mesh, "row", pre_swapped.shape, pre_swapped) if need_a else None
+        grad_a = P.PartialSums(mesh, "row", ctx.a_shape, grad_c) if need_a else None
         grad_b = _WeightGrad(b) if need_b else None
         _products(grads, b.t(), grad_a, (grad_b, inputs, False) if need_b else None)
         inputs = None  # frees the recomputed activation before its input gradient (recompute.py)
@@ -126,7 +127,8 @@ class _StationaryABT(Function):
     def forward(ctx, a, b, mesh, activation):
         ctx.mesh, ctx.activation = mesh, activation
         a = a.contiguous()
-        ctx.save_for_backward(a, b)  # before the activation (optimus2d/recompute.py)
+        ctx.a_shape = a.shape
+        ctx.save_for_backward(kept_for_backward(ctx, a, activation), b)  # before the activation (recompute.py)
         out = P.PartialSums(mesh, "row", (a.shape[0], b.shape[0]), a)  # batch block t → row member t
         _products(P.Blocks(activated(a, activation), mesh, "col"), b.t(), out)  # col member t: batch block t
         return P.transpose(out.result(), mesh)
@@ -138,7 +140,7 @@ class _StationaryABT(Function):
         a = Recomputed(pre, ctx.activation)
         grads = P.Blocks(P.transpose(grad_c.contiguous(), mesh), mesh, "row")  # dC[batch blk t, blk i]
         inputs = P.Blocks(a.value, mesh, "col") if need_b else None  # A[batch blk t, blk j]
-        grad_a = P.PartialSums(mesh, "col", pre.shape, pre) if need_a else None
+        grad_a = P.PartialSums(mesh, "col", ctx.a_shape, grad_c) if need_a else None
         grad_b = _WeightGrad(b) if need_b else None
         _products(grads, b, grad_a, (grad_b, inputs, True) if need_b else None)
         inputs = None  # frees the recomputed activation before its input gradient (recompute.py)

@@ -26,7 +26,7 @@ from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
-from optimus2d.recompute import Activation, Recomputed, activated
+from optimus2d.recompute import Activation, Recomputed, activated, kept_for_backward
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -210,7 +210,9 @@ class _SummaAB(Function):
     @staticmethod
     def forward(ctx, a, b, mesh, activation):
         ctx.mesh, ctx.activation = mesh, activation
-        ctx.save_for_backward(a, b)  # a before the activation (optimus2d/recompute.py)
+        ctx.save_for_backward(
+            kept_for_backward(ctx, a, activation), b
+        )  # a before the activation (optimus2d/recompute.py)
         return _ab(activated(a, activation), b, mesh)
 
     @staticmethod
@@ -226,7 +228,9 @@ class _SummaABT(Function):
     @staticmethod
     def forward(ctx, a, b, mesh, activation):
         ctx.mesh, ctx.activation = mesh, activation
-        ctx.save_for_backward(a, b)  # a before the activation (optimus2d/recompute.py)
+        ctx.save_for_backward(
+            kept_for_backward(ctx, a, activation), b
+        )  # a before the activation (optimus2d/recompute.py)
         return _abt(activated(a, activation), b, mesh)
 
     @staticmethod
