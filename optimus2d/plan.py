@@ -12,9 +12,11 @@ A model: the numbers rank layouts and show trends; they are not measurements.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
+from optimus2d.comm.redistribute import plan_moves
 from optimus2d.cost import linear_2d_algorithm, linear_2d_elements, linear_2d_summa_elements
 
 
@@ -80,10 +82,14 @@ def transformer_layer_elements(layer: Layer, q: int, depth: int = 1, *, on_diago
     return norms + sum(linear_2d_elements(r, i, o, q, depth, on_diagonal=on_diagonal) for i, o in shapes)
 
 
-def layer_comm(layer: Layer, scheme: str, p: int) -> list[tuple[str, int, float, int]]:
+def layer_comm(
+    layer: Layer, scheme: str, p: int, *, dx: bool = True, dw: bool = True
+) -> list[tuple[str, int, float, int]]:
     """(kind, group size, elements per rank, sync stages) of one layer fwd+bwd under ``scheme``.
 
-    A sync stage is a wait for other ranks; collectives issued together count once.
+    A sync stage is a wait for other ranks; collectives issued together count once. 2D and 2.5D:
+    ``dx``/``dw`` False for a layer whose input / weights need no gradient (frozen: ``dw=False``;
+    a frozen prefix, forward only: both False).
     """
     r, h, f = layer.rows, layer.hidden, layer.ffn
     if scheme in ("1d", "1d-sp"):
@@ -97,30 +103,38 @@ def layer_comm(layer: Layer, scheme: str, p: int) -> list[tuple[str, int, float,
     if q > 1:
         rows = r // (depth * q)
         out.append(("all_gather", q, 2 * 2 * rows * q, 2))  # the norms' statistics
-        out.append(("all_reduce", q, 2 * 2 * rows, 2))
-        for i, o in ((h, 3 * h), (h, h), (h, f), (f, h)):
-            out.extend(_linear_comm(r, i, o, q, depth))
-            out.append(("all_reduce", q, o // q, 1))  # bias over col
-    if depth > 1:
+        if dx or dw:
+            out.append(("all_reduce", q, 2 * 2 * rows, 2))
+        for n, (i, o) in enumerate(((h, 3 * h), (h, h), (h, f), (f, h))):
+            out.extend(_linear_comm(r, i, o, q, depth, dx=dx or (dw and n > 0), dw=dw))
+            if dw:
+                out.append(("all_reduce", q, o // q, 1))  # bias over col
+        if dw:
+            out.append(("all_reduce", q, 2 * 2 * (h // q), 2))  # the norms' weight and bias over col
+    if depth > 1 and dw:
+        out.append(("all_reduce", depth, 2 * 2 * (h // q), 2))  # the norms' weight and bias over depth
         grads = 3 * h * h + h * h + 2 * h * f
-        out.append(("all_reduce", depth, grads // (q * q), 4))
+        biases = (3 * h + h + f + h) // q
+        out.append(("all_reduce", depth, grads // (q * q) + biases, 4))
     return out
 
 
 def _linear_comm(
-    r: int, i: int, o: int, q: int, depth: int, dx: bool = True, algorithm: str = "auto"
+    r: int, i: int, o: int, q: int, depth: int, dx: bool = True, algorithm: str = "auto", dw: bool = True
 ) -> list[tuple[str, int, float, int]]:
-    """One Linear2D's products, fwd+bwd, by ``algorithm`` ("auto": as ``Linear2D`` picks), off the diagonal."""
+    """One Linear2D's products, fwd+bwd, by ``algorithm`` ("auto": as ``Linear2D`` picks), off the
+    diagonal. ``dx``/``dw``: whether backward makes the input's / the weight's gradient."""
     if algorithm == "auto":
-        algorithm = linear_2d_algorithm(r, i, o, q, depth, dx=dx)
+        algorithm = linear_2d_algorithm(r, i, o, q, depth, dx=dx, dw=dw)
+    backward = int(dx or dw)
     if algorithm == "summa":
         # each step's broadcasts are issued together, a backward's for both gradients: one sync
         # stage a step forward and one backward
-        return [("broadcast", q, linear_2d_summa_elements(r, i, o, q, depth, dx=dx), 2 * q)]
+        return [("broadcast", q, linear_2d_summa_elements(r, i, o, q, depth, dx=dx, dw=dw), (1 + backward) * q)]
     big = r // depth  # rows of a depth slice
-    swaps = 1 + int(dx or i > o)
+    swaps = 1 + int(dx or (dw and i > o))
     return [  # messages counted as sync stages: the backward gathers dY and the input together
-        ("all_gather", q, big * (2 * i + o) // q, 2),  # the input (forward, again for dW) and dY
+        ("all_gather", q, big * (i + backward * o + int(dw) * i) // q, 1 + backward),  # input, dY, input for dW
         ("reduce_scatter", q, big * (o + (i if dx else 0)) // q, 1 + int(dx)),  # the output and dX
         ("transpose", 2, swaps * big * min(i, o) // (q * q), swaps),  # exchanges with rank (k, j, i)
     ]
@@ -188,10 +202,11 @@ _FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n -
 _FACTOR["reduce_scatter"] = _FACTOR["all_gather"]
 
 
-def step_time(layer: Layer, scheme: str, p: int, hw: Hardware) -> dict[str, float]:
-    """Predicted seconds of one layer fwd+bwd: compute, communication and their sum."""
-    compute = layer.flops / (p * hw.flops)
-    comm = comm_time(layer_comm(layer, scheme, p), hw, compute)
+def step_time(layer: Layer, scheme: str, p: int, hw: Hardware, *, dx: bool = True, dw: bool = True) -> dict[str, float]:
+    """Predicted seconds of one layer fwd+bwd: compute, communication and their sum. ``dx``/``dw``:
+    as for ``layer_comm`` (forward is a third of the flops, each gradient another third)."""
+    compute = layer.flops * (1 + int(dx) + int(dw)) / 3 / (p * hw.flops)
+    comm = comm_time(layer_comm(layer, scheme, p, dx=dx, dw=dw), hw, compute)
     return {"compute": compute, "comm": comm, "total": compute + comm}
 
 
@@ -241,3 +256,92 @@ def isoefficiency_hidden(scheme: str, p: int, hw: Hardware, target: float, seq: 
             return None
         hidden *= 2
     return None
+
+
+# ---- a layout per module (parallelize(plan=)) -------------------------------------------------
+@dataclass(frozen=True)
+class Part:
+    """A module of a model for ``propose_layouts``: ``layers`` × ``layer``, at module path ``path``
+    (the key of ``parallelize(plan=)``). ``frozen``: its parameters need no gradient; then, unless
+    ``input_grad`` (something before it trains), it has no backward at all (a frozen prefix).
+    ``params``: its parameter count, 4·h² + 2·h·f a layer (biases and norms left out)."""
+
+    path: str
+    layer: Layer
+    layers: int = 1
+    frozen: bool = False
+    input_grad: bool = False
+
+    @property
+    def params(self) -> int:
+        h, f = self.layer.hidden, self.layer.ffn
+        return self.layers * (4 * h * h + 2 * h * f)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """``layouts``: path → (q, depth) of the cheapest choice; ``seconds``/``memory``: its predicted
+    step time and peak bytes per rank; ``table``: every choice considered, cheapest first, as
+    (layouts, seconds, bytes, fits)."""
+
+    layouts: dict
+    seconds: float
+    memory: float
+    table: list
+
+
+def part_time(part: Part, q: int, depth: int, hw: Hardware) -> float:
+    """Seconds of ``part``'s forward (+ backward, where anything needs a gradient) on a (q, depth) mesh."""
+    dw = not part.frozen
+    dx = part.input_grad or dw  # inside the part, every layer after a trainable one needs dx
+    scheme = f"2.5d:{depth}" if depth > 1 else "2d"
+    first = step_time(part.layer, scheme, depth * q * q, hw, dx=part.input_grad, dw=dw)["total"]
+    rest = step_time(part.layer, scheme, depth * q * q, hw, dx=dx, dw=dw)["total"]
+    return first + (part.layers - 1) * rest
+
+
+def part_memory(part: Part, q: int, depth: int, hw: Hardware) -> float:
+    """Bytes per rank: the weight blocks (with gradient and two AdamW moments when trained, fp32)
+    and the activations backward keeps (none for a frozen prefix)."""
+    weights = part.params / (q * q) * (hw.bytes_per_element if part.frozen else 16)
+    keeps = not part.frozen or part.input_grad
+    scheme = f"2.5d:{depth}" if depth > 1 else "2d"
+    acts = activation_elements(part.layer, scheme, depth * q * q) * part.layers if keeps else 0.0
+    return weights + acts * hw.bytes_per_element
+
+
+def boundary_elements(rows: int, hidden: int, src: tuple[int, int], dst: tuple[int, int]) -> int:
+    """Most elements a rank receives when an activation [rows, hidden] moves from a (q, depth)
+    layout to another over the same ranks (``optimus2d.redistribute``; each element sent once)."""
+    if src == dst:
+        return 0
+    ranks = tuple(range(src[1] * src[0] ** 2))
+    moves = plan_moves(ranks, src, ranks, dst, "activation", (rows, hidden))
+    received = [0] * len(ranks)
+    for sender, to, box in moves:
+        if sender != to:
+            received[to] += math.prod(b - a for a, b in box)
+    return max(received)
+
+
+def propose_layouts(parts: list[Part], world: int, hw: Hardware, *, memory_cap: float | None = None) -> Proposal:
+    """A mesh shape (q, depth), depth·q² = ``world``, for each part of a chain of modules (each
+    hands its activation [rows, hidden] to the next): the choice of least predicted step time whose
+    every rank fits ``memory_cap`` bytes (the least memory, when none fits). Prices each part by its
+    frozen state (``part_time``) and each boundary by what ``redistribute`` moves, forward and, where
+    the receiver needs the gradient, backward."""
+    shapes = [(q, world // (q * q)) for q in range(1, math.isqrt(world) + 1) if world % (q * q) == 0]
+    table = []
+    for choice in itertools.product(shapes, repeat=len(parts)):
+        seconds = sum(part_time(part, q, d, hw) for part, (q, d) in zip(parts, choice, strict=True))
+        memory = sum(part_memory(part, q, d, hw) for part, (q, d) in zip(parts, choice, strict=True))
+        for n in range(1, len(parts)):
+            before = parts[n - 1]
+            moved = boundary_elements(before.layer.rows, before.layer.hidden, choice[n - 1], choice[n])
+            backward = not before.frozen or before.input_grad
+            seconds += moved * (1 + int(backward)) * hw.bytes_per_element / hw.bandwidth + hw.latency * bool(moved)
+        fits = memory_cap is None or memory <= memory_cap
+        table.append(({part.path: shape for part, shape in zip(parts, choice, strict=True)}, seconds, memory, fits))
+    table.sort(key=lambda row: (not row[3], row[1] if row[3] else row[2]))
+    best = table[0]
+    return Proposal(best[0], best[1], best[2], table)

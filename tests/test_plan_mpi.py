@@ -118,3 +118,26 @@ def test_a_sync_stage_costs_more_after_more_work_where_ranks_share_cores():
     assert comm_time(comm, shared, compute=0.01 * stages) == pytest.approx(comm_time(comm, fixed, compute=1.0))
     longer = comm_time(comm, shared, compute=0.04 * stages) - comm_time(comm, fixed)
     assert abs(longer - latency_terms) < 1e-9  # each stage twice the latency
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dx,dw", [(True, True), (True, False), (False, False)], ids=["trained", "frozen", "prefix"])
+def test_frozen_layer_comm_matches_the_counter(mesh, dx, dw):
+    """``layer_comm(dx=, dw=)`` (what ``propose_layouts`` prices for frozen modules) moves what a
+    frozen block sends, with and without an input that needs a gradient, off the diagonal."""
+    h, heads, s = 12, 6, 5
+    b = 2 * mesh.depth * mesh.q
+    torch.manual_seed(0)
+    serial = nn.TransformerEncoderLayer(h, heads, 4 * h, dropout=0.0, batch_first=True, norm_first=True)
+    serial.requires_grad_(dw)
+    block = TransformerBlock2D.from_serial(serial, mesh)
+    x = scatter(torch.randn(b, s, h), mesh).detach().requires_grad_(dx)
+    with count_comm() as counter:
+        y = block(x, is_causal=True)
+        if dx or dw:
+            y.square().sum().backward()
+    if mesh.size == 1 or mesh.i == mesh.j:
+        return
+    scheme = "2d" if mesh.depth == 1 else f"2.5d:{mesh.depth}"
+    priced = sum(e for _, _, e, _ in layer_comm(Layer(b, s, h, 4 * h), scheme, mesh.size, dx=dx, dw=dw))
+    assert counter.numel == priced, counter.summary()

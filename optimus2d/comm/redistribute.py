@@ -54,7 +54,7 @@ def boxes(mesh: Mesh, kind: str, shape: tuple[int, ...]) -> list[Box]:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(src_ranks, src_qd, dst_ranks, dst_qd, kind, shape) -> list[tuple[int, int, Box]]:
+def plan_moves(src_ranks, src_qd, dst_ranks, dst_qd, kind, shape) -> list[tuple[int, int, Box]]:
     """Every (source rank, destination rank, global box) moved, the same list on every rank."""
     src = _Shape(src_ranks, *src_qd)
     dst = _Shape(dst_ranks, *dst_qd)
@@ -110,7 +110,7 @@ class _Redistribute(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, src: Mesh, dst: Mesh, kind: str) -> torch.Tensor:
         shape = global_shape(x.shape, src, kind)
-        moves = _plan(src.ranks, (src.q, src.depth), dst.ranks, (dst.q, dst.depth), kind, shape)
+        moves = plan_moves(src.ranks, (src.q, src.depth), dst.ranks, (dst.q, dst.depth), kind, shape)
         me = src.rank
         mine_src = boxes(src, kind, shape)[src.ranks.index(me)]
         mine_dst = boxes(dst, kind, shape)[dst.ranks.index(me)]

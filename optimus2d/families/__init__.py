@@ -12,7 +12,7 @@ from torch import nn
 
 _registered: set[str] = set()
 # library → the files that register its classes
-_FILES = {"transformers": ("hf", "hf_causal_lm", "hf_vision", "hf_bert", "hf_seq2seq"), "timm": ("timm",)}
+_FILES = {"transformers": ("hf", "hf_causal_lm", "hf_vision", "hf_bert", "hf_seq2seq", "hf_llava"), "timm": ("timm",)}
 
 
 def register_for(module: nn.Module) -> bool:

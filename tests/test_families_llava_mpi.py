@@ -1,0 +1,175 @@
+"""Hugging Face LLaVA (a CLIP tower, the projector, LLaMA), built from a small random config, on the
+mesh with no user code: logits, the loss of labels=, gradients and one AdamW step equal to serial,
+the images merged at their tokens block by block; a frozen tower stays frozen; text-only batches;
+placeholder counts that do not match refused on every rank, before the language model runs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_close
+
+import optimus2d
+from optimus2d import clip_grad_norm_, gather, parallelize, scatter_batch, serial_state_dict
+from optimus2d.comm import unshard
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.mpi, pytest.mark.families]
+
+IMAGE = 95  # the image token; 16×16 images of 8×8 patches: 4 feature rows per image (class token dropped)
+ROWS, SEQ = 4, 10
+VISION = dict(
+    hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6, image_size=16, patch_size=8
+)
+TEXT = dict(
+    vocab_size=96, hidden_size=60, intermediate_size=120, num_hidden_layers=1, num_attention_heads=6,
+    num_key_value_heads=6, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+)  # fmt: skip
+
+
+def _llava(vision_feature_layer=-2):
+    """-2: the first layer's output (the second layer and post_layernorm get no gradient)."""
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**VISION),
+        text_config=transformers.LlamaConfig(**TEXT),
+        image_token_id=IMAGE,
+        vision_feature_layer=vision_feature_layer,
+        vision_feature_select_strategy="default",
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config)
+    with torch.no_grad():  # every parameter off its init (norms not one, biases not zero): a wrong block shows
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _batch(b: int):
+    """One image per sample; its 4 tokens at a place that differs by sample; the labels ignore them
+    and the padding at the end of some rows."""
+    torch.manual_seed(1)
+    ids, mask = torch.randint(1, IMAGE, (b, SEQ)), torch.ones(b, SEQ, dtype=torch.long)
+    for row in range(b):
+        start = 1 + row % 4
+        ids[row, start : start + ROWS] = IMAGE
+        mask[row, SEQ - row % 3 :] = 0
+    labels = ids.masked_fill((ids == IMAGE) | (mask == 0), -100)
+    return dict(input_ids=ids, pixel_values=torch.randn(b, 3, 16, 16), attention_mask=mask, labels=labels)
+
+
+def _local(batch, mesh):
+    return {k: scatter_batch(v, mesh) for k, v in batch.items()}
+
+
+def _adamw(model, scale):
+    """eps a thousandth of the largest gradient: a gradient that is rounding alone (an attention key
+    bias: softmax ignores it) moves nothing."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3 * scale)
+
+
+def _sharding(p):
+    """``layers.base.param_sharding`` (the layers refactor); before it, the parameter's own tag."""
+    from optimus2d.layers import base
+
+    return base.param_sharding(p) if hasattr(base, "param_sharding") else getattr(p, "_optimus2d_sharding", None)
+
+
+def _compare_step(serial, parallel, mesh, tol=1e-4):
+    """Gradients (each within tol of its own size, or of 1e-3 of the largest), their norm, then one
+    AdamW step: the state equals serial."""
+    grads = {}
+    for name, p in parallel.named_parameters():
+        if p.grad is not None:
+            sharding = _sharding(p)
+            grads[name] = unshard(p.grad.contiguous(), mesh, sharding) if sharding is not None else p.grad
+    want = {n: p.grad for n, p in serial.named_parameters() if p.grad is not None}
+    assert set(grads) == set(want)
+    scale = max(g.abs().max().item() for g in want.values())
+    for name, g in want.items():
+        err = (grads[name] - g).abs().max().item() / max(g.abs().max().item(), 1e-3 * scale)
+        assert err <= tol, f"grad of {name}: relative error {err:.3e}"
+    norm_ref = torch.nn.utils.clip_grad_norm_([p for p in serial.parameters() if p.grad is not None], 1e9)
+    assert_close(clip_grad_norm_([p for p in parallel.parameters() if p.grad is not None], 1e9, mesh), norm_ref, 1e-5)
+    _adamw(serial, scale).step()
+    _adamw(parallel, scale).step()
+    state = serial_state_dict(parallel)
+    assert list(state) == list(serial.state_dict())
+    for key, value in serial.state_dict().items():
+        assert_close(state[key], value, tol, key)
+
+
+@pytest.mark.parametrize("frozen_tower", [False, True], ids=["trained", "frozen_tower"])
+def test_llava_logits_loss_and_step(mesh, frozen_tower):
+    serial = _llava()
+    if frozen_tower:
+        serial.model.vision_tower.requires_grad_(False)
+    flags = {n: p.requires_grad for n, p in serial.named_parameters()}
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    assert {n: p.requires_grad for n, p in parallel.named_parameters()} == flags
+    batch = _batch(2 * mesh.depth * mesh.q)
+
+    out_ref = serial(**batch)
+    out_ref.loss.backward()
+    out = parallel(**_local(batch, mesh))  # logits [b/(d·q), s, 96/q]
+    out.loss.backward()
+
+    assert_close(gather(out.logits.detach(), mesh)[..., :96], out_ref.logits, 1e-4, "logits")
+    assert_close(out.loss, out_ref.loss, 1e-5, "loss")
+    features = gather(out.image_hidden_states.detach(), mesh)  # [rows/(d·q), 60/q] → [rows, 60]
+    assert_close(features, out_ref.image_hidden_states, 1e-4, "image_hidden_states")
+    if frozen_tower:
+        assert all(p.grad is None for p in parallel.model.vision_tower.parameters())
+        assert parallel.model.multi_modal_projector.linear_1.weight.grad is not None
+    _compare_step(serial, parallel, mesh)
+
+
+def test_text_only_batch(mesh):
+    serial = _llava()
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    batch = _batch(2 * mesh.depth * mesh.q)
+    del batch["pixel_values"]
+    batch["input_ids"] = batch["input_ids"].masked_fill(batch["input_ids"] == IMAGE, 7)
+
+    out_ref = serial(**batch)
+    out = parallel(**_local(batch, mesh))
+
+    assert out.image_hidden_states is None
+    assert_close(gather(out.logits.detach(), mesh)[..., :96], out_ref.logits, 1e-4, "logits")
+    assert_close(out.loss.detach(), out_ref.loss, 1e-5, "loss")
+    del batch["labels"]  # generate: full inputs on every rank, serial's tokens; with images refused
+    tokens = parallel.generate(**batch, max_new_tokens=2, do_sample=False)
+    assert torch.equal(tokens, serial.generate(**batch, max_new_tokens=2, do_sample=False))
+    with pytest.raises(ValueError, match="pixel_values not supported"):
+        parallel.generate(**batch, pixel_values=torch.randn(len(tokens), 3, 16, 16), max_new_tokens=2)
+    if mesh.depth * mesh.q > 1:  # a batch that does not divide is refused by scatter_batch, on every rank
+        with pytest.raises(ValueError, match="is not divisible by depth·q"):
+            scatter_batch(torch.randn(2 * mesh.depth * mesh.q - 1, 3, 16, 16), mesh)
+
+
+@pytest.mark.parametrize("case", ["short", "moved"])
+def test_placeholders_that_do_not_match_are_refused_on_every_rank(world, mesh_shape, case):
+    """Counts that differ on any rank: the same ValueError on every rank, before the language model
+    runs. "short": the last sample lost its image tokens (serial refuses too), wrong on its ranks
+    only; "moved": right in total, as serial checks, but the last block's tokens in the first block."""
+    q, depth = mesh_shape
+    if case == "moved" and depth * q == 1:
+        pytest.skip("one batch block")
+    mesh = optimus2d.Mesh(q, depth)  # a mesh of its own: a disagreement is fatal to a mesh
+    parallel = parallelize(_llava(), mesh)
+    batch = _batch(2 * depth * q)
+    del batch["labels"]
+    ids = batch["input_ids"]
+    ids[-1][ids[-1] == IMAGE] = 7
+    if case == "moved":
+        ids[0, -ROWS:] = IMAGE
+    match = "rank 0 refused it: .* do not match.*rank \\d+ refused it: " if case == "moved" else "do not match"
+    with pytest.raises(ValueError, match=match):
+        parallel(**_local(batch, mesh))
+
+
+def test_feature_layers_concatenated_on_the_hidden_dim_are_refused(mesh):
+    with pytest.raises(ValueError, match=r"vision_feature_layer=\[-2, -1\] is not supported"):
+        parallelize(_llava(vision_feature_layer=[-2, -1]), mesh)
