@@ -33,7 +33,7 @@ from torch import nn
 
 from optimus2d.comm.agreement import layout
 from optimus2d.comm.mesh import Mesh
-from optimus2d.comm.redistribute import redistribute
+from optimus2d.comm.redistribution import redistribute
 from optimus2d.layers.base import ShardedModule
 
 _PER_HEAD = ("attentions", "cross_attentions", "encoder_attentions", "decoder_attentions")

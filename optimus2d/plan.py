@@ -16,7 +16,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from optimus2d.comm.redistribute import plan_moves
+from optimus2d.comm.redistribution import plan_moves
 from optimus2d.cost import linear_2d_algorithm, linear_2d_elements, linear_2d_summa_elements
 
 

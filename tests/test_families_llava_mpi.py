@@ -173,3 +173,48 @@ def test_placeholders_that_do_not_match_are_refused_on_every_rank(world, mesh_sh
 def test_feature_layers_concatenated_on_the_hidden_dim_are_refused(mesh):
     with pytest.raises(ValueError, match=r"vision_feature_layer=\[-2, -1\] is not supported"):
         parallelize(_llava(vision_feature_layer=[-2, -1]), mesh)
+
+
+@pytest.mark.parametrize("frozen_tower", [True, False], ids=["frozen_tower", "trained"])
+def test_vision_tower_on_its_own_mesh(world, frozen_tower):
+    """``plan={"model.vision_tower": other}`` for every other mesh shape of the world (2×2 ↔ 1×1×4,
+    2×2×2 ↔ 1×1×8, 3×3 ↔ 1×1×9): images move to the tower's mesh, the feature layer LLaVA reads
+    moves back (only it: ``hidden_states`` move when read), and logits, loss and one AdamW step
+    equal serial's."""
+    from conftest import _meshes, mesh_shapes
+
+    shapes = mesh_shapes(world.size)
+    if len(shapes) < 2:
+        pytest.skip("needs two mesh shapes")
+    for shape in shapes:
+        _meshes.setdefault(shape, optimus2d.Mesh(*shape))
+    batch = _batch(world.size)
+    for model_shape, tower_shape in [(shapes[-1], shapes[0]), (shapes[0], shapes[-1])][: 2 if frozen_tower else 1]:
+        mesh, tower = _meshes[model_shape], _meshes[tower_shape]
+        serial = _llava()
+        serial.model.vision_tower.requires_grad_(not frozen_tower)
+        parallel = parallelize(copy.deepcopy(serial), mesh, plan={"model.vision_tower": tower})
+        assert parallel.model.vision_tower.encoder.layers[0].mlp.fc1.mesh is tower
+        assert parallel.model.multi_modal_projector.linear_1.mesh is mesh
+
+        out_ref = serial(**batch)
+        out_ref.loss.backward()
+        with optimus2d.count_comm() as moved:
+            out = parallel(**_local(batch, mesh))
+        out.loss.backward()
+        assert_close(gather(out.logits.detach(), mesh)[..., :96], out_ref.logits, 1e-4, "logits")
+        assert_close(out.loss, out_ref.loss, 1e-5, "loss")
+        assert_close(gather(out.image_hidden_states.detach(), mesh), out_ref.image_hidden_states, 1e-4, "features")
+        # what the boundary sent, at most: the images, and of the tower's output the last layer, the
+        # pooled output and the one feature layer LLaVA reads (of hidden_states' 3: moved when read)
+        sent = moved.by("kind")[("send",)]
+        images, layer, pooled = (batch["pixel_values"].numel(), len(batch["pixel_values"]) * 5 * 48, 4 * 48)
+        assert 0 < sent <= (images + 2 * layer + pooled) // world.size, sent
+        if frozen_tower:
+            assert all(p.grad is None for p in parallel.model.vision_tower.parameters())
+        scale = max(p.grad.abs().max().item() for p in serial.parameters() if p.grad is not None)
+        _adamw(serial, scale).step()
+        _adamw(parallel, scale).step()
+        state = serial_state_dict(parallel)
+        for key, value in serial.state_dict().items():
+            assert_close(state[key], value, 1e-4, key)

@@ -13,7 +13,7 @@ from conftest import _meshes, mesh_shapes
 
 import optimus2d
 from optimus2d import Mesh, count_comm, redistribute, scatter, scatter_batch
-from optimus2d.comm.redistribute import boxes, global_shape
+from optimus2d.comm.redistribution import boxes, global_shape
 
 pytestmark = pytest.mark.mpi
 

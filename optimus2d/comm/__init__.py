@@ -12,7 +12,7 @@ from optimus2d.comm.functional import (
     sum_across,
 )
 from optimus2d.comm.mesh import Mesh
-from optimus2d.comm.redistribute import redistribute
+from optimus2d.comm.redistribution import redistribute
 from optimus2d.comm.sharding import Sharding, shard, unshard
 from optimus2d.comm.stationary import stationary_ab, stationary_abt
 from optimus2d.comm.summa import summa_ab, summa_abt, summa_atb
