@@ -23,7 +23,7 @@ from torch import nn
 import optimus2d
 from optimus2d import LayerNorm2D, Linear2D, TransformerBlock2D
 from optimus2d.comm import Sharding, reduce_grad
-from optimus2d.layers import ShardedModule
+from optimus2d.layers import ShardedModule, fill_from_serial
 
 
 @dataclass
@@ -76,16 +76,10 @@ class TokenParams2D(ShardedModule):
     """The class token ``[1, 1, E]`` and positions ``[1, n+1, E]``, as blocks ``[.., E/q]`` (block j)."""
 
     def __init__(self, serial: SerialViT, mesh: optimus2d.Mesh) -> None:
-        super().__init__()
-        self.mesh = mesh
-        self.shardings = {}
-        for name in ("cls_token", "pos_embed"):
-            full = getattr(serial, name)
-            self.shardings[name] = Sharding(((), (), ("row",)), tuple(full.shape))
-            local = self.shardings[name].local_shape(mesh)
-            self.register_parameter(name, nn.Parameter(torch.empty(local, device=full.device, dtype=full.dtype)))
-            self.load_serial_tensor(name, full)
-        self.tag_parameters()
+        super().__init__(mesh)
+        for name in ("cls_token", "pos_embed"):  # declared on meta, then given serial's blocks
+            self.declare(name, Sharding(((), (), ("row",)), tuple(getattr(serial, name).shape)), device="meta")
+        fill_from_serial(self, serial)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         axes = ("col", "depth")  # replicated there: gradients are summed over them

@@ -186,7 +186,7 @@ def replicated(module: nn.Module, mesh) -> nn.Module:
     """Keep ``module`` whole on every rank (a per-head norm): each rank's gradient covers its own
     heads and batch rows, so the hooks sum them over the whole mesh, as serial sums them."""
     for param in module.parameters():
-        param._optimus2d_sharding, param._optimus2d_mesh = None, mesh
+        param._optimus2d_mesh = mesh
         if param.requires_grad and mesh.size > 1:
             param.register_hook(functools.partial(_summed_over_mesh, mesh=mesh))
     from optimus2d.layers.base import keep_blocks_on_copy

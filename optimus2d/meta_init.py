@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, block_slices
-from optimus2d.layers.base import sharding_of
+from optimus2d.layers.base import sharding_of, swap_block
 
 _RANDOM = ("uniform_", "normal_", "trunc_normal_")
 _ELEMENTWISE = ("fill_", "zero_", "mul_", "add_", "sub_", "div_", "clamp_", "erfinv_", "exp_", "copy_")
@@ -203,21 +203,8 @@ def materialize(model: nn.Module, *, seed: int, device: torch.device | str | Non
     for key, sub, name, t in owners.values():
         sharding, mesh = sharding_of(sub, name)
         block = _replay(records[key], key, seed, t, sharding, mesh).to(device or "cpu")
-        _swap(t, block)
+        swap_block(t, block)
     return model
-
-
-def _swap(t: torch.Tensor, block: torch.Tensor) -> None:
-    """Give the meta tensor ``t`` the values ``block``, keeping the object (ties, optimizer-to-be,
-    attributes) and its gradient hooks."""
-    hooks = list(t._backward_hooks.values()) if getattr(t, "_backward_hooks", None) else []
-    new = nn.Parameter(block, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else block
-    new.__dict__.update(t.__dict__)
-    torch.utils.swap_tensors(t, new)
-    if hooks:
-        t._backward_hooks = None
-        for hook in hooks:
-            t.register_hook(hook)
 
 
 def _replay(ops, key: str, seed: int, t: torch.Tensor, sharding: Sharding | None, mesh: Mesh | None):

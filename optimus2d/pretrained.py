@@ -38,7 +38,7 @@ from torch import nn
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, Slices, block_slices
-from optimus2d.layers.base import serial_tensor, sharding_of
+from optimus2d.layers.base import serial_tensor, sharding_of, swap_block
 from optimus2d.serial import _owners
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -230,19 +230,16 @@ def _install(t: _Tensor, block: torch.Tensor) -> None:
     """Put a block read for a tensor that was on the meta device in its place: the same Parameter
     (or buffer) object where ``torch.utils.swap_tensors`` can, else a new one in every holder."""
     old = t.tensor
-    new = nn.Parameter(block, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else block
-    new.__dict__.update(old.__dict__)  # optimus2d's tags (swap_tensors swaps the __dict__s too)
-    hooks = list(old._backward_hooks.values()) if getattr(old, "_backward_hooks", None) else []
     try:
-        torch.utils.swap_tensors(old, new)
-    except RuntimeError:  # weak references to it (swap_tensors refuses): the new tensor in every holder
+        swap_block(old, block)
+    except RuntimeError:  # weak references to it (swap_tensors refuses): a new tensor in every holder
+        new = nn.Parameter(block, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else block
+        new.__dict__.update(old.__dict__)  # optimus2d's marks
         for module, name in t.holders:
             (module._parameters if isinstance(new, nn.Parameter) else module._buffers)[name] = new
-        old = t.tensor = new
-    if hooks:  # gradient hooks stay with the object: moved over
-        old._backward_hooks = None
-        for hook in hooks:
-            old.register_hook(hook)
+        for hook in (getattr(old, "_backward_hooks", None) or {}).values():
+            new.register_hook(hook)
+        t.tensor = new
 
 
 def load_pretrained(

@@ -9,6 +9,7 @@ import torch
 from optimus2d.comm import all_reduce
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
+from optimus2d.layers.base import param_sharding
 
 
 def _mesh_of(params: list[torch.Tensor]) -> Mesh | None:
@@ -23,10 +24,8 @@ def _mesh_of(params: list[torch.Tensor]) -> Mesh | None:
 
 def _replicas(param: torch.Tensor, mesh: Mesh) -> int:
     """How many ranks hold the same block of ``param``."""
-    sharding = getattr(param, "_optimus2d_sharding", None)
-    if getattr(param, "_optimus2d_mesh", None) is None:
-        return mesh.size  # a plain torch parameter: the same on every rank
-    if sharding is None:
+    sharding = param_sharding(param)
+    if sharding is None:  # a plain torch parameter, or one replicated: the same on every rank
         return mesh.size
     n = 1
     for axis in sharding.replicated_axes(mesh):

@@ -17,16 +17,13 @@ from torch import nn
 
 import optimus2d
 from optimus2d import checkpoint, clip_grad_norm_, parallelize, scatter, scatter_batch, serial_state_dict
-from optimus2d.layers.base import ShardedModule
+from optimus2d.layers.base import ShardedModule, param_sharding
 
 pytestmark = pytest.mark.mpi
 
 
 def _tags(model: nn.Module) -> dict:
-    return {
-        name: (getattr(p, "_optimus2d_sharding", "untagged"), getattr(p, "_optimus2d_mesh", None))
-        for name, p in model.named_parameters()
-    }
+    return {name: (param_sharding(p), getattr(p, "_optimus2d_mesh", None)) for name, p in model.named_parameters()}
 
 
 def _check_copy(original: nn.Module, twin: nn.Module, mesh) -> None:
@@ -145,7 +142,7 @@ def test_deepcopy_keeps_the_hooks_and_tags_of_a_foreign_modules_blocks(mesh):
     depth, with a hook summing its gradient there (as timm's class token): the copy keeps both."""
     from optimus2d.comm import primitives as P
     from optimus2d.comm.sharding import Sharding, shard
-    from optimus2d.layers.base import keep_blocks_on_copy
+    from optimus2d.layers.base import keep_blocks_on_copy, mark_block
 
     class Shift(nn.Module):  # y = x + bias, its forward reads the parameter directly
         def __init__(self) -> None:
@@ -161,9 +158,9 @@ def test_deepcopy_keeps_the_hooks_and_tags_of_a_foreign_modules_blocks(mesh):
     sharding = Sharding((("row",),), (12,))
     block = nn.Parameter(shard(model.bias.detach(), mesh, sharding).clone())
     block.register_hook(lambda grad: P.summed_copy(grad, mesh, ("col", "depth")))
-    block._optimus2d_sharding, block._optimus2d_mesh = sharding, mesh
     model.bias = block
     model._optimus2d_shardings, model._optimus2d_mesh = {"bias": sharding}, mesh
+    mark_block(block, model, "bias", mesh)
     assert keep_blocks_on_copy(model) is model
     x, probe = torch.randn(2 * mesh.depth * mesh.q, 3, 12), torch.randn(2 * mesh.depth * mesh.q, 3, 12)
 

@@ -18,6 +18,7 @@ from optimus2d import gather, parallelize, scatter, scatter_batch, serial_state_
 from optimus2d.comm import unshard
 from optimus2d.families.hf_seq2seq import HeadTable2D, LearnedPositionalEmbedding2D, ScaledEmbedding2D
 from optimus2d.layers import Embedding2D, Linear2D, TiedHead2D
+from optimus2d.layers.base import param_sharding
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.mpi, pytest.mark.families]
@@ -95,7 +96,7 @@ def _same_after_adamw(serial, parallel, mesh, tol=1e-4):
     grads = {}
     for name, p in parallel.named_parameters():
         if p.grad is not None:
-            sharding = getattr(p, "_optimus2d_sharding", None)
+            sharding = param_sharding(p)
             grads[name] = unshard(p.grad.contiguous(), mesh, sharding) if sharding is not None else p.grad
     want = {name: p.grad for name, p in serial.named_parameters() if p.grad is not None}
     assert set(grads) == set(want)

@@ -14,6 +14,7 @@ from helpers import assert_close
 import optimus2d
 from optimus2d import clip_grad_norm_, gather, parallelize, scatter_batch, serial_state_dict
 from optimus2d.comm import unshard
+from optimus2d.layers.base import param_sharding
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.mpi, pytest.mark.families]
@@ -70,20 +71,13 @@ def _adamw(model, scale):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3 * scale)
 
 
-def _sharding(p):
-    """``layers.base.param_sharding`` (the layers refactor); before it, the parameter's own tag."""
-    from optimus2d.layers import base
-
-    return base.param_sharding(p) if hasattr(base, "param_sharding") else getattr(p, "_optimus2d_sharding", None)
-
-
 def _compare_step(serial, parallel, mesh, tol=1e-4):
     """Gradients (each within tol of its own size, or of 1e-3 of the largest), their norm, then one
     AdamW step: the state equals serial."""
     grads = {}
     for name, p in parallel.named_parameters():
         if p.grad is not None:
-            sharding = _sharding(p)
+            sharding = param_sharding(p)
             grads[name] = unshard(p.grad.contiguous(), mesh, sharding) if sharding is not None else p.grad
     want = {n: p.grad for n, p in serial.named_parameters() if p.grad is not None}
     assert set(grads) == set(want)

@@ -13,6 +13,7 @@ import optimus2d
 from optimus2d import clip_grad_norm_, gather, parallelize, scatter, scatter_batch, serial_state_dict
 from optimus2d.comm import unshard
 from optimus2d.families.vision import PatchConv2D, PositionEmbedding2D
+from optimus2d.layers.base import param_sharding
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.mpi, pytest.mark.families]
@@ -77,7 +78,7 @@ def _serial_grads(model, mesh):
     out = {}
     for name, p in model.named_parameters():
         if p.grad is not None:
-            sharding = getattr(p, "_optimus2d_sharding", None)
+            sharding = param_sharding(p)
             out[name] = unshard(p.grad.contiguous(), mesh, sharding) if sharding is not None else p.grad
     return out
 

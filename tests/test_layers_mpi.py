@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_close, check_against_serial, step_both
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimus2d import (
     MLP2D,
@@ -529,3 +530,120 @@ def test_cross_entropy_in_fp64_computes_in_fp64(mesh, smoothing):
     assert loss.dtype == torch.float64
     assert_close(loss, ref, 1e-12, "loss")
     assert_close(full.grad, ref_logits.grad, 1e-12, "logits grad")
+
+
+class _OffMeta(TorchDispatchMode):
+    """Every op that makes a tensor off the meta device."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                self.ops.append(str(func))
+        return out
+
+
+def _subclasses(cls: type) -> set[type]:
+    return {c for sub in cls.__subclasses__() for c in {sub, *_subclasses(sub)} if c.__module__.startswith("optimus2d")}
+
+
+def _public_layer_classes() -> set[type]:
+    """Every public ShardedModule class of optimus2d, its families' modules imported first."""
+    import importlib
+    import pkgutil
+
+    import optimus2d.families
+    from optimus2d.layers.base import ShardedModule
+
+    for info in pkgutil.iter_modules(optimus2d.families.__path__, "optimus2d.families."):
+        importlib.import_module(info.name)
+    return {c for c in _subclasses(ShardedModule) if not c.__name__.startswith("_")}
+
+
+def test_every_layer_is_built_by_declaring_its_blocks_and_filling_them(mesh):
+    """One construction path: each ShardedModule's ``shardings`` is exactly its parameters, each
+    parameter's owner is the module that declared it, ``requires_grad`` follows the serial tensor,
+    and ``from_serial`` of a serial module on meta allocates nothing (its blocks stay on meta, for
+    ``materialize``). Every ShardedModule class optimus2d defines is built here."""
+    from optimus2d.families import hf
+    from optimus2d.families.hf_seq2seq import HeadTable2D, LearnedPositionalEmbedding2D, ScaledEmbedding2D
+    from optimus2d.families.vision import PatchConv2D, PositionEmbedding2D
+    from optimus2d.layers import Linear2D, TiedHead2D, TransposedLinear2D
+    from optimus2d.layers.base import ShardedModule, param_sharding
+    from optimus2d.layers.block import TransformerDecoderBlock2D
+
+    class Conv1D(nn.Module):  # transformers' [in, out] weight
+        def __init__(self):
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.empty(E, 3 * E)), nn.Parameter(torch.empty(3 * E))
+
+    def embedding(**attrs):  # BART's, with their attributes
+        module = nn.Embedding(10, E)
+        module.__dict__.update(attrs)
+        return module
+
+    parts = {"parts": (E, E, E)}
+    with torch.device("meta"):  # cls: (serial module, from_serial's keywords)
+        table = nn.Embedding(10, E)
+        serials = {
+            Linear2D: (nn.Linear(E, 3 * E), parts),
+            TransposedLinear2D: (Conv1D(), parts),
+            MultiheadAttention2D: (nn.MultiheadAttention(E, HEADS, batch_first=True), {}),
+            Embedding2D: (table, {}),
+            TiedHead2D: (nn.Linear(E, 10), {}),
+            LayerNorm2D: (nn.LayerNorm(E), {}),
+            RMSNorm2D: (nn.RMSNorm(E), {}),
+            MLP2D: (nn.Sequential(nn.Linear(E, 2 * E), nn.GELU(), nn.Linear(2 * E, E)), {}),
+            TransformerBlock2D: (nn.TransformerEncoderLayer(E, HEADS, 2 * E, batch_first=True), {}),
+            TransformerDecoderBlock2D: (nn.TransformerDecoderLayer(E, HEADS, 2 * E, batch_first=True), {}),
+            PatchConv2D: (nn.Conv2d(3, E, 4, stride=4), {}),
+            PositionEmbedding2D: (nn.Embedding(10, E), {}),
+            HeadTable2D: (nn.Embedding(10, HEADS), {}),
+            ScaledEmbedding2D: (embedding(embed_scale=2.0), {}),
+            LearnedPositionalEmbedding2D: (embedding(offset=2), {}),
+            hf.ScaledEmbedding2D: (table, {}),  # Gemma's: an Embedding2D given this class
+        }
+    for serial, _ in serials.values():
+        next(serial.parameters()).requires_grad_(False)  # a frozen tensor stays frozen
+    seen = set()
+    for cls, (serial, kw) in serials.items():
+        watch = _OffMeta()
+        with watch:
+            if cls is HeadTable2D:  # built from its serial table: no from_serial
+                layer = cls(serial, mesh)
+            else:
+                layer = cls.from_serial(
+                    serial, Embedding2D.from_serial(table, mesh) if cls is TiedHead2D else mesh, **kw
+                )
+        assert not watch.ops, f"{cls.__name__}.from_serial of a meta module allocates: {watch.ops[:4]}"
+        flags = {n: p.requires_grad for n, p in serial.named_parameters()}
+        if cls is MLP2D:
+            flags = {n.replace("0.", "fc1.").replace("2.", "fc2."): f for n, f in flags.items()}
+        assert {n: p.requires_grad for n, p in layer.named_parameters()} == flags, cls.__name__
+        for sub in layer.modules():
+            if not isinstance(sub, ShardedModule):
+                continue
+            seen.add(type(sub))
+            own = {n: p for n, p in sub.named_parameters(recurse=False)}
+            assert set(own) == set(sub.shardings), (
+                f"{type(sub).__name__}: declared {set(sub.shardings)}, holds {set(own)}"
+            )
+            for n, p in own.items():
+                assert p.is_meta and tuple(p.shape) == sub.shardings[n].local_shape(mesh), f"{type(sub).__name__}.{n}"
+                assert param_sharding(p) is sub.shardings[n] and p._optimus2d_mesh is mesh
+    public = _public_layer_classes()
+    assert public <= seen, f"not built here: {public - seen}"
+
+    torch.manual_seed(0)
+    serial = nn.TransformerEncoderLayer(E, HEADS, 2 * E, batch_first=True)
+    serial.self_attn.out_proj.bias.requires_grad_(False)
+    serial.norm2.weight.requires_grad_(False)
+    parallel = TransformerBlock2D.from_serial(serial, mesh)  # real tensors: blocks of serial's, flags kept
+    assert {n: p.requires_grad for n, p in parallel.named_parameters()} == {
+        n: p.requires_grad for n, p in serial.named_parameters()
+    }
+    assert_close(serial_state_dict(parallel)["linear1.weight"], serial.linear1.weight, 0.0)

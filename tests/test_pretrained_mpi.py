@@ -21,7 +21,7 @@ import optimus2d
 from optimus2d import gather, load_pretrained, parallelize, save_pretrained, scatter_batch, serial_state_dict
 from optimus2d import pretrained as P
 from optimus2d.comm.sharding import shard
-from optimus2d.layers.base import sharding_of
+from optimus2d.layers.base import param_sharding, sharding_of
 from optimus2d.serial import _owners
 
 transformers = pytest.importorskip("transformers")
@@ -228,13 +228,13 @@ def test_meta_tensors_get_their_blocks(mesh, shared, family, how):
         if not hasattr(optimus2d, "materialize"):
             pytest.skip("optimus2d.materialize (meta-device conversion) is not there")
         parallel = parallelize(family(mesh, 1, meta=True), mesh)
-    params = [(n, id(p), getattr(p, "_optimus2d_sharding", None)) for n, p in parallel.named_parameters()]
+    params = [(n, id(p), param_sharding(p)) for n, p in parallel.named_parameters()]
     assert all(t.is_meta for t in parallel.state_dict().values())
     load_pretrained(parallel, shared)
     for key, t in parallel.state_dict(keep_vars=True).items():  # blocks of their own, not views of the file
         assert not t.is_meta and t.is_contiguous(), key
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), key
-    assert [(n, id(p), getattr(p, "_optimus2d_sharding", None)) for n, p in parallel.named_parameters()] == params
+    assert [(n, id(p), param_sharding(p)) for n, p in parallel.named_parameters()] == params
     if family is _gpt2:
         assert parallel.lm_head.weight is parallel.transformer.wte.weight
     assert not any(t.is_meta for t in parallel.buffers())  # LLaMA's rotary table (not saved) made too

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from optimus2d.comm.mesh import Mesh
-from optimus2d.comm.sharding import Sharding, shard
-from optimus2d.layers.base import keep_blocks_on_copy
+from optimus2d.comm.sharding import Sharding
+from optimus2d.layers.base import replace_by_block
 from optimus2d.layers.loss import cross_entropy
 from optimus2d.random import shard_rng
 
@@ -197,11 +197,7 @@ def _prediction_head(head: nn.Module, mesh: Mesh) -> nn.Module:
     _checked(head, mesh)
     if head.bias is head.decoder.bias or "bias" in getattr(head, "_optimus2d_shardings", {}):
         return head
-    sharding = Sharding((("row",),), tuple(bias.shape))
-    head.bias = nn.Parameter(shard(bias.detach(), mesh, sharding).clone(), requires_grad=bias.requires_grad)
-    head.bias._optimus2d_sharding, head.bias._optimus2d_mesh = sharding, mesh
-    head._optimus2d_shardings, head._optimus2d_mesh = {"bias": sharding}, mesh
-    keep_blocks_on_copy(head)  # copy.deepcopy keeps the block's tags
+    replace_by_block(head, "bias", Sharding((("row",),), tuple(bias.shape)), mesh)
     return head
 
 

@@ -41,9 +41,10 @@ from torch import nn
 
 from optimus2d.comm import reduce_grad
 from optimus2d.comm.mesh import Mesh
-from optimus2d.comm.sharding import Sharding, shard
+from optimus2d.comm.sharding import Sharding
 from optimus2d.families.hf_bert import in_shard_rng, refuse_unsplittable, with_vocab_loss
 from optimus2d.layers import RMSNorm2D, ShardedModule
+from optimus2d.layers.base import fill_from_serial, replace_by_block
 from optimus2d.layers.embedding import Embedding2D
 
 
@@ -100,13 +101,10 @@ class HeadTable2D(ShardedModule):
     """
 
     def __init__(self, embedding: nn.Embedding, mesh: Mesh) -> None:
-        super().__init__()
-        w = embedding.weight
-        self.mesh, self.padding_idx = mesh, embedding.padding_idx
-        self.shardings = {"weight": Sharding(((), ("row",)), tuple(w.shape))}
-        block = shard(w.detach(), mesh, self.shardings["weight"]).clone(memory_format=torch.contiguous_format)
-        self.weight = nn.Parameter(block, requires_grad=w.requires_grad)
-        self.tag_parameters()
+        super().__init__(mesh)
+        self.padding_idx = embedding.padding_idx
+        self.declare("weight", Sharding(((), ("row",)), tuple(embedding.weight.shape)), device="meta")
+        fill_from_serial(self, embedding)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, reduce_grad(self.weight, self.mesh, ("col", "depth")), self.padding_idx)
@@ -188,11 +186,8 @@ def _shift_labels(model: nn.Module):
 def _conditional_generation(model: nn.Module, mesh: Mesh) -> nn.Module:
     _checked(model, mesh)
     if "final_logits_bias" not in getattr(model, "_optimus2d_shardings", {}):
-        full = model.final_logits_bias
-        sharding = Sharding(((), ("row",)), tuple(full.shape))  # the logits' vocabulary block j
-        model.final_logits_bias = shard(full, mesh, sharding).clone(memory_format=torch.contiguous_format)
-        model._optimus2d_shardings = {**getattr(model, "_optimus2d_shardings", {}), "final_logits_bias": sharding}
-        model._optimus2d_mesh = mesh
+        sharding = Sharding(((), ("row",)), tuple(model.final_logits_bias.shape))  # the logits' vocabulary block j
+        replace_by_block(model, "final_logits_bias", sharding, mesh)
     with_vocab_loss(model, mesh, _shift_labels(model))
     return model
 

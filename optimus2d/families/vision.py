@@ -17,8 +17,8 @@ from torch import nn
 from optimus2d.comm import primitives as P
 from optimus2d.comm import reduce_grad
 from optimus2d.comm.mesh import Mesh
-from optimus2d.comm.sharding import Sharding, shard
-from optimus2d.layers.base import ShardedModule, keep_blocks_on_copy
+from optimus2d.comm.sharding import Sharding
+from optimus2d.layers.base import ShardedModule, fill_from_serial, replace_by_block
 
 REPLICAS = ("col", "depth")  # the axes over which a hidden block [..., E/q] is replicated
 
@@ -36,41 +36,35 @@ def _sum_over_replicas(mesh: Mesh):
     return hook
 
 
-def replicated_block(full: torch.Tensor, mesh: Mesh, sharding: Sharding) -> nn.Parameter:
-    """This rank's block of ``full`` as a Parameter whose gradient a hook sums over col and depth.
+def sum_grad_over_replicas(param: nn.Parameter, mesh: Mesh) -> nn.Parameter:
+    """Hook ``param`` (a hidden block) so that its gradient is summed over col and depth.
 
-    The hook is registered whether or not ``full`` requires grad (a frozen parameter has no
+    The hook is registered whether or not ``param`` requires grad (a frozen parameter has no
     gradient and the hook never runs), so a parameter unfrozen later still gets the serial
     gradient. A hook, not ``reduce_grad`` in a forward: the libraries' own forwards read these
     tensors directly (a class token, a table interpolated to another image size).
     """
-    block = nn.Parameter(shard(full.detach(), mesh, sharding).clone(), requires_grad=True)
     if any(mesh.axis_size(a) > 1 for a in REPLICAS):
-        block.register_hook(_sum_over_replicas(mesh))
-    block.requires_grad_(full.requires_grad)
-    block._optimus2d_sharding, block._optimus2d_mesh = sharding, mesh  # for clip_grad_norm_
-    return block
+        wanted = param.requires_grad
+        param.requires_grad_(True).register_hook(_sum_over_replicas(mesh))
+        param.requires_grad_(wanted)
+    return param
 
 
 def split_hidden(module: nn.Module, names: tuple[str, ...], mesh: Mesh) -> None:
     """Replace ``module``'s parameters ``names`` (``[..., E]``; absent or None ones are skipped) by
     their hidden blocks ``[..., E/q]``, recorded in ``module._optimus2d_shardings`` so that
     ``serial_state_dict`` and ``load_serial_state_dict`` see the serial tensors."""
-    shardings = module.__dict__.setdefault("_optimus2d_shardings", {})
-    module._optimus2d_mesh = mesh
-    keep_blocks_on_copy(module)  # copy.deepcopy keeps the blocks' tags and gradient hooks
     for name in names:
         full = getattr(module, name, None)
-        if full is None or name in shardings:
+        if full is None or name in getattr(module, "_optimus2d_shardings", {}):
             continue
         if full.shape[-1] % mesh.q:
             raise ValueError(
                 f"parallelize: {type(module).__name__}.{name} of shape {tuple(full.shape)}: hidden dim -1 is not "
                 f"divisible by q={mesh.q} ({mesh})"
             )
-        sharding = hidden_sharding(tuple(full.shape))
-        setattr(module, name, replicated_block(full, mesh, sharding))
-        shardings[name] = sharding
+        sum_grad_over_replicas(replace_by_block(module, name, hidden_sharding(tuple(full.shape)), mesh), mesh)
 
 
 class PatchConv2D(ShardedModule):
@@ -85,7 +79,7 @@ class PatchConv2D(ShardedModule):
     """
 
     def __init__(self, conv: nn.Conv2d, mesh: Mesh) -> None:
-        super().__init__()
+        super().__init__(mesh)
         if conv.groups != 1 or conv.padding_mode != "zeros":
             raise ValueError(
                 f"PatchConv2D: only groups=1 and padding_mode='zeros' are supported, got groups={conv.groups}, "
@@ -93,18 +87,14 @@ class PatchConv2D(ShardedModule):
             )
         if conv.out_channels % mesh.q:
             raise ValueError(f"PatchConv2D: out_channels={conv.out_channels} is not divisible by q={mesh.q} ({mesh})")
-        self.mesh = mesh
         for attr in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups"):
             setattr(self, attr, getattr(conv, attr))
-        self.shardings = {"weight": hidden_sharding(tuple(conv.weight.shape), 0)}
-        self.weight = nn.Parameter(shard(conv.weight.detach(), mesh, self.shardings["weight"]).clone())
-        self.weight.requires_grad_(conv.weight.requires_grad)
-        self.bias = None
+        self.declare("weight", hidden_sharding(tuple(conv.weight.shape), 0), device="meta")
         if conv.bias is not None:
-            self.shardings["bias"] = hidden_sharding(tuple(conv.bias.shape), 0)
-            self.bias = nn.Parameter(shard(conv.bias.detach(), mesh, self.shardings["bias"]).clone())
-            self.bias.requires_grad_(conv.bias.requires_grad)
-        self.tag_parameters()
+            self.declare("bias", hidden_sharding(tuple(conv.bias.shape), 0), device="meta")
+        else:
+            self.register_parameter("bias", None)
+        fill_from_serial(self, conv)
 
     @classmethod
     def from_serial(cls, conv: nn.Module, mesh: Mesh) -> PatchConv2D:
@@ -140,22 +130,21 @@ class PositionEmbedding2D(ShardedModule):
     """
 
     def __init__(self, embedding: nn.Embedding, mesh: Mesh) -> None:
-        super().__init__()
+        super().__init__(mesh)
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
             raise ValueError("PositionEmbedding2D: max_norm, scale_grad_by_freq and sparse are not supported")
         if embedding.embedding_dim % mesh.q:
             raise ValueError(
                 f"PositionEmbedding2D: embedding_dim={embedding.embedding_dim} is not divisible by q={mesh.q} ({mesh})"
             )
-        self.mesh = mesh
         self.num_embeddings, self.embedding_dim, self.padding_idx = (
             embedding.num_embeddings,
             embedding.embedding_dim,
             embedding.padding_idx,
         )
-        self.shardings = {"weight": hidden_sharding(tuple(embedding.weight.shape))}
-        self.weight = replicated_block(embedding.weight, mesh, self.shardings["weight"])
-        self.tag_parameters()
+        weight = self.declare("weight", hidden_sharding(tuple(embedding.weight.shape)), device="meta")
+        sum_grad_over_replicas(weight, mesh)
+        fill_from_serial(self, embedding)
 
     @classmethod
     def from_serial(cls, embedding: nn.Module, mesh: Mesh) -> PositionEmbedding2D:

@@ -1,7 +1,7 @@
 """Modules that stand in for torch.nn ones on the mesh."""
 
 from optimus2d.layers.attention import MultiheadAttention2D
-from optimus2d.layers.base import ShardedModule
+from optimus2d.layers.base import ShardedModule, fill_from_serial
 from optimus2d.layers.block import TransformerBlock2D
 from optimus2d.layers.embedding import Embedding2D, TiedHead2D
 from optimus2d.layers.linear import Linear2D, TransposedLinear2D, linear_2d
@@ -23,5 +23,6 @@ __all__ = [
     "TransformerBlock2D",
     "TransposedLinear2D",
     "cross_entropy",
+    "fill_from_serial",
     "linear_2d",
 ]

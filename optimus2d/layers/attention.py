@@ -11,7 +11,7 @@ from torch import nn
 from optimus2d.comm import all_reduce
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
-from optimus2d.layers.base import ShardedModule
+from optimus2d.layers.base import ShardedModule, fill_from_serial
 from optimus2d.layers.linear import Linear2D, linear_2d
 from optimus2d.random import shard_rng
 
@@ -46,7 +46,7 @@ class MultiheadAttention2D(ShardedModule):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(mesh)
         q = mesh.q
         num_kv_heads = num_kv_heads or num_heads
         if embed_dim % num_heads:
@@ -60,27 +60,25 @@ class MultiheadAttention2D(ShardedModule):
             )
         self.embed_dim, self.num_heads, self.num_kv_heads, self.dropout = embed_dim, num_heads, num_kv_heads, dropout
         self.head_dim = embed_dim // num_heads
-        self.batch_first, self.mesh = True, mesh
+        self.batch_first = True
         kv = num_kv_heads * self.head_dim
         parts = (embed_dim, kv, kv)
         self.summa = "ab"  # E → E + 2·KV never shrinks: weight = W[out blk j, in blk i]
-        self.shardings = {"in_proj_weight": Sharding((("row",), ("col",)), (sum(parts), embed_dim), parts)}
-        self.in_proj_weight = nn.Parameter(torch.empty(sum(parts) // q, embed_dim // q, device=device, dtype=dtype))
+        kw = {"device": device, "dtype": dtype}
+        self.declare("in_proj_weight", Sharding((("row",), ("col",)), (sum(parts), embed_dim), parts), **kw)
         if bias:
-            self.shardings["in_proj_bias"] = Sharding((("row",),), (sum(parts),), parts)
-            self.in_proj_bias = nn.Parameter(torch.empty(sum(parts) // q, device=device, dtype=dtype))
+            self.declare("in_proj_bias", Sharding((("row",),), (sum(parts),), parts), **kw)
         else:
             self.register_parameter("in_proj_bias", None)
-        self.out_proj = Linear2D(embed_dim, embed_dim, bias=bias, mesh=mesh, device=device, dtype=dtype)
+        self.out_proj = Linear2D(embed_dim, embed_dim, bias=bias, mesh=mesh, **kw)
         self._reset_in_proj()
-        self.tag_parameters()
 
     def _reset_in_proj(self) -> None:
         """nn.MultiheadAttention's init: xavier_uniform_ on the whole [3E, E], zero biases."""
-        if self.in_proj_weight.device.type == "meta":
+        w = self.in_proj_weight
+        if w.is_meta:
             return
-        full = torch.empty(self.shardings["in_proj_weight"].full_shape, dtype=self.in_proj_weight.dtype)
-        nn.init.xavier_uniform_(full)
+        full = nn.init.xavier_uniform_(torch.empty(self.shardings["in_proj_weight"].full_shape, dtype=w.dtype))
         self.load_serial_tensor("in_proj_weight", full)
         if self.in_proj_bias is not None:
             nn.init.zeros_(self.in_proj_bias)
@@ -88,6 +86,14 @@ class MultiheadAttention2D(ShardedModule):
 
     @classmethod
     def from_serial(cls, mha: nn.MultiheadAttention, mesh: Mesh) -> MultiheadAttention2D:
+        cls.check_serial(mha)
+        module = cls(mha.embed_dim, mha.num_heads, mha.dropout, mha.in_proj_bias is not None, mesh=mesh, device="meta")
+        fill_from_serial(module, mha)
+        return module
+
+    @staticmethod
+    def check_serial(mha: nn.MultiheadAttention) -> None:
+        """Refuse what ``from_serial`` cannot convert (before anything is built)."""
         if not isinstance(mha, nn.MultiheadAttention):
             raise TypeError(f"MultiheadAttention2D.from_serial expects nn.MultiheadAttention, got {type(mha).__name__}")
         unsupported = {
@@ -99,28 +105,6 @@ class MultiheadAttention2D(ShardedModule):
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"MultiheadAttention2D.from_serial: unsupported {', '.join(bad)}")
-        w = mha.in_proj_weight
-        module = cls(
-            mha.embed_dim,
-            mha.num_heads,
-            mha.dropout,
-            mha.in_proj_bias is not None,
-            mesh=mesh,
-            device="meta",
-            dtype=w.dtype,
-        )
-        module.to_empty(device=w.device)
-        module.tag_parameters()
-        module.out_proj.tag_parameters()
-        module.load_serial_tensor("in_proj_weight", w)
-        module.out_proj.load_serial_tensor("weight", mha.out_proj.weight)
-        if mha.in_proj_bias is not None:
-            module.load_serial_tensor("in_proj_bias", mha.in_proj_bias)
-            module.out_proj.load_serial_tensor("bias", mha.out_proj.bias)
-        for twin, serial in ((module, mha), (module.out_proj, mha.out_proj)):  # frozen stays frozen
-            for name, param in twin.named_parameters(recurse=twin is module.out_proj):
-                param.requires_grad_(getattr(serial, name).requires_grad)
-        return module
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(

@@ -21,14 +21,32 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 class ShardedModule(nn.Module):
-    """A module whose own parameters/buffers are blocks of serial tensors.
+    """A module whose own parameters are blocks of serial tensors.
 
-    ``shardings[name]`` says which block of the serial tensor ``name`` this rank holds; tensors
-    without an entry are replicated. ``optimus2d.serial_state_dict`` and ``from_serial`` use it.
+    One construction path: ``__init__`` declares each parameter (``declare``: its Sharding and an
+    uninitialised block, on meta if asked); ``from_serial`` builds the module on meta and fills it
+    from the serial module (``fill_from_serial``), ``reset_parameters`` from a freshly initialised
+    serial twin. ``shardings[name]`` is the one place a parameter's Sharding is kept.
     """
 
     mesh: Mesh
     shardings: dict[str, Sharding]
+
+    def __init__(self, mesh: Mesh) -> None:
+        super().__init__()
+        self.mesh, self.shardings = mesh, {}
+
+    def declare(self, name: str, sharding: Sharding, param: nn.Parameter | None = None, **device_dtype) -> nn.Parameter:
+        """Register the parameter ``name``: this rank's block of a serial tensor laid out as
+        ``sharding``, uninitialised, on ``device`` in ``dtype`` (or ``param``, a block held
+        elsewhere too: a tied table)."""
+        if param is None:
+            param = nn.Parameter(torch.empty(sharding.local_shape(self.mesh), **device_dtype))
+        self.shardings[name] = sharding
+        self.register_parameter(name, param)
+        if getattr(param, "_optimus2d_owner", None) is None:
+            mark_block(param, self, name, self.mesh)
+        return param
 
     def __call__(self, *args, **kwargs):
         """The outermost optimus2d module of a call checks that every rank passes inputs of the same
@@ -91,14 +109,8 @@ class ShardedModule(nn.Module):
         deep copy drops: the copy (an EMA twin, say) trains as the original does."""
         return deepcopy_keeping_blocks(self, memo)
 
-    def tag_parameters(self) -> None:
-        """Mark each own parameter with its Sharding (``clip_grad_norm_`` counts replicas once)."""
-        for name, param in self.named_parameters(recurse=False):
-            param._optimus2d_sharding = self.shardings.get(name)
-            param._optimus2d_mesh = self.mesh
-
     def load_serial_tensor(self, name: str, full: torch.Tensor) -> None:
-        """Copy this rank's block of the serial tensor ``full`` into ``name`` (no communication)."""
+        """Give ``name`` this rank's block of the serial tensor ``full`` (no communication)."""
         load_serial_tensor(self, name, full)
 
     def serial_tensor(self, name: str) -> torch.Tensor:
@@ -112,8 +124,8 @@ _traced_depth: list[ShardedModule] = []  # the optimus2d modules dynamo is traci
 
 def deepcopy_keeping_blocks(module: nn.Module, memo: dict) -> nn.Module:
     """The deep copy ``copy.deepcopy`` makes of ``module`` (its state, copied with ``memo``), whose
-    parameters keep the originals' ``_optimus2d_*`` attributes (their Sharding and mesh, which
-    ``clip_grad_norm_`` reads) and gradient hooks (a replicated block's sum over its replicas).
+    parameters keep the originals' ``_optimus2d_*`` attributes (their owner, copied too, and mesh,
+    which ``clip_grad_norm_`` reads) and gradient hooks (a replicated block's sum over its replicas).
     A tied parameter is copied once and given them once."""
     new = type(module).__new__(type(module))
     memo[id(module)] = new
@@ -147,10 +159,23 @@ class _KeepBlocks:
 
 def keep_blocks_on_copy(module: nn.Module) -> nn.Module:
     """Make ``copy.deepcopy`` of ``module`` — a library's module whose parameters a converter
-    replaced by blocks, tagged and hooked (``_optimus2d_sharding``, a gradient hook summing over
+    replaced by blocks, marked and hooked (``mark_block``, a gradient hook summing over
     replicas) — keep those tags and hooks, as ``ShardedModule`` does. Returns ``module``."""
     module.__dict__["__deepcopy__"] = _KeepBlocks(module)
     return module
+
+
+def mark_block(param: nn.Parameter, owner: nn.Module, name: str, mesh: Mesh) -> None:
+    """Note on ``param`` the mesh it lives on and the module that keeps its Sharding (``owner``'s
+    ``shardings``, or ``_optimus2d_shardings`` for a library's module whose tensors a converter
+    replaced by blocks): ``clip_grad_norm_`` and ``param_sharding`` look it up there."""
+    param._optimus2d_owner, param._optimus2d_mesh = (owner, name), mesh
+
+
+def param_sharding(param: torch.Tensor) -> Sharding | None:
+    """The Sharding of a parameter, read from its owner (None: replicated, or plain torch)."""
+    owner = getattr(param, "_optimus2d_owner", None)
+    return sharding_of(*owner)[0] if owner is not None else None
 
 
 def sharding_of(module: nn.Module, name: str) -> tuple[Sharding | None, Mesh | None]:
@@ -174,11 +199,68 @@ def serial_tensor(module: nn.Module, name: str) -> torch.Tensor:
 
 
 def load_serial_tensor(module: nn.Module, name: str, full: torch.Tensor) -> None:
-    """Copy this rank's block of the serial tensor ``full`` into ``module.name`` (no communication)."""
+    """Give ``module.name`` this rank's block of the serial tensor ``full`` (no communication).
+
+    A block still on meta (declared, not allocated) becomes a copy of that block, with ``full``'s
+    dtype and device (meta for a meta ``full``: nothing is allocated); an allocated one is copied
+    into, keeping its own. The tensor stays the same Python object (ties, attributes, hooks)."""
     sharding, mesh = sharding_of(module, name)
-    block = shard(full.detach(), mesh, sharding) if sharding is not None else full
+    block = shard(full.detach(), mesh, sharding) if sharding is not None else full.detach()
+    target = getattr(module, name)
     with torch.no_grad():
-        getattr(module, name).copy_(block)
+        if target.is_meta:
+            swap_block(target, block.clone(memory_format=torch.contiguous_format))
+        else:
+            target.copy_(block)
+
+
+def fill_from_serial(module: nn.Module, serial: nn.Module) -> None:
+    """Fill every ``ShardedModule`` in ``module`` from the module at the same path in ``serial``:
+    each declared parameter gets its block of the serial tensor of the same name, and that tensor's
+    ``requires_grad``. A parameter owned by another module (a tied head's table) is left to it."""
+    for path, sub in module.named_modules():
+        if not isinstance(sub, ShardedModule):
+            continue
+        source = serial.get_submodule(path)
+        for name in sub.shardings:
+            param = getattr(sub, name)
+            if getattr(param, "_optimus2d_owner", (sub,))[0] is not sub:
+                continue
+            full = getattr(source, name)
+            load_serial_tensor(sub, name, full)
+            param.requires_grad_(full.requires_grad)
+
+
+def replace_by_block(module: nn.Module, name: str, sharding: Sharding, mesh: Mesh) -> torch.Tensor:
+    """Replace the tensor ``name`` of a library's module (not a ``ShardedModule``: timm's class
+    token, BART's ``final_logits_bias``) by this rank's block of it, its Sharding recorded in
+    ``module._optimus2d_shardings``, the one place for such a module. A parameter stays a parameter
+    (its ``requires_grad`` kept, marked, kept by ``copy.deepcopy``), a buffer a buffer."""
+    full = getattr(module, name)
+    module.__dict__.setdefault("_optimus2d_shardings", {})[name] = sharding
+    module._optimus2d_mesh = mesh
+    block = shard(full.detach(), mesh, sharding).clone(memory_format=torch.contiguous_format)
+    if isinstance(full, nn.Parameter):
+        block = nn.Parameter(block, requires_grad=full.requires_grad)
+        mark_block(block, module, name, mesh)
+        keep_blocks_on_copy(module)  # copy.deepcopy keeps the block's marks and hooks
+    setattr(module, name, block)
+    return block
+
+
+def swap_block(t: torch.Tensor, block: torch.Tensor) -> None:
+    """Give the tensor ``t`` (on meta, say) the values, dtype and device of ``block``, keeping the
+    object (ties, an optimizer-to-be), its attributes and its gradient hooks."""
+    hooks = list(t._backward_hooks.values()) if getattr(t, "_backward_hooks", None) else []
+    new = nn.Parameter(block, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else block
+    new.__dict__.update(t.__dict__)
+    torch.utils.swap_tensors(t, new)
+    if hooks:
+        t._backward_hooks = None
+        wanted = t.requires_grad  # a frozen parameter keeps its hooks for when it is unfrozen
+        for hook in hooks:
+            t.requires_grad_(True).register_hook(hook)
+        t.requires_grad_(wanted)
 
 
 def serial_shape(module: nn.Module, name: str) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ from torch import nn
 
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers.attention import MultiheadAttention2D
+from optimus2d.layers.base import fill_from_serial
 from optimus2d.layers.linear import Linear2D
 from optimus2d.layers.mlp import activation_fn, feed_forward
 from optimus2d.layers.norm import LayerNorm2D
@@ -60,19 +61,7 @@ class TransformerBlock2D(nn.Module):
             raise TypeError(
                 f"TransformerBlock2D.from_serial expects nn.TransformerEncoderLayer, got {type(layer).__name__}"
             )
-        module = cls.__new__(cls)
-        nn.Module.__init__(module)
-        module.self_attn = MultiheadAttention2D.from_serial(layer.self_attn, mesh)
-        module.linear1 = Linear2D.from_serial(layer.linear1, mesh)
-        module.dropout = Dropout2D(layer.dropout.p, mesh=mesh)
-        module.linear2 = Linear2D.from_serial(layer.linear2, mesh)
-        module.norm_first = layer.norm_first
-        module.norm1 = LayerNorm2D.from_serial(layer.norm1, mesh)
-        module.norm2 = LayerNorm2D.from_serial(layer.norm2, mesh)
-        module.dropout1 = Dropout2D(layer.dropout1.p, mesh=mesh)
-        module.dropout2 = Dropout2D(layer.dropout2.p, mesh=mesh)
-        module.activation = activation_fn(layer.activation)
-        return module
+        return _from_serial(cls, layer, mesh)
 
     def forward(
         self,
@@ -105,24 +94,42 @@ class TransformerDecoderBlock2D(nn.Module):
     ``tgt`` ``[b/(d·q), t, d_model/q]`` and ``memory`` ``[b/(d·q), s, d_model/q]`` → like ``tgt``.
     """
 
+    def __init__(
+        self,
+        d_model: int,
+        nhead: int,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        activation: str | Callable[[torch.Tensor], torch.Tensor] = "relu",
+        layer_norm_eps: float = 1e-5,
+        norm_first: bool = False,
+        bias: bool = True,
+        *,
+        mesh: Mesh,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        kw = {"mesh": mesh, "device": device, "dtype": dtype}
+        self.self_attn = MultiheadAttention2D(d_model, nhead, dropout, bias, **kw)
+        self.multihead_attn = MultiheadAttention2D(d_model, nhead, dropout, bias, **kw)
+        self.linear1 = Linear2D(d_model, dim_feedforward, bias, **kw)
+        self.dropout = Dropout2D(dropout, mesh=mesh)
+        self.linear2 = Linear2D(dim_feedforward, d_model, bias, **kw)
+        self.norm_first = norm_first
+        for n in (1, 2, 3):
+            setattr(self, f"norm{n}", LayerNorm2D(d_model, layer_norm_eps, bias=bias, **kw))
+            setattr(self, f"dropout{n}", Dropout2D(dropout, mesh=mesh))
+        self.activation = activation_fn(activation)
+
     @classmethod
     def from_serial(cls, layer: nn.TransformerDecoderLayer, mesh: Mesh) -> TransformerDecoderBlock2D:
         if not isinstance(layer, nn.TransformerDecoderLayer):
             raise TypeError(
                 f"TransformerDecoderBlock2D.from_serial expects nn.TransformerDecoderLayer, got {type(layer).__name__}"
             )
-        module = cls()
-        module.self_attn = MultiheadAttention2D.from_serial(layer.self_attn, mesh)
-        module.multihead_attn = MultiheadAttention2D.from_serial(layer.multihead_attn, mesh)
-        module.linear1 = Linear2D.from_serial(layer.linear1, mesh)
-        module.dropout = Dropout2D(layer.dropout.p, mesh=mesh)
-        module.linear2 = Linear2D.from_serial(layer.linear2, mesh)
-        module.norm_first = layer.norm_first
-        for n in (1, 2, 3):
-            setattr(module, f"norm{n}", LayerNorm2D.from_serial(getattr(layer, f"norm{n}"), mesh))
-            setattr(module, f"dropout{n}", Dropout2D(getattr(layer, f"dropout{n}").p, mesh=mesh))
-        module.activation = activation_fn(layer.activation)
-        return module
+        MultiheadAttention2D.check_serial(layer.multihead_attn)
+        return _from_serial(cls, layer, mesh)
 
     def forward(
         self,
@@ -161,6 +168,21 @@ class TransformerDecoderBlock2D(nn.Module):
 
     def _ff_block(self, x):
         return self.dropout3(feed_forward(x, self.linear1, self.activation, self.linear2, self.dropout))
+
+
+def _from_serial(cls: type, layer: nn.Module, mesh: Mesh) -> nn.Module:
+    """An encoder or decoder block built like ``layer`` on meta, then given its blocks, dropouts and eps."""
+    MultiheadAttention2D.check_serial(layer.self_attn)
+    attn, linear1 = layer.self_attn, layer.linear1
+    args = (attn.embed_dim, attn.num_heads, linear1.out_features, layer.dropout.p, layer.activation)
+    args += (layer.norm1.eps, layer.norm_first, linear1.bias is not None)
+    module = cls(*args, mesh=mesh, device="meta")
+    fill_from_serial(module, layer)
+    own = {Dropout2D: "p", MultiheadAttention2D: "dropout", LayerNorm2D: "eps"}  # one value each in torch's
+    for name, sub in module.named_modules():  # constructor: kept if the layer's were changed after
+        if type(sub) in own:
+            setattr(sub, own[type(sub)], getattr(layer.get_submodule(name), own[type(sub)]))
+    return module
 
 
 class TransformerStack2D(nn.Module):

@@ -9,8 +9,8 @@ from torch import nn
 from optimus2d.comm import primitives as P
 from optimus2d.comm import reduce_grad, reduce_scatter, summa_abt
 from optimus2d.comm.mesh import Mesh
-from optimus2d.comm.sharding import Sharding, shard
-from optimus2d.layers.base import ShardedModule
+from optimus2d.comm.sharding import Sharding
+from optimus2d.layers.base import ShardedModule, fill_from_serial
 
 
 class Embedding2D(ShardedModule):
@@ -36,7 +36,7 @@ class Embedding2D(ShardedModule):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(mesh)
         if embedding_dim % mesh.q:
             raise ValueError(f"Embedding2D: embedding_dim={embedding_dim} is not divisible by q={mesh.q} ({mesh})")
         if padding_idx is not None:
@@ -45,23 +45,13 @@ class Embedding2D(ShardedModule):
                     f"Embedding2D: padding_idx={padding_idx} must be within num_embeddings={num_embeddings}"
                 )
             padding_idx %= num_embeddings
-        self.num_embeddings, self.embedding_dim, self.padding_idx, self.mesh = (
-            num_embeddings,
-            embedding_dim,
-            padding_idx,
-            mesh,
-        )
-        self.shardings = {"weight": Sharding((("col",), ("row",)), (num_embeddings, embedding_dim))}
-        local = self.shardings["weight"].local_shape(mesh)
-        self.vocab_per_rank = local[0]
-        self.weight = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        sharding = Sharding((("col",), ("row",)), (num_embeddings, embedding_dim))
+        self.vocab_per_rank = self.declare("weight", sharding, device=device, dtype=dtype).shape[0]
         self.reset_parameters()
-        self.tag_parameters()
 
     def reset_parameters(self) -> None:
         """The blocks of ``nn.Embedding``'s N(0, 1) init with the same RNG state (same on every rank)."""
-        if self.weight.device.type == "meta":
-            return
         full = nn.Embedding(
             self.num_embeddings,
             self.embedding_dim,
@@ -78,11 +68,8 @@ class Embedding2D(ShardedModule):
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
             raise ValueError("Embedding2D.from_serial: max_norm, scale_grad_by_freq and sparse are not supported")
         w = embedding.weight
-        module = cls(w.shape[0], w.shape[1], embedding.padding_idx, mesh=mesh, device="meta", dtype=w.dtype)
-        module.to_empty(device=w.device)
-        module.tag_parameters()
-        module.load_serial_tensor("weight", w)
-        module.weight.requires_grad_(w.requires_grad)
+        module = cls(w.shape[0], w.shape[1], embedding.padding_idx, mesh=mesh, device="meta")
+        fill_from_serial(module, embedding)
         return module
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -169,22 +156,19 @@ class TiedHead2D(ShardedModule):
     """
 
     def __init__(self, embedding: Embedding2D, bias: nn.Parameter | None = None) -> None:
-        super().__init__()
-        self.mesh, self.num_embeddings = embedding.mesh, embedding.num_embeddings
-        self.shardings = {"weight": embedding.shardings["weight"]}
-        self.weight = embedding.weight
+        super().__init__(embedding.mesh)
+        self.num_embeddings = embedding.num_embeddings
+        self.declare("weight", embedding.shardings["weight"], embedding.weight)
         if bias is None:
             self.register_parameter("bias", None)
             return
-        self.shardings["bias"] = bias_sharding(self.num_embeddings)
-        local = self.shardings["bias"].local_shape(self.mesh)
+        local = bias_sharding(self.num_embeddings).local_shape(self.mesh)
         if not isinstance(bias, nn.Parameter) or tuple(bias.shape) != local:
             raise ValueError(
                 f"TiedHead2D: bias must be a Parameter of this rank's vocabulary block {list(local)} "
                 f"(vocabulary {self.num_embeddings}) on {self.mesh}, got {_describe(bias)}"
             )
-        self.bias = bias
-        self.tag_parameters()
+        self.declare("bias", bias_sharding(self.num_embeddings), bias)
 
     @classmethod
     def from_serial(cls, linear: nn.Linear, embedding: Embedding2D) -> TiedHead2D:
@@ -196,10 +180,11 @@ class TiedHead2D(ShardedModule):
             raise ValueError(f"TiedHead2D.from_serial: head weight {got} is not the table's {shape} ({embedding.mesh})")
         bias = None
         if linear.bias is not None:
-            full = linear.bias.detach()
-            block = shard(full, embedding.mesh, bias_sharding(embedding.num_embeddings)).clone()
-            bias = nn.Parameter(block, requires_grad=linear.bias.requires_grad)
-        return cls(embedding, bias)
+            local = bias_sharding(embedding.num_embeddings).local_shape(embedding.mesh)
+            bias = nn.Parameter(torch.empty(local, device="meta"))
+        head = cls(embedding, bias)
+        fill_from_serial(head, linear)  # the bias: the table is the embedding's
+        return head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return tied_logits(x, self.weight, self.mesh, self.num_embeddings, self.bias)

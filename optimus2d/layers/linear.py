@@ -11,7 +11,7 @@ from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.primitives import is_transposed_view
 from optimus2d.comm.sharding import Sharding
 from optimus2d.cost import linear_2d_algorithm
-from optimus2d.layers.base import ShardedModule
+from optimus2d.layers.base import ShardedModule, fill_from_serial
 from optimus2d.recompute import Activation
 
 
@@ -50,7 +50,7 @@ class Linear2D(ShardedModule):
         parts: tuple[int, ...] | None = None,
         algorithm: str = "auto",
     ) -> None:
-        super().__init__()
+        super().__init__(mesh)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"Linear2D: algorithm {algorithm!r} is not one of {ALGORITHMS}")
         self.algorithm = algorithm
@@ -63,19 +63,15 @@ class Linear2D(ShardedModule):
                 raise ValueError(f"Linear2D: {name}={n} is not divisible by q={mesh.q} ({mesh})")
         if parts is not None and sum(parts) != out_features:
             raise ValueError(f"Linear2D: parts {parts} do not add up to out_features={out_features}")
-        self.in_features, self.out_features, self.mesh = in_features, out_features, mesh
+        self.in_features, self.out_features = in_features, out_features
         self.summa = "ab" if in_features <= out_features else "abt"
         w_dims = (("row",), ("col",)) if self.summa == "ab" else (("col",), ("row",))
-        self.shardings = {"weight": Sharding(w_dims, (out_features, in_features), parts)}
-        q = mesh.q
-        self.weight = nn.Parameter(torch.empty(out_features // q, in_features // q, device=device, dtype=dtype))
+        self.declare("weight", Sharding(w_dims, (out_features, in_features), parts), device=device, dtype=dtype)
         if bias:
-            self.shardings["bias"] = Sharding((("row",),), (out_features,), parts)
-            self.bias = nn.Parameter(torch.empty(out_features // q, device=device, dtype=dtype))
+            self.declare("bias", Sharding((("row",),), (out_features,), parts), device=device, dtype=dtype)
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
-        self.tag_parameters()
 
     def reset_parameters(self) -> None:
         """The blocks of ``nn.Linear(in, out)`` initialised with the same RNG state (same on every rank)."""
@@ -86,7 +82,8 @@ class Linear2D(ShardedModule):
             device=self.weight.device,
             dtype=self.weight.dtype,
         )
-        self._copy_from(full)
+        for name in self.shardings:
+            self.load_serial_tensor(name, getattr(full, name))
 
     @classmethod
     def from_serial(cls, linear: nn.Linear, mesh: Mesh, parts: tuple[int, ...] | None = None) -> Linear2D:
@@ -97,30 +94,11 @@ class Linear2D(ShardedModule):
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"Linear2D.from_serial expects nn.Linear, got {type(linear).__name__}")
-        w = linear.weight
         module = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            mesh=mesh,
-            device="meta",
-            dtype=w.dtype,
-            parts=parts,
+            linear.in_features, linear.out_features, linear.bias is not None, mesh=mesh, device="meta", parts=parts
         )
-        module.to_empty(device=w.device)
-        module.tag_parameters()
-        module._copy_from(linear)
-        module.weight.requires_grad_(w.requires_grad)
-        if linear.bias is not None:
-            module.bias.requires_grad_(linear.bias.requires_grad)
+        fill_from_serial(module, linear)
         return module
-
-    def _copy_from(self, linear: nn.Linear) -> None:
-        if self.weight.device.type == "meta":
-            return
-        self.load_serial_tensor("weight", linear.weight)
-        if self.bias is not None:
-            self.load_serial_tensor("bias", linear.bias)
 
     def forward(self, x: torch.Tensor, *, input_activation: Activation = None) -> torch.Tensor:
         """``input_activation``: y = linear(act(x)) keeping x, not act(x), for backward, where act(x)
@@ -169,29 +147,26 @@ class TransposedLinear2D(ShardedModule):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(mesh)
         if parts is not None and sum(parts) != out_features:
             raise ValueError(f"TransposedLinear2D: parts {parts} do not add up to out_features={out_features}")
         for name, n in (("in_features", in_features), *(("a part", p) for p in parts or (out_features,))):
             if n % mesh.q:
                 raise ValueError(f"TransposedLinear2D: {name}={n} is not divisible by q={mesh.q} ({mesh})")
-        self.in_features, self.out_features, self.mesh = in_features, out_features, mesh
+        self.in_features, self.out_features = in_features, out_features
         self.summa = "ab" if in_features <= out_features else "abt"
         dims = (("col",), ("row",)) if self.summa == "ab" else (("row",), ("col",))
-        self.shardings = {"weight": Sharding(dims, (in_features, out_features), parts, parts_dim=1)}
-        self.weight = nn.Parameter(torch.empty(self.shardings["weight"].local_shape(mesh), device=device, dtype=dtype))
+        self.declare(
+            "weight", Sharding(dims, (in_features, out_features), parts, parts_dim=1), device=device, dtype=dtype
+        )
         if bias:
-            self.shardings["bias"] = Sharding((("row",),), (out_features,), parts)
-            self.bias = nn.Parameter(torch.zeros(out_features // mesh.q, device=device, dtype=dtype))
+            self.declare("bias", Sharding((("row",),), (out_features,), parts), device=device, dtype=dtype)
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
-        self.tag_parameters()
 
     def reset_parameters(self) -> None:
         """transformers' Conv1D init: weight N(0, 0.02²) drawn whole (the same on every rank), bias 0."""
-        if self.weight.device.type == "meta":
-            return
         full = torch.empty(self.shardings["weight"].full_shape, device=self.weight.device, dtype=self.weight.dtype)
         self.load_serial_tensor("weight", nn.init.normal_(full, std=0.02))
         if self.bias is not None:
@@ -201,14 +176,8 @@ class TransposedLinear2D(ShardedModule):
     def from_serial(cls, conv1d: nn.Module, mesh: Mesh, parts: tuple[int, ...] | None = None) -> TransposedLinear2D:
         """From any module with ``weight`` ``[in, out]`` and ``bias`` ``[out]`` (transformers' Conv1D)."""
         w, b = conv1d.weight, getattr(conv1d, "bias", None)
-        module = cls(w.shape[0], w.shape[1], b is not None, parts=parts, mesh=mesh, device="meta", dtype=w.dtype)
-        module.to_empty(device=w.device)
-        module.tag_parameters()
-        module.load_serial_tensor("weight", w)
-        module.weight.requires_grad_(w.requires_grad)
-        if b is not None:
-            module.load_serial_tensor("bias", b)
-            module.bias.requires_grad_(b.requires_grad)
+        module = cls(w.shape[0], w.shape[1], b is not None, parts=parts, mesh=mesh, device="meta")
+        fill_from_serial(module, conv1d)
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

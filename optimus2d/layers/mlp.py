@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from optimus2d.comm.mesh import Mesh
+from optimus2d.layers.base import fill_from_serial
 from optimus2d.layers.linear import Linear2D
 from optimus2d.random import Dropout2D
 
@@ -109,13 +110,14 @@ class MLP2D(nn.Module):
                 "MLP2D.from_serial expects nn.Sequential(nn.Linear, activation, nn.Linear[, nn.Dropout]), "
                 f"got {type(mlp).__name__}"
             )
-        module = cls.__new__(cls)
-        nn.Module.__init__(module)
-        module.fc1 = Linear2D.from_serial(layers[0], mesh)
-        module.fc2 = Linear2D.from_serial(layers[2], mesh)
-        module.activation = activation_fn(layers[1])
-        module.dropout = Dropout2D(layers[3].p if len(layers) == 4 else 0.0, mesh=mesh)
-        module.recompute_activation = recompute_activation
+        fc1, act, fc2 = layers[:3]
+        dropout = layers[3].p if len(layers) == 4 else 0.0
+        kw = {"mesh": mesh, "recompute_activation": recompute_activation, "device": "meta"}
+        module = cls(fc1.in_features, fc1.out_features, act, dropout, fc1.bias is not None, **kw)
+        if (fc2.bias is None) != (fc1.bias is None):  # one layer biased, the other not
+            module.fc2 = Linear2D(fc2.in_features, fc2.out_features, fc2.bias is not None, mesh=mesh, device="meta")
+        fill_from_serial(module.fc1, fc1)
+        fill_from_serial(module.fc2, fc2)
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

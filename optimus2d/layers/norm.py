@@ -13,11 +13,7 @@ from optimus2d.comm import primitives as P
 from optimus2d.comm import reduce_grad
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
-from optimus2d.layers.base import ShardedModule, compute_dtype
-
-
-def _dtype(norm: nn.Module) -> torch.dtype | None:
-    return norm.weight.dtype if getattr(norm, "weight", None) is not None else None
+from optimus2d.layers.base import ShardedModule, compute_dtype, fill_from_serial
 
 
 class _Norm2D(Function):
@@ -78,7 +74,7 @@ class _Norm2D(Function):
 
 class _Norm2DBase(ShardedModule):
     def __init__(self, normalized_shape, eps, elementwise_affine, bias, *, mesh, device, dtype) -> None:
-        super().__init__()
+        super().__init__(mesh)
         shape = (normalized_shape,) if isinstance(normalized_shape, numbers.Integral) else tuple(normalized_shape)
         name = type(self).__name__
         if len(shape) != 1:
@@ -86,19 +82,15 @@ class _Norm2DBase(ShardedModule):
         (hidden,) = shape
         if hidden % mesh.q:
             raise ValueError(f"{name}: hidden size {hidden} is not divisible by q={mesh.q} ({mesh})")
-        self.normalized_shape, self.eps, self.mesh = shape, eps, mesh
+        self.normalized_shape, self.eps = shape, eps
         self.elementwise_affine = elementwise_affine
         self.weight_offset = 0.0  # the scale is weight + weight_offset (1.0: Gemma's RMSNorm)
-        self.shardings = {}
-        local = hidden // mesh.q
         for pname, wanted in (("weight", elementwise_affine), ("bias", elementwise_affine and bias)):
             if wanted:
-                self.shardings[pname] = Sharding((("row",),), shape)
-                self.register_parameter(pname, nn.Parameter(torch.empty(local, device=device, dtype=dtype)))
+                self.declare(pname, Sharding((("row",),), shape), device=device, dtype=dtype)
             else:
                 self.register_parameter(pname, None)
         self.reset_parameters()
-        self.tag_parameters()
 
     def reset_parameters(self) -> None:
         if self.weight is not None:
@@ -125,12 +117,7 @@ class _Norm2DBase(ShardedModule):
 
     def _from_serial(self, module: nn.Module) -> None:
         self.weight_offset = float(getattr(module, "weight_offset", 0.0))
-        self.to_empty(device=(module.weight if module.weight is not None else torch.empty(0)).device)
-        self.tag_parameters()
-        for pname in ("weight", "bias"):
-            if getattr(self, pname, None) is not None:
-                self.load_serial_tensor(pname, getattr(module, pname))
-                getattr(self, pname).requires_grad_(getattr(module, pname).requires_grad)
+        fill_from_serial(self, module)
 
     def extra_repr(self) -> str:
         offset = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
@@ -174,7 +161,6 @@ class LayerNorm2D(_Norm2DBase):
             norm.bias is not None,
             mesh=mesh,
             device="meta",
-            dtype=_dtype(norm),
         )
         module._from_serial(norm)
         return module
@@ -207,8 +193,6 @@ class RMSNorm2D(_Norm2DBase):
     def from_serial(cls, norm: nn.RMSNorm, mesh: Mesh) -> RMSNorm2D:
         if not isinstance(norm, nn.RMSNorm):
             raise TypeError(f"RMSNorm2D.from_serial expects nn.RMSNorm, got {type(norm).__name__}")
-        module = cls(
-            norm.normalized_shape, norm.eps, norm.elementwise_affine, mesh=mesh, device="meta", dtype=_dtype(norm)
-        )
+        module = cls(norm.normalized_shape, norm.eps, norm.elementwise_affine, mesh=mesh, device="meta")
         module._from_serial(norm)
         return module
