@@ -210,20 +210,37 @@ def _plan_load(model, tensors, mesh, path, strict) -> list[tuple[_Tensor, str, s
     return plan
 
 
-def _read_block(f, key: str, t: _Tensor, out: torch.Tensor) -> None:
-    """Copy this rank's block of ``key`` from the open file ``f`` into ``out``, slice by slice.
-    (safetensors' slices are views of the mapped file: the copy is the one read.)"""
+_CHUNK = 16 << 20  # bytes of a file a rank maps at once: safetensors maps every page a slice reads
+
+
+def _read_block(name: str, key: str, t: _Tensor, out: torch.Tensor) -> None:
+    """Copy this rank's block of ``key`` in the file ``name`` into ``out``, slice by slice, each
+    slice in runs of rows spanning at most ``_CHUNK`` bytes of the file, opened anew for each: a
+    column block of a [V, h] table touches every row's pages, and the pages of one run leave the
+    rank's memory before the next is read. (safetensors' slices are views of the mapped file: the
+    copy is the one read.)"""
+    with safe_open(name, "pt") as f:
+        shape = f.get_slice(key).get_shape()
     if t.sharding is None:
-        out.copy_(f.get_tensor(key))
+        pieces = [(tuple(slice(0, n) for n in shape), tuple(slice(0, n) for n in shape))]
+    else:
+        pieces = block_slices(t.sharding, t.mesh)
+        if sum(_volume(dst) for _, dst in pieces) < out.numel():
+            out.zero_()  # padding
+    if not shape:  # a scalar
+        with safe_open(name, "pt") as f:
+            out.copy_(f.get_tensor(key))
         return
-    pieces = block_slices(t.sharding, t.mesh)
-    if sum(_volume(dst) for _, dst in pieces) < out.numel():
-        out.zero_()  # padding
-    reader = None
+    rows = max(1, _CHUNK // max(1, math.prod(shape[1:]) * out.element_size()))
     for src, dst in pieces:
-        if _volume(src):
-            reader = reader or f.get_slice(key)
-            out[dst].copy_(reader[src])
+        if not _volume(src):
+            continue
+        first, last, at = src[0].start, src[0].stop, dst[0].start
+        for start in range(first, last, rows):
+            stop = min(start + rows, last)
+            to = (slice(at + start - first, at + stop - first), *dst[1:])
+            with safe_open(name, "pt") as f:
+                out[to].copy_(f.get_slice(key)[(slice(start, stop), *src[1:])])
 
 
 def _install(t: _Tensor, block: torch.Tensor) -> None:
@@ -275,15 +292,14 @@ def load_pretrained(
     try:
         with torch.no_grad():
             for name, items in sorted(by_file.items()):
-                for t, key in items:  # the file opened per tensor: its pages leave the rank's memory at once
-                    with safe_open(name, "pt") as f:
-                        if t.tensor.is_meta:
-                            where = device or (t.mesh.device if t.mesh is not None else "cpu")
-                            block = torch.empty(t.tensor.shape, dtype=t.tensor.dtype, device=where)
-                            _read_block(f, key, t, block)
-                            _install(t, block)
-                        else:
-                            _read_block(f, key, t, t.tensor)
+                for t, key in items:  # the file opened per run of rows: its pages leave memory at once
+                    if t.tensor.is_meta:
+                        where = device or (t.mesh.device if t.mesh is not None else "cpu")
+                        block = torch.empty(t.tensor.shape, dtype=t.tensor.dtype, device=where)
+                        _read_block(name, key, t, block)
+                        _install(t, block)
+                    else:
+                        _read_block(name, key, t, t.tensor)
     except Exception as err:  # every rank learns of it (none is left waiting): raised below
         error = err
     _agree(mesh, "load_pretrained (reading the blocks)", error)
