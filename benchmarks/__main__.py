@@ -25,6 +25,7 @@ from benchmarks import (
     pretrained,
     report,
     transport,
+    vlm,
     waits,
 )
 
@@ -44,6 +45,7 @@ SUBCOMMANDS = {
     "compile": compile,
     "pretrained": pretrained,
     "report": report,
+    "vlm": vlm,
 }
 RESULTS = Path(__file__).parent / "results"
 

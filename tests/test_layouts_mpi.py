@@ -108,3 +108,23 @@ def test_frozen_encoder_state(world):
     with count_comm() as c:
         parallel.encoder(scatter(_input(world), meshes[0]))
     assert c.count() >= 0
+
+
+def test_autocast_sender_and_receiver_agree(world):
+    """Under autocast the encoder's output crosses the boundary in the dtype serial's encoder gives
+    (the receiver's buffer takes the sender's, agreed with the shape) and the model stays close to
+    serial's autocast."""
+    meshes = _meshes_of(world)
+    torch.manual_seed(0)
+    serial = EncoderProjectorLM()
+    parallel = parallelize(copy.deepcopy(serial), meshes[0], plan={"encoder": meshes[-1]})
+    x = _input(world).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_features = serial(x), serial.encoder(x)
+        features = parallel.encoder(scatter(x, meshes[0]))  # moved to the encoder's mesh and back
+        got = parallel(scatter(x, meshes[0]))
+    assert features.dtype == want_features.dtype and got.dtype == want.dtype
+    from optimus2d import gather
+
+    err = (gather(got.float(), meshes[0]) - want.float()).abs().max() / want.float().abs().max()
+    assert err < 5e-2, err

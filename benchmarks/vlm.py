@@ -1,0 +1,162 @@
+"""An encoder + projector + LM on per-module layouts: every pair of mesh shapes, frozen and trained.
+
+    mpiexec -n 4 python -m benchmarks vlm                 # encoder 4 × 256, LM 2 × 512, 8 images × 64 patches
+    mpiexec -n 4 python -m benchmarks vlm --cap-mib 96    # a memory cap the replicated LM does not fit
+
+The model is a LLaVA-shaped chain of torch.nn modules: a vision encoder (``--enc-layers`` ×
+``nn.TransformerEncoderLayer`` of width ``--enc-hidden``) on patch embeddings ``[b, patches, e]``,
+a projector ``nn.Linear(e, h)`` and a language model (``--lm-layers`` of width ``--lm-hidden``),
+the encoder taking about a third of the forward flops by default. Every peer is
+``parallelize(model, lm_mesh, plan={"encoder": encoder_mesh})`` for each (encoder mesh, LM mesh)
+of the world's shapes (on 4 ranks: 2×2 and 1×1×4), with the encoder frozen and trained; the
+inputs are scattered on the encoder's mesh, the projector and LM run on the LM's, the
+encoder's output moves by ``redistribute``. All in the same run, checked against serial first,
+timed in interleaved rounds (``benchmarks/compare.py``).
+
+Reported per peer: the median fwd+bwd step (and its ratio to the first peer), the bytes a rank
+sends in one step (``count_comm``), the bytes autograd keeps and the parameter bytes; and
+``optimus2d.plan.propose_layouts``'s predicted step time for the same layouts on hardware
+calibrated in this run (``benchmarks/calibrate.py``), its pick under ``--cap-mib`` and whether the
+measured best agrees. Parameters, their gradients and two AdamW moments of the trained modules
+count against the cap (16 bytes a trained parameter, 4 a frozen one, plus what autograd keeps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import optimus2d
+from benchmarks import calibrate, compare
+from benchmarks.compare import Peer
+from optimus2d.plan import Layer, Part, propose_layouts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--enc-hidden", type=int, default=256)
+    parser.add_argument("--enc-layers", type=int, default=4)
+    parser.add_argument("--lm-hidden", type=int, default=512)
+    parser.add_argument("--lm-layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8)
+    compare.add_run_arguments(parser, batch=8, seq=64)
+    parser.set_defaults(rounds=5)
+
+
+class EncoderProjectorLM(nn.Module):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        e, h = args.enc_hidden, args.lm_hidden
+
+        def stack(width: int, layers: int) -> nn.TransformerEncoder:
+            layer = nn.TransformerEncoderLayer(width, args.heads, 4 * width, dropout=0.0, batch_first=True)
+            return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+        self.encoder, self.proj, self.lm = stack(e, args.enc_layers), nn.Linear(e, h), stack(h, args.lm_layers)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        return self.lm(self.proj(self.encoder(patches)))
+
+
+def _shape(mesh: optimus2d.Mesh) -> str:
+    return f"{mesh.q}×{mesh.q}" + (f"×{mesh.depth}" if mesh.depth > 1 else "") if mesh.q > 1 else f"1×1×{mesh.depth}"
+
+
+def _peer(serial, enc: optimus2d.Mesh, lm: optimus2d.Mesh, x, probe, frozen: bool) -> Peer:
+    model = optimus2d.parallelize(copy.deepcopy(serial), lm, plan={"encoder": enc})
+    local_x, local_probe = optimus2d.scatter(x, enc, check=False), optimus2d.scatter(probe, lm, check=False)
+    name = f"{'frozen' if frozen else 'trained'} encoder {_shape(enc)}, LM {_shape(lm)}"
+    return Peer(
+        name,
+        model,
+        lambda: model(local_x),
+        lambda out: (out * local_probe).sum().backward(),
+        lambda out: optimus2d.gather(out, lm),
+    )
+
+
+def _sent_bytes(peer: Peer) -> int:
+    """The most bytes a rank sends in one fwd+bwd step (``count_comm``), over the ranks."""
+    with optimus2d.count_comm() as counter:
+        peer.backward(peer.forward())
+    peer.model.zero_grad(set_to_none=True)
+    most = torch.tensor([counter.bytes], device=compare.collective_device())
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
+
+
+def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
+    device, p = mesh.device, world.size
+    shapes = [(q, p // (q * q)) for q in range(1, p + 1) if q * q <= p and p % (q * q) == 0]
+    meshes = {shape: optimus2d.Mesh(*shape) for shape in shapes}
+    torch.manual_seed(0)
+    base = EncoderProjectorLM(args).to(device)
+    x = torch.randn(args.batch, args.seq, args.enc_hidden, device=device)
+    probe = torch.randn(args.batch, args.seq, args.lm_hidden, device=device)
+    hw = calibrate.measure_hardware(
+        mesh, device, argparse.Namespace(hidden=args.lm_hidden, ffn=4 * args.lm_hidden), 5, args.batch * args.seq
+    )
+    rows, cap = [], args.cap_mib * 2**20
+    for frozen in (True, False):
+        serial = copy.deepcopy(base)
+        serial.encoder.requires_grad_(not frozen)
+        with torch.no_grad():
+            reference = serial(x)
+        combos = list(itertools.product(shapes, repeat=2))
+        peers = [_peer(serial, meshes[e], meshes[m], x, probe, frozen) for e, m in combos]
+        compare.check(peers, reference)
+        sent = [_sent_bytes(peer) for peer in peers]
+        compare.time_rounds(peers, args.rounds, device, f"{'frozen' if frozen else 'trained'} encoder")
+        measured = compare.summarize(peers, args.batch * args.seq, args.batch, args.cap_mib)
+        parts = [
+            Part("encoder", Layer(args.batch, args.seq, args.enc_hidden, 4 * args.enc_hidden, args.heads),
+                 args.enc_layers, frozen=frozen),
+            Part("lm", Layer(args.batch, args.seq, args.lm_hidden, 4 * args.lm_hidden, args.heads), args.lm_layers),
+        ]  # fmt: skip
+        proposal = propose_layouts(parts, p, hw, memory_cap=cap)
+        predicted = {(tuple(r[0]["encoder"]), tuple(r[0]["lm"])): r for r in proposal.table}
+        for (e, m), row, nbytes in zip(combos, measured, sent, strict=True):
+            _, seconds, memory, fits = predicted[(e, m)]
+            row.update(
+                frozen=frozen, encoder=list(e), lm=list(m), sent_bytes=nbytes, predicted_ms=1e3 * seconds,
+                predicted_memory=memory, fits_cap=fits, plan_pick=(e, m) == (proposal.layouts["encoder"],
+                proposal.layouts["lm"]),
+            )  # fmt: skip
+        rows += measured
+    _print(rows, args, p, hw)
+    return {"config": vars(args), "ranks": p, "hardware": calibrate._fields(hw), "rows": rows}
+
+
+def _print(rows: list[dict], args: argparse.Namespace, p: int, hw) -> None:
+    if dist.get_rank() != 0:
+        return
+    print(
+        f"encoder {args.enc_layers} × {args.enc_hidden}, LM {args.lm_layers} × {args.lm_hidden}, {args.batch} × "
+        f"{args.seq} patches, {p} ranks, median of {args.rounds} rounds; cap {args.cap_mib:g} MiB"
+    )
+    print(f"{'':44} {'step ms':>8} {'÷ first':>7} {'sent MB':>8} {'kept MB':>8} {'pred ms':>8} {'fits':>5} pick")
+    for r in rows:
+        first = rows[0 if r["frozen"] else len(rows) // 2]["train_ms"]
+        print(
+            f"{r['peer']:44} {r['train_ms']:8.1f} {r['train_ms'] / first:7.2f} "
+            f"{r['sent_bytes'] / 1e6:8.2f} {r['activation_bytes'] / 1e6:8.2f} {r['predicted_ms']:8.1f} "
+            f"{'yes' if r['fits_cap'] else 'no':>5} {'<-' if r['plan_pick'] else ''}"
+        )
+    for frozen in (True, False):
+        mine = [r for r in rows if r["frozen"] == frozen]
+        pick = next(r for r in mine if r["plan_pick"])
+        for label, pool in (("every layout", mine), ("within the cap", [r for r in mine if r["fits_cap"]])):
+            homo = min((r for r in pool if r["encoder"] == r["lm"]), key=lambda r: r["train_ms"], default=None)
+            hetero = min((r for r in pool if r["encoder"] != r["lm"]), key=lambda r: r["train_ms"], default=None)
+            if homo is None or hetero is None:
+                continue
+            best = min(pool, key=lambda r: r["train_ms"])
+            print(
+                f"{'frozen' if frozen else 'trained'} encoder, {label}: best heterogeneous ({hetero['peer']}) "
+                f"÷ best homogeneous ({homo['peer']}) throughput {homo['train_ms'] / hetero['train_ms']:.2f}; "
+                f"measured best {best['peer']!r}" + (f"; the plan's pick {pick['peer']!r}" if pick in pool else "")
+            )
