@@ -48,3 +48,9 @@ def test_a_pretrained_llama_fine_tunes_from_meta_beside_its_serial_twin(tmp_path
     args = ["--check", "--steps", "3", "--dir", str(tmp_path)]
     out = _run([str(BIN / "mpiexec"), "-n", "4"], "train_pretrained.py", *args)
     assert "check passed: 3 steps equal to the serial model's" in out
+
+
+def test_a_vlm_llava_with_a_frozen_tower_on_its_own_mesh_trains_beside_its_serial_twin():
+    out = _run([str(BIN / "mpiexec"), "-n", "4"], "train_vlm.py", "--check", "--steps", "3")
+    assert "vision tower (frozen) on Mesh(q=1, depth=4)" in out
+    assert "check passed: 3 steps equal to the serial model's" in out
