@@ -24,6 +24,7 @@ from benchmarks import (
     plan,
     pretrained,
     report,
+    scale,
     transport,
     vlm,
     waits,
@@ -45,6 +46,7 @@ SUBCOMMANDS = {
     "compile": compile,
     "pretrained": pretrained,
     "report": report,
+    "scale": scale,
     "vlm": vlm,
 }
 RESULTS = Path(__file__).parent / "results"
