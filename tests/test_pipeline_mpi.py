@@ -1,0 +1,128 @@
+"""Pipeline stages on sub-meshes under torch's schedules: loss, gradients and one AdamW step equal
+the serial model's. 2 stages of 2×2 on 8 ranks, of 1×1×2 on 4, of one rank on 2."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from helpers import assert_close
+from torch import nn
+from torch.distributed import pipelining as pp
+
+import optimus2d
+from optimus2d.pipeline import mesh_sum, pipeline_stage, stage_meshes
+
+pytestmark = pytest.mark.mpi
+
+SHAPES = {2: (1, 1), 4: (1, 2), 8: (2, 1)}  # world → (q, depth) of each of the 2 stage meshes
+B, S, H, LAYERS = 8, 3, 8, 4
+TOL = 1e-10  # float64
+# after AdamW: the key bias's gradient is 0 in serial and ~1e-17 here, which Adam's g/(√v + eps) lifts to ~1e-9·lr
+ADAM_TOL = 1e-6
+# schedule → (its class, the stage indices each pipeline rank runs, as a function of (stage mesh, meshes))
+SCHEDULES = {
+    "GPipe": (pp.ScheduleGPipe, lambda s, p: [s]),
+    "1F1B": (pp.Schedule1F1B, lambda s, p: [s]),
+    "Interleaved1F1B": (pp.ScheduleInterleaved1F1B, lambda s, p: [s, s + p]),
+    "LoopedBFS": (pp.ScheduleLoopedBFS, lambda s, p: [s, s + p]),
+    "InterleavedZeroBubble": (pp.ScheduleInterleavedZeroBubble, lambda s, p: [s, s + p]),
+    "ZBVZeroBubble": (pp.ScheduleZBVZeroBubble, lambda s, p: [s, 2 * p - 1 - s]),
+    "DualPipeV": (pp.ScheduleDualPipeV, lambda s, p: [s, 2 * p - 1 - s]),
+}
+_pipes: dict = {}
+
+
+def _pipe(world):
+    if world.size not in SHAPES:
+        pytest.skip(f"runs on {' or '.join(map(str, SHAPES))} ranks")
+    if world.size not in _pipes:
+        _pipes[world.size] = stage_meshes(2, *SHAPES[world.size])
+    return _pipes[world.size]
+
+
+def _serial() -> nn.Sequential:
+    torch.manual_seed(0)
+    layer = lambda: nn.TransformerEncoderLayer(H, 2, 2 * H, dropout=0.0, batch_first=True)  # noqa: E731
+    return nn.Sequential(*[layer() for _ in range(LAYERS)]).double()
+
+
+def _grads_as_serial(chunk: nn.Module) -> dict[str, torch.Tensor]:
+    """The chunk's gradients under its serial keys, full (collective over the chunk's mesh)."""
+    twin = copy.deepcopy(chunk)  # the mesh is shared, not copied
+    for p, twin_p in zip(chunk.parameters(), twin.parameters(), strict=True):  # (a deep copy drops .grad)
+        twin_p.data = p.grad if p.grad is not None else torch.zeros_like(p)
+    return optimus2d.serial_state_dict(twin)
+
+
+def test_stage_meshes_and_lanes(world):
+    pipe = _pipe(world)
+    p = pipe.mesh.size
+    assert pipe.stages == 2 and pipe.stage == world.rank // p
+    assert pipe.mesh.ranks == tuple(range(pipe.stage * p, (pipe.stage + 1) * p))
+    assert pipe.lane_ranks == (world.rank % p, world.rank % p + p)  # the same (k, i, j) in both meshes
+    assert torch.distributed.get_process_group_ranks(pipe.lane) == list(pipe.lane_ranks)
+    wanted = os.environ.get("OPTIMUS2D_TRANSPORT", "mpi")
+    assert pipe.mesh.transport == (wanted if p > 1 else "torch"), pipe.mesh
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "frozen"])
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_schedule_matches_serial(world, name, mode):
+    if mode != "sum" and name not in ("1F1B", "Interleaved1F1B"):
+        pytest.skip("the mean loss and a frozen first chunk on two schedules are enough")
+    mean = mode == "mean"
+    pipe, n = _pipe(world), 4
+    cls, indices = SCHEDULES[name]
+    stage_ids = indices(pipe.stage, pipe.stages)
+    num_stages = pipe.stages * len(stage_ids)
+    per_chunk = LAYERS // num_stages
+    torch.manual_seed(1)
+    x, probe = torch.randn(B, S, H, dtype=torch.float64), torch.randn(B, S, H, dtype=torch.float64)
+    scale = 1.0 / (B // n * S * H) if mean else 1.0  # the mean of each micro-batch, averaged as serial
+
+    serial = _serial()
+    if mode == "frozen":  # the first chunk learns nothing: its output has no grad_fn, and still gets a gradient sent
+        serial[:per_chunk].requires_grad_(False)
+    chunks, stages = [], []
+    for sid in stage_ids:
+        chunk = optimus2d.parallelize(copy.deepcopy(serial[sid * per_chunk : (sid + 1) * per_chunk]), pipe.mesh)
+        chunks.append(chunk)
+        shape = (B // n, S, H)
+        stages.append(pipeline_stage(chunk, pipe, microbatch_shape=shape, stage_index=sid, num_stages=num_stages))
+
+    def loss_fn(out, target):  # the micro-batch's global loss, the same on every rank of the mesh
+        return mesh_sum(out * target, pipe.mesh) * scale
+
+    if len(stages) == 1:
+        schedule = cls(stages[0], n_microbatches=n, loss_fn=loss_fn, scale_grads=mean)
+    else:
+        schedule = cls(stages, n_microbatches=n, loss_fn=loss_fn, scale_grads=mean)
+    losses: list[torch.Tensor] = []
+    args = (optimus2d.scatter(x, pipe.mesh),) if 0 in stage_ids else ()
+    last = num_stages - 1 in stage_ids
+    target = optimus2d.scatter(probe, pipe.mesh) if last else None
+    schedule.step(*args, target=target, losses=losses if last else None)
+
+    trained = [p for c in chunks for p in c.parameters() if p.requires_grad]
+    grads = [_grads_as_serial(c) for c in chunks]
+    if trained:
+        torch.optim.AdamW(trained, lr=1e-2).step()
+    states = [optimus2d.serial_state_dict(c) for c in chunks]  # the last collectives
+
+    y = serial(x)
+    loss_ref = (y * probe).sum() * (1.0 / (B * S * H) if mean else 1.0)
+    loss_ref.backward()
+    torch.optim.AdamW([p for p in serial.parameters() if p.requires_grad], lr=1e-2).step()
+    ref_grads = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in serial.named_parameters()}
+    ref_state = serial.state_dict()
+    if last:
+        got = torch.stack(losses).sum() if not mean else torch.stack(losses).mean()
+        assert_close(got, loss_ref.detach(), TOL, "loss")
+    for sid, grad, state in zip(stage_ids, grads, states, strict=True):
+        assert grad, "no parameters"
+        for key, g in grad.items():  # a slice of nn.Sequential keeps the serial keys
+            assert_close(g, ref_grads[key], TOL, f"stage {sid} grad {key}")
+            assert_close(state[key], ref_state[key], ADAM_TOL, f"stage {sid} AdamW {key}")
