@@ -1,0 +1,162 @@
+"""Pipeline bubbles: torch's schedules run for real on sleeping stages, beside the simulator.
+
+    mpiexec -n 4 python -m benchmarks pipeline        # 4 stages of one rank, 8 micro-batches
+
+On 2 shared cores wall time cannot show a bubble (a waiting rank lends its core to a working one),
+so the stages compute by sleeping a set time (a custom autograd Function: forward sleeps its
+forward seconds, backward its input-gradient and weight-gradient seconds where they are needed):
+no core contention, and each action's cost is known. Every stage is a ``torch.distributed.
+pipelining.PipelineStage`` on its own ``Mesh`` (``optimus2d.pipeline``); the actions each rank
+runs are timed (``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``),
+and the measured makespan and bubble fraction (1 − Σ busy / (ranks × makespan)) are printed beside
+``optimus2d.pipeline_simulator``'s replay of the same schedule with the same costs.
+
+The model is a frozen encoder of 6 layers (forward, input and weight gradient ``--enc-ms`` each)
+then a trained LM of 6 layers (``--lm-ms`` each), cut into stages by equal layer counts (naive)
+and by ``optimus2d.pipeline_partition.partition`` (frozen-aware: a frozen prefix costs its forward
+alone): per stage, the predicted and the measured seconds, and the step they make.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Function
+from torch.distributed import pipelining as pp
+
+import optimus2d
+from optimus2d.pipeline import pipeline_stage, stage_meshes
+from optimus2d.pipeline_partition import LayerCost, equal_layers, partition, stage_costs
+from optimus2d.pipeline_simulator import schedule_order, simulate, stage_to_rank
+
+SCHEDULES = {"GPipe": (pp.ScheduleGPipe, 1), "1F1B": (pp.Schedule1F1B, 1)}
+SCHEDULES.update({"Interleaved1F1B": (pp.ScheduleInterleaved1F1B, 2), "LoopedBFS": (pp.ScheduleLoopedBFS, 2)})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--enc-ms", type=float, default=4.0, help="an encoder layer's forward (= each gradient)")
+    parser.add_argument("--lm-ms", type=float, default=8.0, help="an LM layer's forward (= each gradient)")
+
+
+class _Sleep(Function):
+    @staticmethod
+    def forward(ctx, x, weight, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds[0])
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        need_x, need_w = ctx.needs_input_grad[:2]
+        time.sleep(ctx.seconds[1] * need_x + ctx.seconds[2] * need_w)
+        return grad if need_x else None, grad.sum().reshape(1) * 0 if need_w else None, None
+
+
+class SleepLayers(nn.Module):
+    """Layers that compute by sleeping: (forward, input gradient, weight gradient) seconds each."""
+
+    def __init__(self, costs: list[LayerCost]) -> None:
+        super().__init__()
+        self.costs = costs
+        self.weights = nn.ParameterList(nn.Parameter(torch.ones(1), requires_grad=not c.frozen) for c in costs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for cost, weight in zip(self.costs, self.weights, strict=True):
+            x = _Sleep.apply(x, weight, (cost.forward, cost.input_grad, cost.weight_grad))
+        return x
+
+
+def _timed(stage, spans: list) -> None:
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        original = getattr(stage, name)
+
+        def timed(*args, _original=original, _name=name, **kwargs):
+            start = time.monotonic()
+            out = _original(*args, **kwargs)
+            spans.append((_name, start, time.monotonic()))
+            return out
+
+        setattr(stage, name, timed)
+
+
+def _measure(pipe, costs, bounds, cls, chunks_per_rank, n) -> tuple[float, list[float]]:
+    """Run one step (after one warm-up); (makespan, each rank's busy seconds), on every rank."""
+    ends = [0, *bounds]
+    spans: list = []
+    stage_ids = [pipe.stage] if chunks_per_rank == 1 else [pipe.stage, pipe.stage + pipe.stages]
+    num = pipe.stages * chunks_per_rank
+    stages = []
+    for sid in stage_ids:
+        chunk = SleepLayers(costs[ends[sid] : ends[sid + 1]])
+        stage = pipeline_stage(
+            chunk, pipe, microbatch_shape=(1, 1, 1), dtype=torch.float32, stage_index=sid, num_stages=num
+        )
+        _timed(stage, spans)
+        stages.append(stage)
+    schedule = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=n, loss_fn=lambda out, t: out.sum())
+    x = torch.ones(n, 1, 1, requires_grad=False)
+    for _ in range(2):  # a warm-up step, then the measured one
+        spans.clear()
+        dist.barrier()
+        start = time.monotonic()
+        if 0 in stage_ids:
+            schedule.step(x, target=x, losses=[]) if num - 1 in stage_ids else schedule.step(x)
+        elif num - 1 in stage_ids:
+            schedule.step(target=x, losses=[])
+        else:
+            schedule.step()
+        end = time.monotonic()
+    figures = torch.tensor([start, end, sum(b - a for _, a, b in spans)], dtype=torch.float64)
+    every = [torch.zeros_like(figures) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, figures)
+    starts, stops, busy = zip(*(f.tolist() for f in every), strict=True)
+    return max(stops) - min(starts), list(busy)
+
+
+def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
+    p, n = world.size, args.microbatches
+    pipe = stage_meshes(p, 1)
+    enc, lm = args.enc_ms / 1e3, args.lm_ms / 1e3
+    costs = [LayerCost(enc, enc, enc, frozen=True) for _ in range(6)] + [LayerCost(lm, lm, lm) for _ in range(6)]
+    rows = []
+    for name, (cls, v) in SCHEDULES.items():
+        stages = p * v
+        if len(costs) < stages:
+            continue
+        for cut_name, bounds in (
+            ("equal layers", equal_layers(len(costs), stages)),
+            ("frozen-aware", partition(costs, stages)),
+        ):
+            per_stage = stage_costs(costs, bounds)
+            order = schedule_order(cls, p, n, v)
+            sim = simulate(order, lambda kind, s, per=per_stage: per[s][0] if kind == "F" else per[s][1],
+                           where=stage_to_rank(cls, p, v))  # fmt: skip
+            makespan, busy = _measure(pipe, costs, bounds, cls, v, n)
+            bubble = 1 - sum(busy) / (p * makespan)
+            rows.append({
+                "schedule": name, "cut": cut_name, "bounds": bounds,
+                "stage_ms": [1e3 * n * (f + b) for f, b, _ in per_stage],
+                "rank_predicted_ms": [1e3 * sim.busy[r] for r in sorted(sim.busy)],
+                "rank_busy_ms": [1e3 * b for b in busy],
+                "simulated_ms": 1e3 * sim.makespan, "measured_ms": 1e3 * makespan,
+                "simulated_bubble": sim.bubble, "measured_bubble": bubble,
+            })  # fmt: skip
+    if world.rank == 0:
+        print(f"{p} stages of one rank, {n} micro-batches; encoder 6 × {args.enc_ms} ms frozen, LM 6 × {args.lm_ms} ms")
+        columns = f"{'schedule':16} {'cut':13} {'sim ms':>8} {'meas ms':>8} {'err':>6} {'sim bub':>8} {'meas bub':>8}"
+        print(columns + "  per rank: predicted / measured busy ms")
+        for r in rows:
+            err = r["measured_ms"] / r["simulated_ms"] - 1
+            stages = " ".join(
+                f"{a:.0f}/{b:.0f}" for a, b in zip(r["rank_predicted_ms"], r["rank_busy_ms"], strict=True)
+            )
+            print(
+                f"{r['schedule']:16} {r['cut']:13} {r['simulated_ms']:8.1f} {r['measured_ms']:8.1f} {err:+6.1%} "
+                f"{r['simulated_bubble']:8.3f} {r['measured_bubble']:8.3f}  {stages}"
+            )
+    return {"config": vars(args), "ranks": p, "rows": rows}
