@@ -33,6 +33,13 @@ def test_gpt_under_torchrun_on_a_2x2x2_mesh():
     assert "check: largest relative loss difference from the serial twin over 3 steps" in out
 
 
+def test_gpt_trains_in_two_pipeline_stages_on_8_ranks():
+    out = _run([str(BIN / "mpiexec"), "-n", "8"], "train_gpt.py", "--check", "--steps", "3", "--stages", "2")
+    assert "on 8 ranks as 2 pipeline stages (1F1B, 4 micro-batches) of Mesh(q=2, depth=1)" in out
+    assert "check: largest relative loss difference from the serial twin over 3 steps" in out
+    assert "check: largest relative weight difference from the serial twin" in out
+
+
 def test_vit_trains_like_its_serial_twin_on_a_3x3_mesh():
     cmd = ["--check", "--steps", "5", "--batch", "9", "--n_head", "6"]
     out = _run([str(BIN / "mpiexec"), "-n", "9"], "train_vit.py", *cmd)
