@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from optimus2d.comm.functional import activation_sharding, all_reduce
+from optimus2d.comm.functional import activation_sharding, all_reduce, batch_sharding
 from optimus2d.comm.mesh import Mesh
 
 __all__ = ["StageMesh", "lanes", "mesh_sum", "pipeline_stage", "stage_meshes"]
@@ -114,6 +114,7 @@ def pipeline_stage(
     dtype: torch.dtype | None = None,
     stage_index: int | None = None,
     num_stages: int | None = None,
+    token_ids: bool = False,
 ):
     """torch's ``PipelineStage`` of ``chunk`` (already converted on ``pipe.mesh``), over the lane.
 
@@ -126,6 +127,8 @@ def pipeline_stage(
     several stages per rank (``ScheduleInterleaved1F1B``: stage ``pipe.stage + v·pipe.stages`` of
     ``V·pipe.stages``; ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``: stages ``pipe.stage`` and
     ``2·pipe.stages - 1 - pipe.stage``; each chunk converted on the same ``pipe.mesh``); default one per rank.
+    ``token_ids``: the stage (the first) takes integer ids ``[b/n, s]``, split along the batch only
+    (``scatter_batch``: ``[b/(n·d·q), s]``), not an activation.
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -145,6 +148,15 @@ def pipeline_stage(
     blocks = []
     for what, shape in (("microbatch_shape", microbatch_shape), ("output_shape", output_shape or microbatch_shape)):
         shape = tuple(int(size) for size in shape)
+        if token_ids and what == "microbatch_shape":  # ids: batch blocks, no gradient
+            if len(shape) < 1 or shape[0] % splits[0]:
+                raise ValueError(
+                    f"pipeline_stage: token ids microbatch_shape={shape} must be [b, ...] with b divisible by "
+                    f"depth·q = {splits[0]} (mesh {mesh})"
+                )
+            local = batch_sharding(shape).local_shape(mesh)
+            blocks.append(torch.empty(local, dtype=torch.long, device="meta"))
+            continue
         if len(shape) < 2 or shape[0] % splits[0] or shape[-1] % splits[1]:
             raise ValueError(
                 f"pipeline_stage: {what}={shape} must be [b, ..., h] with b divisible by depth·q = {splits[0]} "

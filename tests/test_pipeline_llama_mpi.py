@@ -1,0 +1,201 @@
+"""A Hugging Face LLaMA cut into pipeline stages (``optimus2d.pipeline_models``): loss, every gradient
+and one AdamW step equal the serial ``LlamaForCausalLM``'s ``labels=`` training step; its checkpoint
+loads on one mesh, and one mesh's checkpoint into the stages. 2 stages of 2×2 on 8 ranks, of 1×1×2
+on 4, of one rank on 2."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close
+from torch import nn
+from torch.distributed import pipelining as pp
+
+import optimus2d
+from optimus2d.pipeline import pipeline_stage, stage_meshes
+from optimus2d.pipeline_models import causal_lm_loss, causal_lm_targets, llama_stages, load_stages, save_stages
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.mpi
+
+SHAPES = {2: (1, 1), 4: (1, 2), 8: (2, 1)}  # world → (q, depth) of each of the 2 stage meshes
+B, S, H, V, N = 8, 5, 48, 96, 4  # batch, sequence, hidden, vocabulary, micro-batches
+TOL, ADAM_TOL = 1e-10, 1e-6  # float64; Adam's g/(√v + eps) lifts roundoff of tiny gradients
+SCHEDULES = {  # name → (class, the global stage indices a pipeline rank runs, given (stage mesh, meshes))
+    "GPipe": (pp.ScheduleGPipe, lambda s, p: [s]),
+    "1F1B": (pp.Schedule1F1B, lambda s, p: [s]),
+    "Interleaved1F1B": (pp.ScheduleInterleaved1F1B, lambda s, p: [s, s + p]),
+}
+_pipes: dict = {}
+
+
+def _pipe(world):
+    if world.size not in SHAPES:
+        pytest.skip(f"runs on {' or '.join(map(str, SHAPES))} ranks")
+    if world.size not in _pipes:
+        _pipes[world.size] = stage_meshes(2, *SHAPES[world.size])
+    return _pipes[world.size]
+
+
+def _llama() -> nn.Module:
+    """A tiny float64 LLaMA (grouped-query: 6 heads, 2 key/value heads). HF's ``LlamaRMSNorm`` computes in
+    float32 whatever the dtype (1e-8 apart from float64); ``nn.RMSNorm`` in its place keeps serial exact."""
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=4, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager", tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    lm = transformers.LlamaForCausalLM(config).double()
+    for module in list(lm.modules()):
+        for name, child in list(module.named_children()):
+            if type(child).__name__ == "LlamaRMSNorm":
+                norm = nn.RMSNorm(H, eps=child.variance_epsilon, dtype=torch.float64)
+                with torch.no_grad():  # norms at 1 would hide a wrong scale
+                    norm.weight.copy_(1 + 0.3 * torch.randn(H, dtype=torch.float64))
+                setattr(module, name, norm)
+    return lm
+
+
+def _as_serial(chunks, tensors) -> dict[str, torch.Tensor]:
+    """``tensors[param]`` (a block per parameter) under the serial keys, full (collective over the mesh)."""
+    out = {}
+    for chunk in chunks:
+        twin = copy.deepcopy(chunk)
+        for p, twin_p in zip(chunk.parameters(), twin.parameters(), strict=True):
+            twin_p.data = tensors(p)
+        out.update(optimus2d.serial_state_dict(twin))
+    return out
+
+
+def _serial_step(lm, ids):
+    opt = torch.optim.AdamW(lm.parameters(), lr=1e-2)
+    out = lm(input_ids=ids, labels=ids, use_cache=False)  # HF: the mean over the b·(s-1) targets, in float32
+    loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())  # the same mean in float64
+    assert_close(out.loss.double(), loss, 1e-6, "HF's labels= loss")
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in lm.named_parameters()}
+    opt.step()
+    return loss.detach(), grads, opt
+
+
+def _pipeline_step(pipe, serial, ids, name):
+    """This rank's converted chunks, its optimizer, the loss (last stage) and the gradients (serial keys)."""
+    cls, indices = SCHEDULES[name]
+    stage_ids = indices(pipe.stage, pipe.stages)
+    num_stages = pipe.stages * len(stage_ids)
+    cut = llama_stages(serial, num_stages)
+    chunks, stages = [], []
+    for sid in stage_ids:
+        chunk = optimus2d.parallelize(cut[sid], pipe.mesh)
+        first, last = sid == 0, sid == num_stages - 1
+        stages.append(
+            pipeline_stage(
+                chunk, pipe, microbatch_shape=(B // N, S) if first else (B // N, S, H),
+                output_shape=(B // N, S, V) if last else (B // N, S, H),
+                stage_index=sid, num_stages=num_stages, token_ids=first,
+            )
+        )  # fmt: skip
+        chunks.append(chunk)
+    target, count = causal_lm_targets(ids, pipe.mesh)
+    loss_fn = causal_lm_loss(pipe.mesh, count)
+    schedule = cls(stages if len(stages) > 1 else stages[0], n_microbatches=N, loss_fn=loss_fn, scale_grads=False)
+    losses: list[torch.Tensor] = []
+    last = num_stages - 1 in stage_ids
+    args = (optimus2d.scatter_batch(ids, pipe.mesh),) if 0 in stage_ids else ()
+    schedule.step(*args, target=target if last else None, losses=losses if last else None)
+    grads = _as_serial(chunks, lambda p: p.grad)
+    opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-2)
+    opt.step()
+    return chunks, opt, (torch.stack(losses).sum() if last else None), grads
+
+
+def _ids():
+    torch.manual_seed(1)
+    return torch.randint(0, V, (B, S))
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_llama_stages_match_serial(world, name):
+    pipe, ids = _pipe(world), _ids()
+    serial = _llama()
+    chunks, _, loss, grads = _pipeline_step(pipe, serial, ids, name)
+    state = _as_serial(chunks, lambda p: p.data)  # the last collectives
+    loss_ref, grads_ref, _ = _serial_step(serial, ids)
+    if loss is not None:
+        assert_close(loss, loss_ref, TOL, "loss")
+    assert grads and set(grads) <= set(grads_ref)
+    ref_state = serial.state_dict()
+    for key, g in grads.items():
+        assert_close(g, grads_ref[key], TOL, f"grad {key}")
+        assert_close(state[key], ref_state[key], ADAM_TOL, f"AdamW {key}")
+
+
+def _optim_state(lm, opt) -> dict[str, dict[str, torch.Tensor]]:
+    names = {id(p): k for k, p in lm.named_parameters()}
+    return {names[id(p)]: {k: v for k, v in s.items() if k != "step"} for p, s in opt.state.items()}
+
+
+def test_pipelined_checkpoint_loads_on_one_mesh_and_back(world, tmp_path_factory):
+    pipe, ids = _pipe(world), _ids()
+    serial = _llama()
+    chunks, opt, _, _ = _pipeline_step(pipe, serial, ids, "1F1B")
+    _, _, serial_opt = _serial_step(serial, ids)
+    ref_state, ref_optim = serial.state_dict(), _optim_state(serial, serial_opt)
+    root = torch.distributed.get_rank() == 0 and tmp_path_factory.mktemp("pipe")
+    box = [str(root)]
+    torch.distributed.broadcast_object_list(box, src=0)
+    stages_path, whole_path = f"{box[0]}/stages", f"{box[0]}/whole"
+
+    # the stages → one checkpoint of the whole model, loaded into the whole model on one stage's mesh
+    save_stages(stages_path, chunks, opt)
+    whole = optimus2d.parallelize(copy.deepcopy(_llama()), pipe.mesh)
+    whole_opt = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    optimus2d.checkpoint.load(stages_path, whole, whole_opt)
+    loaded = optimus2d.serial_state_dict(whole)
+    loaded_optim = _as_serial([whole], lambda p: whole_opt.state[p]["exp_avg_sq"])
+    # the whole model on one mesh → its checkpoint (each stage mesh a replica: one writes) → the stages
+    optimus2d.checkpoint.save(whole_path, whole, whole_opt)
+    fresh = optimus2d.parallelize(llama_stages(_llama(), 2)[pipe.stage], pipe.mesh)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_stages(whole_path, fresh, fresh_opt)
+    back = optimus2d.serial_state_dict(fresh)
+    back_optim = _as_serial([fresh], lambda p: fresh_opt.state[p]["exp_avg"])
+    read = optimus2d.checkpoint.read(stages_path)  # in this process alone
+
+    assert set(read["model"]) == set(ref_state) and set(read["optimizer"]) == set(ref_optim)
+    for key, value in ref_state.items():
+        assert_close(read["model"][key], value, ADAM_TOL, f"read {key}")
+        assert_close(loaded[key], value, ADAM_TOL, f"loaded on one mesh {key}")
+        for what in ("exp_avg", "exp_avg_sq"):
+            assert_close(read["optimizer"][key][what], ref_optim[key][what], TOL, f"read {what} {key}")
+        assert_close(loaded_optim[key], ref_optim[key]["exp_avg_sq"], TOL, f"loaded exp_avg_sq {key}")
+    assert back and set(back) < set(ref_state)
+    for key, value in back.items():
+        assert_close(value, ref_state[key], ADAM_TOL, f"back in the stages {key}")
+        assert_close(back_optim[key], ref_optim[key]["exp_avg"], TOL, f"back exp_avg {key}")
+    assert all(int(s["step"]) == 1 for s in fresh_opt.state.values())
+
+
+def test_llama_stages_refuses_what_it_cannot_cut(world):
+    lm = _llama()
+    with pytest.raises(ValueError, match="4 decoder layers do not split into 3 equal stages"):
+        llama_stages(lm, 3)
+    lm.config.tie_word_embeddings = True
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        llama_stages(lm, 2)
+
+
+def test_stage_checkpoints_refuse_overlapping_or_missing_stages(world, tmp_path_factory):
+    pipe = _pipe(world)
+    box = [str(torch.distributed.get_rank() == 0 and tmp_path_factory.mktemp("refuse"))]
+    torch.distributed.broadcast_object_list(box, src=0)
+    same = optimus2d.parallelize(llama_stages(_llama(), 2)[0], pipe.mesh)  # every stage mesh holds stage 0
+    with pytest.raises(ValueError, match="held by more than one stage mesh"):
+        save_stages(f"{box[0]}/twice", same)
+    whole = optimus2d.parallelize(_llama(), pipe.mesh)
+    optimus2d.checkpoint.save(f"{box[0]}/whole", whole)
+    with pytest.raises(ValueError, match=r"no stage holds \['model/lm_head.weight'"):
+        load_stages(f"{box[0]}/whole", same)
