@@ -64,8 +64,9 @@ def matches(key: str, path: str) -> bool:
 
 
 def planned_mesh(plan: dict[str, Mesh], path: str) -> tuple[str, Mesh] | None:
-    """(key, mesh) of the plan entry naming ``path`` itself (the longest key of several), or None."""
-    hits = [(key, m) for key, m in plan.items() if matches(key, path)]
+    """(key, mesh) of the plan entry naming ``path`` itself (the longest key of several), or None.
+    The model itself (path "") is on the model's mesh: no key names it."""
+    hits = [(key, m) for key, m in plan.items() if path and matches(key, path)]
     return max(hits, key=lambda hit: len(hit[0])) if hits else None
 
 
@@ -77,9 +78,9 @@ class Boundary:
         self.meshes = {layout(m): m for m in meshes}
 
     def install(self, module: nn.Module) -> None:
-        if not isinstance(module, ShardedModule):  # a ShardedModule's __call__ calls before() itself,
-            module.register_forward_pre_hook(self.before, with_kwargs=True)  # ahead of its input check
-        module.register_forward_hook(self.after)
+        if not isinstance(module, ShardedModule):  # a ShardedModule's __call__ calls both itself, around
+            module.register_forward_pre_hook(self.before, with_kwargs=True)  # its input check and its tags
+            module.register_forward_hook(self.after)
         module.__dict__["_optimus2d_boundary"] = self
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -70,8 +70,10 @@ def test_glob_keys_and_the_innermost_wins(world):
     outer, inner = meshes[0], meshes[-1]
     serial = _serial()
     parallel = parallelize(copy.deepcopy(serial), outer, plan={"*": inner, "lm": outer, "lm.layers.*": inner})
-    assert parallel.encoder.layers[0].linear1.mesh is inner and parallel.proj.mesh is inner
+    assert parallel.encoder.layers[0].linear1.mesh is inner and parallel.proj.mesh is inner  # a Linear2D's boundary
     assert parallel.lm.layers[0].linear1.mesh is inner and parallel.lm.norm is None
+    if outer is not inner:  # "*" names the model's children, not the model itself
+        assert "_optimus2d_boundary" not in vars(parallel) and "_optimus2d_boundary" in vars(parallel.proj)
     x = _input(world)
     check_against_serial(serial, parallel, x, outer, tol=1e-9)
 

@@ -57,8 +57,14 @@ class ShardedModule(nn.Module):
         that disagree all raise the same ``ValueError`` and none returns a block. Under
         ``torch.compile`` the check is a step of the graph, settled before the module runs."""
         boundary = self.__dict__.get("_optimus2d_boundary")
-        if boundary is not None:  # parallelize(plan=): inputs move to this module's mesh first (layouts.py)
-            args, kwargs = boundary.before(self, args, kwargs)
+        if boundary is None:
+            return self._checked_call(args, kwargs)
+        # parallelize(plan=): inputs move to this module's mesh first, its outputs (tagged as
+        # this mesh's blocks) to its caller's after (layouts.py)
+        args, kwargs = boundary.before(self, args, kwargs)
+        return boundary.after(self, args, self._checked_call(args, kwargs))
+
+    def _checked_call(self, args: tuple, kwargs: dict):
         if torch.compiler.is_compiling():
             return self._traced_call(args, kwargs)
         if _inside.get():
