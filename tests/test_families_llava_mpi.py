@@ -6,6 +6,7 @@ placeholder counts that do not match refused on every rank, before the language 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -169,6 +170,19 @@ def test_feature_layers_concatenated_on_the_hidden_dim_are_refused(mesh):
         parallelize(_llava(vision_feature_layer=[-2, -1]), mesh)
 
 
+def _received(src, dst, kind: str, shape: tuple[int, ...]) -> int:
+    """Elements all ranks receive moving ``shape`` from ``src``'s layout to ``dst``'s: each rank's
+    new box less what it holds (``optimus2d.redistribute``'s formula)."""
+    from optimus2d.comm.redistribution import boxes
+
+    old = dict(zip(src.ranks, boxes(src, kind, shape), strict=True))
+    total = 0
+    for rank, box in zip(dst.ranks, boxes(dst, kind, shape), strict=True):
+        both = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, old[rank], strict=True)]
+        total += math.prod(b - a for a, b in box) - math.prod(max(0, b - a) for a, b in both)
+    return total if (src.q, src.depth) != (dst.q, dst.depth) else 0
+
+
 @pytest.mark.parametrize("frozen_tower", [True, False], ids=["frozen_tower", "trained"])
 def test_vision_tower_on_its_own_mesh(world, frozen_tower):
     """``plan={"model.vision_tower": other}`` for every other mesh shape of the world (2×2 ↔ 1×1×4,
@@ -199,11 +213,15 @@ def test_vision_tower_on_its_own_mesh(world, frozen_tower):
         assert_close(gather(out.logits.detach(), mesh)[..., :96], out_ref.logits, 1e-4, "logits")
         assert_close(out.loss, out_ref.loss, 1e-5, "loss")
         assert_close(gather(out.image_hidden_states.detach(), mesh), out_ref.image_hidden_states, 1e-4, "features")
-        # what the boundary sent, at most: the images, and of the tower's output the last layer, the
-        # pooled output and the one feature layer LLaVA reads (of hidden_states' 3: moved when read)
-        sent = moved.by("kind")[("send",)]
-        images, layer, pooled = (batch["pixel_values"].numel(), len(batch["pixel_values"]) * 5 * 48, 4 * 48)
-        assert 0 < sent <= (images + 2 * layer + pooled) // world.size, sent
+        # what the boundary sent, over all ranks: the images to the tower's mesh, and back its last
+        # layer, its pooled output and the one feature layer LLaVA reads (hidden_states move when read)
+        b = len(batch["pixel_values"])
+        moves = [(mesh, tower, "batch", (b, 3, 16, 16))] + [
+            (tower, mesh, "activation", shape) for shape in ((b, 5, 48), (b, 48), (b, 5, 48))
+        ]
+        sent = torch.tensor([moved.by("kind")[("send",)], sum(_received(*move) for move in moves)])
+        torch.distributed.all_reduce(sent)
+        assert sent[0] == sent[1] // world.size, sent  # every rank adds the same formula
         if frozen_tower:
             assert all(p.grad is None for p in parallel.model.vision_tower.parameters())
         scale = max(p.grad.abs().max().item() for p in serial.parameters() if p.grad is not None)
