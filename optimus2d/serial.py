@@ -11,13 +11,29 @@ from optimus2d.layers.base import load_serial_tensor, serial_shape, serial_tenso
 
 
 def _owners(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
-    """state_dict key → (owning submodule, its local name)."""
-    owners = {}
+    """state_dict key → (owning submodule, its local name), for every key of ``module.state_dict()``.
+
+    By path, and where a wrapper rewrites the keys (torch's ``checkpoint_wrapper`` drops its
+    ``_checkpoint_wrapped_module.``) by the tensor itself: a state_dict value is its parameter's or
+    buffer's data (same storage, shape and strides). A key matched by neither is not a tensor of a
+    module (extra state)."""
+    owners, by_tensor = {}, {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for name in list(sub._parameters) + list(sub._buffers):
-            if getattr(sub, name) is not None:
+            t = getattr(sub, name)
+            if t is not None:
                 owners[f"{prefix}.{name}" if prefix else name] = (sub, name)
+                if not t.is_meta:
+                    by_tensor.setdefault(_signature(t), (sub, name))
+    for key, value in module.state_dict(keep_vars=True).items():
+        if key not in owners and isinstance(value, torch.Tensor) and not value.is_meta:
+            if _signature(value) in by_tensor:
+                owners[key] = by_tensor[_signature(value)]
     return owners
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def serial_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

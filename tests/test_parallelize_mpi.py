@@ -199,3 +199,20 @@ def test_a_model_without_parameters_converts(mesh):
     model = parallelize(nn.Sequential(nn.GELU(), nn.Identity()), mesh)  # nothing to compare: no exchange fails
     x = torch.randn(2 * mesh.depth * mesh.q, 3, 4 * mesh.q)
     assert torch.equal(gather(model(scatter(x, mesh)), mesh), nn.functional.gelu(x))
+
+
+def test_serial_state_dict_sees_through_torchs_checkpoint_wrapper(mesh):
+    """torch's ``checkpoint_wrapper`` rewrites the state_dict keys (it drops its own prefix): the
+    serial view still finds each tensor's owner, so the blocks are gathered, not passed as whole."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 12))
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    parallel[0] = checkpoint_wrapper(parallel[0])
+    state = optimus2d.serial_state_dict(parallel)
+    assert list(state) == list(serial.state_dict())
+    for key, value in serial.state_dict().items():
+        assert torch.equal(state[key], value), key
+    optimus2d.load_serial_state_dict(parallel, {k: v + 1 for k, v in serial.state_dict().items()})
+    assert torch.equal(optimus2d.serial_state_dict(parallel)["0.weight"], serial[0].weight + 1)

@@ -11,6 +11,7 @@ import torch
 from helpers import assert_close
 from torch import nn
 from torch.distributed import pipelining as pp
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import optimus2d
 from optimus2d.pipeline import mesh_sum, pipeline_stage, stage_meshes
@@ -68,7 +69,7 @@ def test_stage_meshes_and_lanes(world):
     assert pipe.mesh.transport == (wanted if p > 1 else "torch"), pipe.mesh
 
 
-@pytest.mark.parametrize("mode", ["sum", "mean", "frozen"])
+@pytest.mark.parametrize("mode", ["sum", "mean", "frozen", "recompute"])
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_schedule_matches_serial(world, name, mode):
     if mode != "sum" and name not in ("1F1B", "Interleaved1F1B"):
@@ -89,6 +90,9 @@ def test_schedule_matches_serial(world, name, mode):
     chunks, stages = [], []
     for sid in stage_ids:
         chunk = optimus2d.parallelize(copy.deepcopy(serial[sid * per_chunk : (sid + 1) * per_chunk]), pipe.mesh)
+        if mode == "recompute":  # activation checkpointing: each layer's forward runs again in backward
+            for at, layer in enumerate(chunk):
+                chunk[at] = checkpoint_wrapper(layer)
         chunks.append(chunk)
         shape = (B // n, S, H)
         stages.append(pipeline_stage(chunk, pipe, microbatch_shape=shape, stage_index=sid, num_stages=num_stages))
