@@ -32,18 +32,7 @@ from torch.distributed import pipelining as pp
 
 import optimus2d
 from optimus2d import Embedding2D, LayerNorm2D, TransformerBlock2D
-from optimus2d.pipeline import StageMesh, pipeline_stage, stage_meshes
-
-# torch's schedule → (its class, the chunks pipeline stage s of p runs: looped or V-shaped)
-SCHEDULES = {
-    "GPipe": (pp.ScheduleGPipe, lambda s, p: [s]),
-    "1F1B": (pp.Schedule1F1B, lambda s, p: [s]),
-    "Interleaved1F1B": (pp.ScheduleInterleaved1F1B, lambda s, p: [s, s + p]),
-    "LoopedBFS": (pp.ScheduleLoopedBFS, lambda s, p: [s, s + p]),
-    "InterleavedZeroBubble": (pp.ScheduleInterleavedZeroBubble, lambda s, p: [s, s + p]),
-    "ZBVZeroBubble": (pp.ScheduleZBVZeroBubble, lambda s, p: [s, 2 * p - 1 - s]),
-    "DualPipeV": (pp.ScheduleDualPipeV, lambda s, p: [s, 2 * p - 1 - s]),
-}
+from optimus2d.pipeline import SCHEDULES, StageMesh, pipeline_stage, stage_meshes
 
 
 @dataclass

@@ -41,11 +41,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import pipelining
 
 from optimus2d.comm.functional import activation_sharding, all_reduce, batch_sharding
 from optimus2d.comm.mesh import Mesh
 
-__all__ = ["StageMesh", "lanes", "mesh_sum", "pipeline_stage", "stage_meshes"]
+__all__ = ["SCHEDULES", "StageMesh", "lanes", "mesh_sum", "pipeline_stage", "stage_meshes"]
+
+# torch's schedules by name → (the class, the stages pipeline rank s of p runs: one, looped, or V-shaped)
+SCHEDULES = {
+    "GPipe": (pipelining.ScheduleGPipe, lambda s, p: [s]),
+    "1F1B": (pipelining.Schedule1F1B, lambda s, p: [s]),
+    "Interleaved1F1B": (pipelining.ScheduleInterleaved1F1B, lambda s, p: [s, s + p]),
+    "LoopedBFS": (pipelining.ScheduleLoopedBFS, lambda s, p: [s, s + p]),
+    "InterleavedZeroBubble": (pipelining.ScheduleInterleavedZeroBubble, lambda s, p: [s, s + p]),
+    "ZBVZeroBubble": (pipelining.ScheduleZBVZeroBubble, lambda s, p: [s, 2 * p - 1 - s]),
+    "DualPipeV": (pipelining.ScheduleDualPipeV, lambda s, p: [s, 2 * p - 1 - s]),
+}
 
 
 @dataclass(frozen=True)

@@ -57,3 +57,42 @@ def check_against_serial(serial, parallel, x, mesh, tol=1e-5, optimizer=torch.op
     assert_close(y, y_ref, tol, "output")
     assert_close(dx, dx_ref, tol, "input grad")
     assert_state_close(state, serial.state_dict(), tol)
+
+
+def assert_grads_like_serial(serial, parallel, mesh, tol: float = 1e-4) -> float:
+    """Every gradient of ``parallel``, assembled from the ranks' blocks, equal to ``serial``'s: each
+    within ``tol`` of its own size, or of 1e-3 of the largest (an attention key bias has none but
+    rounding). Returns the largest serial gradient element."""
+    from optimus2d.comm import unshard
+    from optimus2d.layers.base import param_sharding
+
+    grads = {}
+    for name, p in parallel.named_parameters():
+        if p.grad is not None:
+            sharding = param_sharding(p)
+            grads[name] = unshard(p.grad.contiguous(), mesh, sharding) if sharding is not None else p.grad
+    want = {name: p.grad for name, p in serial.named_parameters() if p.grad is not None}
+    assert set(grads) == set(want)
+    scale = max(g.abs().max().item() for g in want.values())
+    for name, g in want.items():
+        err = (grads[name] - g).abs().max().item() / max(g.abs().max().item(), 1e-3 * scale)
+        assert err <= tol, f"gradient of {name}: relative error {err:.3e}"
+    return scale
+
+
+def compare_step(serial, parallel, mesh, tol: float = 1e-4) -> None:
+    """The gradients (``assert_grads_like_serial``), their norm, then the model after one AdamW step
+    with eps a thousandth of the largest gradient (a gradient that is rounding alone moves nothing,
+    where a smaller eps would make it a step of ±lr): equal to serial."""
+    from optimus2d import clip_grad_norm_, serial_state_dict
+
+    scale = assert_grads_like_serial(serial, parallel, mesh, tol)
+    norm_ref = torch.nn.utils.clip_grad_norm_([p for p in serial.parameters() if p.grad is not None], 1e9)
+    assert_close(clip_grad_norm_([p for p in parallel.parameters() if p.grad is not None], 1e9, mesh), norm_ref, 1e-5)
+    for model in (serial, parallel):
+        trained = [p for p in model.parameters() if p.requires_grad]
+        torch.optim.AdamW(trained, lr=1e-2, eps=1e-3 * scale).step()
+    state = serial_state_dict(parallel)
+    assert list(state) == list(serial.state_dict())
+    for key, value in serial.state_dict().items():
+        assert_close(state[key], value, tol, key)

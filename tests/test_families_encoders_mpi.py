@@ -10,15 +10,13 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, assert_grads_like_serial
 from torch import nn
 
 import optimus2d
 from optimus2d import gather, parallelize, scatter, scatter_batch, serial_state_dict
-from optimus2d.comm import unshard
 from optimus2d.families.hf_seq2seq import HeadTable2D, LearnedPositionalEmbedding2D, ScaledEmbedding2D
 from optimus2d.layers import Embedding2D, Linear2D, TiedHead2D
-from optimus2d.layers.base import param_sharding
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.mpi, pytest.mark.families]
@@ -93,17 +91,7 @@ def _adamw(model):
 def _same_after_adamw(serial, parallel, mesh, tol=1e-4):
     """The gradients (each within tol of its own size, or of 1e-3 of the largest: an attention key
     bias has none but rounding), then the model after one AdamW step, equal to serial."""
-    grads = {}
-    for name, p in parallel.named_parameters():
-        if p.grad is not None:
-            sharding = param_sharding(p)
-            grads[name] = unshard(p.grad.contiguous(), mesh, sharding) if sharding is not None else p.grad
-    want = {name: p.grad for name, p in serial.named_parameters() if p.grad is not None}
-    assert set(grads) == set(want)
-    scale = max(g.abs().max().item() for g in want.values())
-    for name, g in want.items():
-        err = (grads[name] - g).abs().max().item() / max(g.abs().max().item(), 1e-3 * scale)
-        assert err <= tol, f"gradient of {name}: relative error {err:.3e}"
+    assert_grads_like_serial(serial, parallel, mesh, tol)
     _adamw(serial).step()
     _adamw(parallel).step()
     state = serial_state_dict(parallel)

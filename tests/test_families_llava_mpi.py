@@ -10,12 +10,10 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, compare_step
 
 import optimus2d
-from optimus2d import clip_grad_norm_, gather, parallelize, scatter_batch, serial_state_dict
-from optimus2d.comm import unshard
-from optimus2d.layers.base import param_sharding
+from optimus2d import gather, parallelize, scatter_batch, serial_state_dict
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.mpi, pytest.mark.families]
@@ -72,30 +70,6 @@ def _adamw(model, scale):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3 * scale)
 
 
-def _compare_step(serial, parallel, mesh, tol=1e-4):
-    """Gradients (each within tol of its own size, or of 1e-3 of the largest), their norm, then one
-    AdamW step: the state equals serial."""
-    grads = {}
-    for name, p in parallel.named_parameters():
-        if p.grad is not None:
-            sharding = param_sharding(p)
-            grads[name] = unshard(p.grad.contiguous(), mesh, sharding) if sharding is not None else p.grad
-    want = {n: p.grad for n, p in serial.named_parameters() if p.grad is not None}
-    assert set(grads) == set(want)
-    scale = max(g.abs().max().item() for g in want.values())
-    for name, g in want.items():
-        err = (grads[name] - g).abs().max().item() / max(g.abs().max().item(), 1e-3 * scale)
-        assert err <= tol, f"grad of {name}: relative error {err:.3e}"
-    norm_ref = torch.nn.utils.clip_grad_norm_([p for p in serial.parameters() if p.grad is not None], 1e9)
-    assert_close(clip_grad_norm_([p for p in parallel.parameters() if p.grad is not None], 1e9, mesh), norm_ref, 1e-5)
-    _adamw(serial, scale).step()
-    _adamw(parallel, scale).step()
-    state = serial_state_dict(parallel)
-    assert list(state) == list(serial.state_dict())
-    for key, value in serial.state_dict().items():
-        assert_close(state[key], value, tol, key)
-
-
 @pytest.mark.parametrize("frozen_tower", [False, True], ids=["trained", "frozen_tower"])
 def test_llava_logits_loss_and_step(mesh, frozen_tower):
     serial = _llava()
@@ -118,7 +92,7 @@ def test_llava_logits_loss_and_step(mesh, frozen_tower):
     if frozen_tower:
         assert all(p.grad is None for p in parallel.model.vision_tower.parameters())
         assert parallel.model.multi_modal_projector.linear_1.weight.grad is not None
-    _compare_step(serial, parallel, mesh)
+    compare_step(serial, parallel, mesh)
 
 
 def test_text_only_batch(mesh):

@@ -7,13 +7,11 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, compare_step
 
 import optimus2d
-from optimus2d import clip_grad_norm_, gather, parallelize, scatter, scatter_batch, serial_state_dict
-from optimus2d.comm import unshard
+from optimus2d import gather, parallelize, scatter, scatter_batch
 from optimus2d.families.vision import PatchConv2D, PositionEmbedding2D
-from optimus2d.layers.base import param_sharding
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.mpi, pytest.mark.families]
@@ -67,42 +65,6 @@ def _text(b):
     return ids, mask
 
 
-def _adamw(model, scale):
-    """eps a thousandth of the largest gradient: a gradient that is rounding alone (an attention key
-    bias: softmax ignores it) moves nothing, where a smaller eps would make it a step of ±lr."""
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3 * scale)
-
-
-def _serial_grads(model, mesh):
-    """name → the serial gradient, assembled from every rank's block."""
-    out = {}
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            sharding = param_sharding(p)
-            out[name] = unshard(p.grad.contiguous(), mesh, sharding) if sharding is not None else p.grad
-    return out
-
-
-def _compare_step(serial, parallel, mesh, tol=1e-4):
-    """Gradients (each within tol of its own size, or of 1e-3 of the largest: an attention key bias has
-    none but rounding), gradient norm, then one AdamW step: the state equals serial."""
-    grads = _serial_grads(parallel, mesh)
-    want = {n: p.grad for n, p in serial.named_parameters() if p.grad is not None}
-    assert set(grads) == set(want)
-    scale = max(g.abs().max().item() for g in want.values())
-    for name, g in want.items():
-        err = (grads[name] - g).abs().max().item() / max(g.abs().max().item(), 1e-3 * scale)
-        assert err <= tol, f"grad of {name}: relative error {err:.3e}"
-    norm_ref = torch.nn.utils.clip_grad_norm_([p for p in serial.parameters() if p.grad is not None], 1e9)
-    assert_close(clip_grad_norm_([p for p in parallel.parameters() if p.grad is not None], 1e9, mesh), norm_ref, 1e-5)
-    _adamw(serial, scale).step()
-    _adamw(parallel, scale).step()
-    state = serial_state_dict(parallel)
-    assert list(state) == list(serial.state_dict())
-    for key, value in serial.state_dict().items():
-        assert_close(state[key], value, tol, key)
-
-
 @pytest.mark.parametrize("family", ["vit", "clip"])
 def test_image_classification(mesh, family):
     """ViTForImageClassification (the class token) and CLIPForImageClassification (the mean of the
@@ -130,7 +92,7 @@ def test_image_classification(mesh, family):
 
     assert_close(gather(out.logits.detach(), mesh), out_ref.logits, 1e-4, "logits")
     assert_close(out.loss, out_ref.loss, 1e-5, "loss")
-    _compare_step(serial, parallel, mesh)
+    compare_step(serial, parallel, mesh)
 
 
 def test_vit_model_interpolated_positions_mask_token_and_pooler(mesh):
@@ -154,7 +116,7 @@ def test_vit_model_interpolated_positions_mask_token_and_pooler(mesh):
 
     assert_close(gather(out.last_hidden_state.detach(), mesh), out_ref.last_hidden_state, 1e-4, "last_hidden_state")
     assert_close(gather(out.pooler_output.detach(), mesh), out_ref.pooler_output, 1e-4, "pooler_output")
-    _compare_step(serial, parallel, mesh)
+    compare_step(serial, parallel, mesh)
 
 
 def test_clip_model_logits_contrastive_loss_and_step(mesh):
@@ -184,7 +146,7 @@ def test_clip_model_logits_contrastive_loss_and_step(mesh):
     text_pooled = gather(out.text_model_output.pooler_output.detach(), mesh)  # projected, blocks
     assert_close(text_pooled, out_ref.text_model_output.pooler_output, 1e-4, "text pooler_output")
     assert parallel.logit_scale.grad is not None
-    _compare_step(serial, parallel, mesh)
+    compare_step(serial, parallel, mesh)
 
 
 @pytest.mark.parametrize("tower", ["vision", "text", "vision+projection", "text+projection"])
@@ -222,7 +184,7 @@ def test_clip_tower_alone(mesh, tower):
 
     assert_close(gather(out.last_hidden_state.detach(), mesh), out_ref.last_hidden_state, 1e-4, "last_hidden_state")
     assert_close(gather(out[pooled].detach(), mesh), out_ref[pooled], 1e-4, pooled)
-    _compare_step(serial, parallel, mesh)
+    compare_step(serial, parallel, mesh)
 
 
 @pytest.mark.parametrize("family", ["vit", "clip"])
@@ -249,7 +211,7 @@ def test_frozen_parameters_stay_frozen(mesh, family):
         }
         parallel(**local, return_loss=True).loss.backward()
     assert all(p.grad is None for n, p in parallel.named_parameters() if n in frozen)
-    _compare_step(serial, parallel, mesh)
+    compare_step(serial, parallel, mesh)
 
 
 def test_refusals(mesh):

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_close
 from torch import nn
-from torch.distributed import pipelining as pp
 
 import optimus2d
 from optimus2d.pipeline import pipeline_stage, stage_meshes
@@ -24,11 +23,7 @@ pytestmark = pytest.mark.mpi
 SHAPES = {2: (1, 1), 4: (1, 2), 8: (2, 1)}  # world → (q, depth) of each of the 2 stage meshes
 B, S, H, V, N = 8, 5, 48, 96, 4  # batch, sequence, hidden, vocabulary, micro-batches
 TOL, ADAM_TOL = 1e-10, 1e-6  # float64; Adam's g/(√v + eps) lifts roundoff of tiny gradients
-SCHEDULES = {  # name → (class, the global stage indices a pipeline rank runs, given (stage mesh, meshes))
-    "GPipe": (pp.ScheduleGPipe, lambda s, p: [s]),
-    "1F1B": (pp.Schedule1F1B, lambda s, p: [s]),
-    "Interleaved1F1B": (pp.ScheduleInterleaved1F1B, lambda s, p: [s, s + p]),
-}
+SCHEDULES = {name: optimus2d.pipeline.SCHEDULES[name] for name in ("GPipe", "1F1B", "Interleaved1F1B")}
 _pipes: dict = {}
 
 

@@ -10,11 +10,10 @@ import pytest
 import torch
 from helpers import assert_close
 from torch import nn
-from torch.distributed import pipelining as pp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import optimus2d
-from optimus2d.pipeline import mesh_sum, pipeline_stage, stage_meshes
+from optimus2d.pipeline import SCHEDULES, mesh_sum, pipeline_stage, stage_meshes
 
 pytestmark = pytest.mark.mpi
 
@@ -23,16 +22,6 @@ B, S, H, LAYERS = 8, 3, 8, 4
 TOL = 1e-10  # float64
 # after AdamW: the key bias's gradient is 0 in serial and ~1e-17 here, which Adam's g/(√v + eps) lifts to ~1e-9·lr
 ADAM_TOL = 1e-6
-# schedule → (its class, the stage indices each pipeline rank runs, as a function of (stage mesh, meshes))
-SCHEDULES = {
-    "GPipe": (pp.ScheduleGPipe, lambda s, p: [s]),
-    "1F1B": (pp.Schedule1F1B, lambda s, p: [s]),
-    "Interleaved1F1B": (pp.ScheduleInterleaved1F1B, lambda s, p: [s, s + p]),
-    "LoopedBFS": (pp.ScheduleLoopedBFS, lambda s, p: [s, s + p]),
-    "InterleavedZeroBubble": (pp.ScheduleInterleavedZeroBubble, lambda s, p: [s, s + p]),
-    "ZBVZeroBubble": (pp.ScheduleZBVZeroBubble, lambda s, p: [s, 2 * p - 1 - s]),
-    "DualPipeV": (pp.ScheduleDualPipeV, lambda s, p: [s, 2 * p - 1 - s]),
-}
 _pipes: dict = {}
 
 
