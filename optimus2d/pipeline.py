@@ -127,6 +127,10 @@ def pipeline_stage(
     stage_index: int | None = None,
     num_stages: int | None = None,
     token_ids: bool = False,
+    input_layout: str = "activation",
+    input_dtype: torch.dtype | None = None,
+    input_grad: bool | None = None,
+    output_grad: bool = True,
 ):
     """torch's ``PipelineStage`` of ``chunk`` (already converted on ``pipe.mesh``), over the lane.
 
@@ -140,7 +144,12 @@ def pipeline_stage(
     ``V·pipe.stages``; ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``: stages ``pipe.stage`` and
     ``2·pipe.stages - 1 - pipe.stage``; each chunk converted on the same ``pipe.mesh``); default one per rank.
     ``token_ids``: the stage (the first) takes integer ids ``[b/n, s]``, split along the batch only
-    (``scatter_batch``: ``[b/(n·d·q), s]``), not an activation.
+    (``scatter_batch``: ``[b/(n·d·q), s]``), not an activation; the same as ``input_layout="batch",
+    input_dtype=torch.long``. ``input_layout="batch"``: the input is split along the batch only
+    (``scatter_batch``, e.g. images ``[b/n, C, H, W]`` → ``[b/(n·d·q), C, H, W]``), of ``input_dtype``
+    (default ``dtype``). ``input_grad``: whether a gradient travels back from this stage's input
+    (default: for an activation into any stage but the first); ``output_grad``: whether one comes back
+    to its output (False for a frozen stage whose output needs none, e.g. a frozen encoder's features).
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -155,19 +164,25 @@ def pipeline_stage(
     if dtype is None:
         floats = [p.dtype for p in chunk.parameters() if p.is_floating_point()]
         dtype = floats[0] if floats else torch.get_default_dtype()
+    if token_ids:
+        input_layout, input_dtype = "batch", torch.long
+    if input_layout not in ("activation", "batch"):
+        raise ValueError(f"pipeline_stage: input_layout={input_layout!r} is not 'activation' or 'batch'")
     device = mesh.device
     splits = (mesh.depth * mesh.q, mesh.q)
     blocks = []
     for what, shape in (("microbatch_shape", microbatch_shape), ("output_shape", output_shape or microbatch_shape)):
         shape = tuple(int(size) for size in shape)
-        if token_ids and what == "microbatch_shape":  # ids: batch blocks, no gradient
+        if input_layout == "batch" and what == "microbatch_shape":  # ids, images: batch blocks
             if len(shape) < 1 or shape[0] % splits[0]:
                 raise ValueError(
-                    f"pipeline_stage: token ids microbatch_shape={shape} must be [b, ...] with b divisible by "
+                    f"pipeline_stage: {input_layout} microbatch_shape={shape} must be [b, ...] with b divisible by "
                     f"depth·q = {splits[0]} (mesh {mesh})"
                 )
             local = batch_sharding(shape).local_shape(mesh)
-            blocks.append(torch.empty(local, dtype=torch.long, device="meta"))
+            kind = input_dtype or dtype
+            grad = bool(input_grad) and kind.is_floating_point
+            blocks.append(torch.empty(local, dtype=kind, device="meta", requires_grad=grad))
             continue
         if len(shape) < 2 or shape[0] % splits[0] or shape[-1] % splits[1]:
             raise ValueError(
@@ -176,7 +191,10 @@ def pipeline_stage(
             )
         # meta tensors: torch reads shape, dtype and requires_grad (whether a gradient travels back: from every
         # output, and to the input of every stage but the first)
-        grad = what == "output_shape" or stage_index > 0
+        if what == "output_shape":
+            grad = output_grad
+        else:
+            grad = stage_index > 0 if input_grad is None else input_grad
         local = activation_sharding(shape).local_shape(mesh)
         blocks.append(torch.empty(local, dtype=dtype, device="meta", requires_grad=grad))
     return PipelineStage(
