@@ -410,6 +410,8 @@ def _plan(module: nn.Module, parent: nn.Module | None, mesh: Mesh) -> Converter 
     if own:
         return f"holds {', '.join(own)} and has no converter (a module that reads the full hidden size)"
     if not module._modules:
+        if type(module).forward is nn.Module.forward:  # an empty holder (a ModuleDict of no layers): never called
+            return _keep
         if blockwise.acts_elementwise(module):
             return _as_is
         return "is not known to act element by element (a probe with a random input says it does not)"

@@ -49,7 +49,9 @@ from optimus2d.comm.mesh import Mesh
 from optimus2d.layers.loss import cross_entropy
 from optimus2d.parallelize import register_converter
 
-__all__ = ["LlamaStage", "causal_lm_loss", "causal_lm_targets", "llama_stages", "load_stages", "save_stages"]
+__all__ = [
+    "LlamaStage", "causal_lm_loss", "causal_lm_targets", "decoder_layers", "llama_stages", "load_stages", "save_stages"
+]  # fmt: skip
 
 
 class LlamaStage(nn.Module):
@@ -74,21 +76,29 @@ class LlamaStage(nn.Module):
         self.lm_head = lm.lm_head if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
         hidden = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
-        )
-        rotary = self.model.rotary_emb(hidden, position_ids=positions)
-        for layer in self.model.layers.values():
-            hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+        hidden = decoder_layers(self.config, self.model.rotary_emb, self.model.layers.values(), hidden)
         if self.model.norm is not None:
             hidden = self.model.norm(hidden)
         if self.lm_head is not None:
             hidden = self.lm_head(hidden)
         return hidden
+
+
+def decoder_layers(config, rotary_emb: nn.Module, layers, hidden: torch.Tensor) -> torch.Tensor:
+    """LLaMA-shaped decoder ``layers`` in turn on ``hidden`` ``[b, s, h]`` (a block ``[b/(d·q), s, h/q]``),
+    at positions ``0 .. s-1`` under the causal mask, as the serial model runs them without an
+    ``attention_mask`` (no padding, no cache)."""
+    from transformers.masking_utils import create_causal_mask
+
+    positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    mask = create_causal_mask(
+        config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
+    )
+    rotary = rotary_emb(hidden, position_ids=positions)
+    for layer in layers:
+        hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+    return hidden
 
 
 # Correct on blocks as it is: it calls its (grand)children in turn, and builds positions and the mask
