@@ -12,9 +12,12 @@ and the measured makespan and bubble fraction (1 − Σ busy / (ranks × makespa
 ``optimus2d.pipeline_simulator``'s replay of the same schedule with the same costs.
 
 The model is a frozen encoder of 6 layers (forward, input and weight gradient ``--enc-ms`` each)
-then a trained LM of 6 layers (``--lm-ms`` each), cut into stages by equal layer counts (naive)
+then a trained LM of 8 layers (``--lm-ms`` each), cut into stages by equal layer counts (naive)
 and by ``optimus2d.pipeline_partition.partition`` (frozen-aware: a frozen prefix costs its forward
-alone): per stage, the predicted and the measured seconds, and the step they make.
+alone): per stage, the predicted and the measured seconds, and the step they make. First, the
+encoder in the LLM's bubbles (``optimus2d.pipeline_bubbles``): the LLM under 1F1B and
+Interleaved1F1B, the encoder's split over the ranks and its lead chosen by ``plan_bubbles`` from
+the same costs, run by ``ScheduleEncoderInBubbles`` on torch's action-list runtime.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch.distributed import pipelining as pp
 
 import optimus2d
 from optimus2d.pipeline import pipeline_stage, stage_meshes
+from optimus2d.pipeline_bubbles import LLM_SCHEDULES, ScheduleEncoderInBubbles, encoder_stage, llm_stages, plan_bubbles
 from optimus2d.pipeline_partition import LayerCost, equal_layers, partition, stage_costs
 from optimus2d.pipeline_simulator import schedule_order, simulate, stage_to_rank
 
@@ -41,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--enc-ms", type=float, default=4.0, help="an encoder layer's forward (= each gradient)")
     parser.add_argument("--lm-ms", type=float, default=8.0, help="an LM layer's forward (= each gradient)")
+    parser.add_argument("--enc-layers", type=int, default=6)
+    parser.add_argument("--lm-layers", type=int, default=8)
 
 
 class _Sleep(Function):
@@ -99,14 +105,35 @@ def _measure(pipe, costs, bounds, cls, chunks_per_rank, n) -> tuple[float, list[
         _timed(stage, spans)
         stages.append(stage)
     schedule = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=n, loss_fn=lambda out, t: out.sum())
+    return _time_steps(schedule, 0 in stage_ids, num - 1 in stage_ids, n, spans)
+
+
+def _measure_bubbles(pipe, encoder, lm, llm, plan, n) -> tuple[float, list[float]]:
+    """``_measure`` for the encoder in the bubbles: ``plan``'s split and order, torch's runtime."""
+    p, chunks = pipe.stages, LLM_SCHEDULES[llm][1]
+    bounds, per, spans, stages = [0, *plan.encoder_bounds()], len(lm) // (p * chunks), [], []
+    mine = [encoder_stage(pipe.stage, p), *llm_stages(pipe.stage, p, chunks)]
+    for sid in mine:
+        costs = encoder[bounds[sid] : bounds[sid + 1]] if sid < p else lm[(sid - p) * per : (sid - p + 1) * per]
+        stage = pipeline_stage(
+            SleepLayers(costs), pipe, microbatch_shape=(1, 1, 1), dtype=torch.float32, stage_index=sid,
+            num_stages=(1 + chunks) * p, input_grad=sid > p, output_grad=sid >= p,
+        )  # fmt: skip
+        _timed(stage, spans)
+        stages.append(stage)
+    schedule = ScheduleEncoderInBubbles(stages, n, plan.order, loss_fn=lambda out, t: out.sum())
+    return _time_steps(schedule, 0 in mine, (1 + chunks) * p - 1 in mine, n, spans)
+
+
+def _time_steps(schedule, first: bool, last: bool, n: int, spans: list) -> tuple[float, list[float]]:
     x = torch.ones(n, 1, 1, requires_grad=False)
     for _ in range(2):  # a warm-up step, then the measured one
         spans.clear()
         dist.barrier()
         start = time.monotonic()
-        if 0 in stage_ids:
-            schedule.step(x, target=x, losses=[]) if num - 1 in stage_ids else schedule.step(x)
-        elif num - 1 in stage_ids:
+        if first:
+            schedule.step(x, target=x, losses=[]) if last else schedule.step(x)
+        elif last:
             schedule.step(target=x, losses=[])
         else:
             schedule.step()
@@ -122,8 +149,27 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     p, n = world.size, args.microbatches
     pipe = stage_meshes(p, 1)
     enc, lm = args.enc_ms / 1e3, args.lm_ms / 1e3
-    costs = [LayerCost(enc, enc, enc, frozen=True) for _ in range(6)] + [LayerCost(lm, lm, lm) for _ in range(6)]
+    costs = [LayerCost(enc, enc, enc, frozen=True) for _ in range(args.enc_layers)]
+    costs += [LayerCost(lm, lm, lm) for _ in range(args.lm_layers)]
     rows = []
+    encoder = [LayerCost(enc, enc, enc, frozen=True) for _ in range(args.enc_layers)]
+    llm_layers = [LayerCost(lm, lm, lm) for _ in range(args.lm_layers)]
+    for llm in ("1F1B", "Interleaved1F1B"):  # the encoder in the bubbles of an LLM under torch's order
+        chunks = LLM_SCHEDULES[llm][1]
+        if args.lm_layers % (p * chunks):
+            continue
+        per = args.lm_layers // (p * chunks)
+        costs_llm = [(per * lm, 2 * per * lm)] * (p * chunks)
+        costs_llm[0] = (per * lm, (2 * per - 1) * lm)  # the first LLM layer's input (frozen features): no gradient
+        plan = plan_bubbles(llm, p, n, encoder, costs_llm)
+        makespan, busy = _measure_bubbles(pipe, encoder, llm_layers, llm, plan, n)
+        sim = plan.timeline
+        rows.append({
+            "schedule": f"bubbles+{llm}", "cut": f"enc {''.join(map(str, plan.layers))} lead {plan.lead}",
+            "bounds": plan.encoder_bounds(), "rank_predicted_ms": [1e3 * sim.busy[r] for r in sorted(sim.busy)],
+            "rank_busy_ms": [1e3 * b for b in busy], "simulated_ms": 1e3 * sim.makespan, "measured_ms": 1e3 * makespan,
+            "simulated_bubble": sim.bubble, "measured_bubble": 1 - sum(busy) / (p * makespan),
+        })  # fmt: skip
     for name, (cls, v) in SCHEDULES.items():
         stages = p * v
         if len(costs) < stages:
@@ -147,8 +193,11 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
                 "simulated_bubble": sim.bubble, "measured_bubble": bubble,
             })  # fmt: skip
     if world.rank == 0:
-        print(f"{p} stages of one rank, {n} micro-batches; encoder 6 × {args.enc_ms} ms frozen, LM 6 × {args.lm_ms} ms")
-        columns = f"{'schedule':16} {'cut':13} {'sim ms':>8} {'meas ms':>8} {'err':>6} {'sim bub':>8} {'meas bub':>8}"
+        print(
+            f"{p} stages of one rank, {n} micro-batches; encoder {args.enc_layers} × {args.enc_ms} ms frozen, "
+            f"LM {args.lm_layers} × {args.lm_ms} ms"
+        )
+        columns = f"{'schedule':22} {'cut':16} {'sim ms':>8} {'meas ms':>8} {'err':>6} {'sim bub':>8} {'meas bub':>8}"
         print(columns + "  per rank: predicted / measured busy ms")
         for r in rows:
             err = r["measured_ms"] / r["simulated_ms"] - 1
@@ -156,7 +205,7 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
                 f"{a:.0f}/{b:.0f}" for a, b in zip(r["rank_predicted_ms"], r["rank_busy_ms"], strict=True)
             )
             print(
-                f"{r['schedule']:16} {r['cut']:13} {r['simulated_ms']:8.1f} {r['measured_ms']:8.1f} {err:+6.1%} "
+                f"{r['schedule']:22} {r['cut']:16} {r['simulated_ms']:8.1f} {r['measured_ms']:8.1f} {err:+6.1%} "
                 f"{r['simulated_bubble']:8.3f} {r['measured_bubble']:8.3f}  {stages}"
             )
     return {"config": vars(args), "ranks": p, "rows": rows}
