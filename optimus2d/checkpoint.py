@@ -177,10 +177,15 @@ def _meta(optimizer, entries: list[_Entry]) -> dict:
         {"params": [by_param[id(p)] for p in g["params"]], **{k: v for k, v in g.items() if k != "params"}}
         for g in (optimizer.param_groups if optimizer is not None else [])
     ]
+    keys: dict[int, list[str]] = {}
+    for e in entries:
+        keys.setdefault(id(e.tensor), []).append(e.key)
     return {
         "format": _files.FORMAT,
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
         "param_groups": groups,
+        # a tensor under several keys (a tied head): every other key → the first, which holds its optimizer state
+        "aliases": {k: ks[0] for ks in keys.values() for k in ks[1:]},
     }
 
 
@@ -383,7 +388,10 @@ def load(
     return None
 
 
-def _optimizer_targets(optimizer, entries, metadata, expected) -> list:
+def _optimizer_targets(optimizer, entries, metadata, expected, tied: dict[str, str] | None = None) -> list:
+    """What to read into ``optimizer``'s state. ``tied``: the checkpoint's aliases (key → the key
+    holding its tensor's state): a copy of a tied table held without its first key (the head on
+    the last pipeline stage) reads the state stored under that key."""
     aliases: dict[int, list[_Entry]] = {}
     for e in entries:
         aliases.setdefault(id(e.tensor), []).append(e)
@@ -393,11 +401,13 @@ def _optimizer_targets(optimizer, entries, metadata, expected) -> list:
         for p in group["params"]:
             if id(p) not in aliases:
                 raise ValueError("optimus2d.checkpoint: the optimizer holds a parameter that is not in the model")
-            stored = [e for e in aliases[id(p)] if any(k.startswith(f"optim/{e.key}/") for k in metadata)]
+            candidates = [(e, e.key) for e in aliases[id(p)]]
+            candidates += [(e, (tied or {})[e.key]) for e in aliases[id(p)] if e.key in (tied or {})]
+            stored = [(e, key) for e, key in candidates if any(k.startswith(f"optim/{key}/") for k in metadata)]
             if not stored:
                 continue  # no state saved for it (never stepped)
-            entry = stored[0]
-            prefix = f"optim/{entry.key}/"
+            entry, key = stored[0]
+            prefix = f"optim/{key}/"
             names = sorted({k[len(prefix) :].partition("#")[0] for k in metadata if k.startswith(prefix)})
             serial_shape = entry.sharding.full_shape if entry.sharding is not None else tuple(p.shape)
             for name in names:

@@ -174,6 +174,7 @@ def _merged_meta(metas: list[dict]) -> dict:
         raise ValueError(f"save_stages: the stages hold different optimizers: {sorted(map(str, kinds))}")
     for m in metas[1:]:
         meta["parts_dim"].update(m["parts_dim"])
+        meta["aliases"].update(m["aliases"])
         for group, other in zip(meta["param_groups"], m["param_groups"], strict=True):
             group["params"] += [p for p in other["params"] if p not in group["params"]]
     return meta
@@ -246,7 +247,7 @@ def load_stages(path: str | os.PathLike, chunks: nn.Module | list[nn.Module], op
                 raise ValueError(
                     f"load_stages: {os.fspath(path)!r} holds {meta['optimizer']} state, not {type(optimizer).__name__}"
                 )
-            optim_targets = _ckpt._optimizer_targets(optimizer, entries, metadata, expected)
+            optim_targets = _ckpt._optimizer_targets(optimizer, entries, metadata, expected, meta.get("aliases"))
         _ckpt._check_fits(
             path, {k: v for k, v in metadata.items() if k in mine or not k.startswith("model/")}, expected
         )

@@ -121,6 +121,16 @@ def all_reduce_max(t: torch.Tensor, mesh: Mesh, axis: str) -> None:
     all_reduce(t, mesh, axis, op=dist.ReduceOp.MAX)
 
 
+def all_reduce_group(t: torch.Tensor, mesh: Mesh, group: dist.ProcessGroup | None, name: str) -> None:
+    """In place: ``t`` becomes the sum over ``group``, a torch process group across meshes (a pipeline's
+    lanes, ``optimus2d/pipeline.py``) rather than one of ``mesh``'s axes; None (one rank) sends nothing.
+    Carried by torch.distributed, waited on like ``mesh``'s collectives, counted under the axis ``name``."""
+    if group is None:
+        return
+    record("all_reduce", name, t)
+    _watched(dist.all_reduce(t, group=group, async_op=True), mesh, f"all-reduce over {name}")
+
+
 def summed_copy(t: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Tensor:
     """A contiguous copy of ``t`` summed over each of ``axes`` (``t`` itself is left alone: autograd
     may hand one gradient tensor to two branches)."""

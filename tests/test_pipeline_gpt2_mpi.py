@@ -1,0 +1,231 @@
+"""A Hugging Face GPT-2 cut into pipeline stages (``optimus2d.pipeline_gpt2``): loss, every gradient and
+one AdamW step equal the serial ``GPT2LMHeadModel``'s ``labels=`` training step, its tied table included
+(the first and the last stage hold copies whose gradients ``sum_tied_grads`` adds: they stay equal); its
+checkpoint loads on one mesh, and one mesh's checkpoint into the stages. 2 stages of 2×2 on 8 ranks, of
+1×1×2 on 4, of one rank on 2; float32."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import assert_close
+
+import optimus2d
+from optimus2d.pipeline import pipeline_stage, stage_meshes
+from optimus2d.pipeline_gpt2 import TiedPair, gpt2_stages, sum_tied_grads, tied_pair
+from optimus2d.pipeline_models import causal_lm_loss, causal_lm_targets, load_stages, save_stages
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.mpi
+
+SHAPES = {2: (1, 1), 4: (1, 2), 8: (2, 1)}  # world → (q, depth) of each of the 2 stage meshes
+B, S, H, N = 8, 5, 48, 4  # batch, sequence, hidden, micro-batches
+TOL, ADAM_TOL = 1e-5, 1e-5  # float32, relative to each tensor's largest element
+SCHEDULES = optimus2d.pipeline.SCHEDULES
+# every looped schedule with and without tying; a V-shaped one, whose first stage mesh runs both ends (summed here)
+CASES = [(name, tied) for name in ("GPipe", "1F1B", "Interleaved1F1B") for tied in (True, False)]
+CASES.append(("ZBVZeroBubble", True))
+TIED = ("transformer.wte.weight", "lm_head.weight")
+_pipes: dict = {}
+
+
+def _pipe(world):
+    """(this rank's StageMesh, its TiedPair by the stage mesh of the last chunk), built once per world size."""
+    if world.size not in SHAPES:
+        pytest.skip(f"runs on {' or '.join(map(str, SHAPES))} ranks")
+    if world.size not in _pipes:
+        pipe = stage_meshes(2, *SHAPES[world.size])
+        _pipes[world.size] = pipe, {last: tied_pair(pipe, last=last) for last in (1, 0)}  # collective
+    return _pipes[world.size]
+
+
+def _gpt2(tied: bool = True, vocab: int = 96) -> torch.nn.Module:
+    """A tiny GPT-2 without dropout; its norms and biases moved off 1 and 0, which would hide a wrong scale."""
+    config = transformers.GPT2Config(
+        vocab_size=vocab, n_positions=16, n_embd=H, n_layer=4, n_head=6, n_inner=96, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa", tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    lm = transformers.GPT2LMHeadModel(config)
+    assert (lm.lm_head.weight is lm.transformer.wte.weight) == tied
+    with torch.no_grad():
+        for p in lm.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return lm
+
+
+def _ids(vocab: int = 96) -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randint(0, vocab, (B, S))
+
+
+def _as_serial(chunks, tensors) -> dict[str, torch.Tensor]:
+    """``tensors(param)`` (a block per parameter) under the serial keys, full (collective over the mesh)."""
+    out = {}
+    for chunk in chunks:
+        twin = copy.deepcopy(chunk)
+        for p, twin_p in zip(chunk.parameters(), twin.parameters(), strict=True):
+            twin_p.data = tensors(p)
+        out.update(optimus2d.serial_state_dict(twin))
+    return out
+
+
+def _serial_step(lm, ids):
+    """HF's ``labels=`` step: (loss, gradients by state_dict key, AdamW's eps, the optimizer). AdamW's eps is
+    a thousandth of the largest gradient, so that a gradient of rounding alone moves nothing (as compare_step)."""
+    loss = lm(input_ids=ids, labels=ids, use_cache=False).loss  # the mean over the b·(s-1) targets
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in lm.named_parameters()}
+    if lm.lm_head.weight is lm.transformer.wte.weight:  # one tensor, two keys: the sum of both uses
+        grads["lm_head.weight"] = grads["transformer.wte.weight"]
+    eps = 1e-3 * max(g.abs().max().item() for g in grads.values())
+    opt = torch.optim.AdamW(lm.parameters(), lr=1e-2, eps=eps)
+    opt.step()
+    return loss.detach(), grads, eps, opt
+
+
+def _pipeline_step(pipe, pairs, serial, ids, name, eps):
+    """This rank's converted chunks, its optimizer, the loss (last stage) and the gradients (serial keys)."""
+    cls, indices = SCHEDULES[name]
+    stage_ids = indices(pipe.stage, pipe.stages)
+    num_stages = pipe.stages * len(stage_ids)
+    pair = pairs[next(s for s in range(pipe.stages) if num_stages - 1 in indices(s, pipe.stages))]
+    cut = gpt2_stages(serial, num_stages)
+    q, vocab = pipe.mesh.q, serial.config.vocab_size
+    logits = -(-vocab // q) * q if cut[0].tied else vocab  # a tied head's vocabulary is padded to q·⌈V/q⌉
+    chunks, stages = [], []
+    for sid in stage_ids:
+        chunk = optimus2d.parallelize(cut[sid], pipe.mesh)
+        first, last = sid == 0, sid == num_stages - 1
+        stages.append(
+            pipeline_stage(
+                chunk, pipe, microbatch_shape=(B // N, S) if first else (B // N, S, H),
+                output_shape=(B // N, S, logits) if last else (B // N, S, H),
+                stage_index=sid, num_stages=num_stages, token_ids=first,
+            )
+        )  # fmt: skip
+        chunks.append(chunk)
+    target, count = causal_lm_targets(ids, pipe.mesh)
+    schedule = cls(
+        stages if len(stages) > 1 else stages[0], n_microbatches=N, loss_fn=causal_lm_loss(pipe.mesh, count),
+        scale_grads=False,
+    )  # fmt: skip
+    losses: list[torch.Tensor] = []
+    last = num_stages - 1 in stage_ids
+    args = (optimus2d.scatter_batch(ids, pipe.mesh),) if 0 in stage_ids else ()
+    schedule.step(*args, target=target if last else None, losses=losses if last else None)
+    sum_tied_grads(chunks, pair)
+    grads = _as_serial(chunks, lambda p: p.grad)
+    opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-2, eps=eps)
+    opt.step()
+    return chunks, opt, (torch.stack(losses).sum() if last else None), grads
+
+
+def _tied_copies(state: dict) -> list[torch.Tensor]:
+    """Every rank's copies of the tied table in ``state`` (collective over the world)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [state[k] for k in TIED if k in state])
+    return [t for mine in everyone for t in mine]
+
+
+@pytest.mark.parametrize(("name", "tied"), CASES, ids=[f"{n}-{'tied' if t else 'untied'}" for n, t in CASES])
+def test_gpt2_stages_match_serial(world, name, tied):
+    (pipe, pairs), ids = _pipe(world), _ids()
+    serial = _gpt2(tied)
+    loss_ref, grads_ref, eps, _ = _serial_step(ref := copy.deepcopy(serial), ids)
+    chunks, _, loss, grads = _pipeline_step(pipe, pairs, serial, ids, name, eps)
+    state = _as_serial(chunks, lambda p: p.data)
+    copies = _tied_copies(state)  # the last collectives
+    if loss is not None:
+        assert_close(loss, loss_ref, TOL, "loss")
+    assert grads and set(grads) <= set(grads_ref)
+    ref_state = ref.state_dict()
+    for key, g in grads.items():
+        assert_close(g, grads_ref[key], TOL, f"grad {key}")
+        assert_close(state[key], ref_state[key], ADAM_TOL, f"AdamW {key}")
+    assert len(copies) == 2 * world.size // pipe.stages  # the embedding's table and the head's, every position
+    assert all(torch.equal(c, copies[0]) for c in copies) == tied  # tied: one step for both, bit for bit
+
+
+def test_gpt2_stages_with_a_padded_tied_vocabulary(world):
+    """97 rows: the tied table and its copy are padded alike on q = 2 (the head's logits too)."""
+    (pipe, pairs), ids = _pipe(world), _ids(97)
+    serial = _gpt2(vocab=97)
+    loss_ref, grads_ref, eps, _ = _serial_step(ref := copy.deepcopy(serial), ids)
+    chunks, _, loss, grads = _pipeline_step(pipe, pairs, serial, ids, "1F1B", eps)
+    state = _as_serial(chunks, lambda p: p.data)
+    if loss is not None:
+        assert_close(loss, loss_ref, TOL, "loss")
+    ref_state = ref.state_dict()
+    for key, g in grads.items():
+        assert_close(g, grads_ref[key], TOL, f"grad {key}")
+        assert_close(state[key], ref_state[key], ADAM_TOL, f"AdamW {key}")
+
+
+def _optim_state(lm, opt) -> dict[str, dict[str, torch.Tensor]]:
+    names = {id(p): k for k, p in lm.named_parameters()}
+    return {names[id(p)]: {k: v for k, v in s.items() if k != "step"} for p, s in opt.state.items()}
+
+
+def test_pipelined_checkpoint_loads_on_one_mesh_and_back(world, tmp_path_factory):
+    (pipe, pairs), ids = _pipe(world), _ids()
+    serial = _gpt2()
+    _, _, eps, serial_opt = _serial_step(ref := copy.deepcopy(serial), ids)
+    chunks, opt, _, _ = _pipeline_step(pipe, pairs, serial, ids, "1F1B", eps)
+    ref_state, ref_optim = ref.state_dict(), _optim_state(ref, serial_opt)
+    ref_optim["lm_head.weight"] = ref_optim["transformer.wte.weight"]  # the head's copy took the same steps
+    root = torch.distributed.get_rank() == 0 and tmp_path_factory.mktemp("gpt2")
+    box = [str(root)]
+    torch.distributed.broadcast_object_list(box, src=0)
+    stages_path, whole_path = f"{box[0]}/stages", f"{box[0]}/whole"
+
+    # the stages → one checkpoint of the whole model, loaded into the whole model on one stage's mesh
+    save_stages(stages_path, chunks, opt)
+    whole = optimus2d.parallelize(_gpt2(), pipe.mesh)
+    whole_opt = torch.optim.AdamW(whole.parameters(), lr=1e-2, eps=eps)
+    optimus2d.checkpoint.load(stages_path, whole, whole_opt)
+    loaded = optimus2d.serial_state_dict(whole)
+    loaded_optim = _as_serial([whole], lambda p: whole_opt.state[p]["exp_avg_sq"])
+    # the whole model on one mesh → its checkpoint (each stage mesh a replica: one writes) → the stages
+    optimus2d.checkpoint.save(whole_path, whole, whole_opt)
+    fresh = optimus2d.parallelize(gpt2_stages(_gpt2(), 2)[pipe.stage], pipe.mesh)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, eps=eps)
+    load_stages(whole_path, fresh, fresh_opt)
+    back = optimus2d.serial_state_dict(fresh)
+    back_optim = _as_serial([fresh], lambda p: fresh_opt.state[p].get("exp_avg", torch.zeros_like(p)))
+    read = optimus2d.checkpoint.read(stages_path)  # in this process alone
+
+    assert set(read["model"]) == set(ref_state) and set(read["optimizer"]) == set(ref_optim)
+    for key, value in ref_state.items():
+        assert_close(read["model"][key], value, ADAM_TOL, f"read {key}")
+        assert_close(loaded[key], value, ADAM_TOL, f"loaded on one mesh {key}")
+        for what in ("exp_avg", "exp_avg_sq"):
+            assert_close(read["optimizer"][key][what], ref_optim[key][what], TOL, f"read {what} {key}")
+        assert_close(loaded_optim[key], ref_optim[key]["exp_avg_sq"], TOL, f"loaded exp_avg_sq {key}")
+    assert back and set(back) < set(ref_state)
+    for key, value in back.items():
+        assert_close(value, ref_state[key], ADAM_TOL, f"back in the stages {key}")
+        # the head's copy too: the whole model's checkpoint holds the tied table's state once, under
+        # transformer.wte.weight, and names lm_head.weight its alias
+        assert_close(back_optim[key], ref_optim[key]["exp_avg"], TOL, f"back exp_avg {key}")
+
+
+def test_gpt2_stages_refuse_what_they_cannot_cut(world):
+    (pipe, _), lm = _pipe(world), _gpt2()
+    with pytest.raises(ValueError, match="4 blocks do not split into 3 equal stages"):
+        gpt2_stages(lm, 3)
+    lm.config.add_cross_attention = True
+    with pytest.raises(ValueError, match="add_cross_attention"):
+        gpt2_stages(lm, 2)
+    lm.config.add_cross_attention = False
+    with pytest.raises(ValueError, match="last=2 is not a stage mesh of a pipeline of 2"):
+        tied_pair(pipe, last=2)
+    if pipe.stage == 0:  # the first chunk's copy on a pair that names no stage mesh but the first
+        lonely = TiedPair(pipe.mesh, (pipe.mesh.rank, pipe.mesh.rank + 1), None)
+        chunk = optimus2d.parallelize(gpt2_stages(lm, 2)[0], pipe.mesh)
+        with pytest.raises(ValueError, match="holds a copy of the tied table but is not in its pair"):
+            sum_tied_grads(chunk, lonely)
