@@ -46,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enc-ms", type=float, default=4.0, help="an encoder layer's forward (= each gradient)")
     parser.add_argument("--lm-ms", type=float, default=8.0, help="an LM layer's forward (= each gradient)")
     parser.add_argument("--enc-layers", type=int, default=6)
+    parser.add_argument("--trained-encoder", action="store_true", help="the encoder learns (default: frozen)")
     parser.add_argument("--lm-layers", type=int, default=8)
 
 
@@ -90,8 +91,9 @@ def _timed(stage, spans: list) -> None:
         setattr(stage, name, timed)
 
 
-def _measure(pipe, costs, bounds, cls, chunks_per_rank, n) -> tuple[float, list[float]]:
-    """Run one step (after one warm-up); (makespan, each rank's busy seconds), on every rank."""
+def _measure(pipe, costs, bounds, cls, chunks_per_rank, n, prelude=0.0) -> tuple[float, list[float]]:
+    """Run one step (after one warm-up); (makespan, each rank's busy seconds), on every rank.
+    ``prelude``: seconds every rank computes first (the encoder phase of the three-phase schedule)."""
     ends = [0, *bounds]
     spans: list = []
     stage_ids = [pipe.stage] if chunks_per_rank == 1 else [pipe.stage, pipe.stage + pipe.stages]
@@ -105,7 +107,7 @@ def _measure(pipe, costs, bounds, cls, chunks_per_rank, n) -> tuple[float, list[
         _timed(stage, spans)
         stages.append(stage)
     schedule = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=n, loss_fn=lambda out, t: out.sum())
-    return _time_steps(schedule, 0 in stage_ids, num - 1 in stage_ids, n, spans)
+    return _time_steps(schedule, 0 in stage_ids, num - 1 in stage_ids, n, spans, prelude)
 
 
 def _measure_bubbles(pipe, encoder, lm, llm, plan, n) -> tuple[float, list[float]]:
@@ -117,7 +119,8 @@ def _measure_bubbles(pipe, encoder, lm, llm, plan, n) -> tuple[float, list[float
         costs = encoder[bounds[sid] : bounds[sid + 1]] if sid < p else lm[(sid - p) * per : (sid - p + 1) * per]
         stage = pipeline_stage(
             SleepLayers(costs), pipe, microbatch_shape=(1, 1, 1), dtype=torch.float32, stage_index=sid,
-            num_stages=(1 + chunks) * p, input_grad=sid > p, output_grad=sid >= p,
+            num_stages=(1 + chunks) * p, input_grad=sid > (p if encoder[0].frozen else 0),
+            output_grad=sid >= p or not encoder[0].frozen,
         )  # fmt: skip
         _timed(stage, spans)
         stages.append(stage)
@@ -125,12 +128,15 @@ def _measure_bubbles(pipe, encoder, lm, llm, plan, n) -> tuple[float, list[float
     return _time_steps(schedule, 0 in mine, (1 + chunks) * p - 1 in mine, n, spans)
 
 
-def _time_steps(schedule, first: bool, last: bool, n: int, spans: list) -> tuple[float, list[float]]:
+def _time_steps(schedule, first: bool, last: bool, n: int, spans: list, prelude=0.0) -> tuple[float, list[float]]:
     x = torch.ones(n, 1, 1, requires_grad=False)
     for _ in range(2):  # a warm-up step, then the measured one
         spans.clear()
         dist.barrier()
         start = time.monotonic()
+        if prelude:
+            time.sleep(prelude)
+            spans.append(("prelude", start, time.monotonic()))
         if first:
             schedule.step(x, target=x, losses=[]) if last else schedule.step(x)
         elif last:
@@ -145,56 +151,67 @@ def _time_steps(schedule, first: bool, last: bool, n: int, spans: list) -> tuple
     return max(stops) - min(starts), list(busy)
 
 
+def _simulate(cls, p, n, v, per_stage):
+    cost = lambda kind, s: per_stage[s][0] if kind == "F" else per_stage[s][1]  # noqa: E731
+    return simulate(schedule_order(cls, p, n, v), cost, where=stage_to_rank(cls, p, v))
+
+
+def _row(schedule: str, cut: str, bounds, sim, makespan: float, busy: list[float]) -> dict:
+    p = len(busy)
+    return {
+        "schedule": schedule, "cut": cut, "bounds": bounds,
+        "rank_predicted_ms": [1e3 * sim.busy[r] for r in sorted(sim.busy)], "rank_busy_ms": [1e3 * b for b in busy],
+        "simulated_ms": 1e3 * sim.makespan, "measured_ms": 1e3 * makespan,
+        "simulated_bubble": 1 - sum(sim.busy.values()) / (p * sim.makespan),
+        "measured_bubble": 1 - sum(busy) / (p * makespan),
+    }  # fmt: skip
+
+
 def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
     p, n = world.size, args.microbatches
     pipe = stage_meshes(p, 1)
     enc, lm = args.enc_ms / 1e3, args.lm_ms / 1e3
-    costs = [LayerCost(enc, enc, enc, frozen=True) for _ in range(args.enc_layers)]
-    costs += [LayerCost(lm, lm, lm) for _ in range(args.lm_layers)]
-    rows = []
-    encoder = [LayerCost(enc, enc, enc, frozen=True) for _ in range(args.enc_layers)]
+    frozen = not args.trained_encoder
+    encoder = [LayerCost(enc, enc, enc, frozen=frozen) for _ in range(args.enc_layers)]
     llm_layers = [LayerCost(lm, lm, lm) for _ in range(args.lm_layers)]
+    costs, rows = encoder + llm_layers, []
     for llm in ("1F1B", "Interleaved1F1B"):  # the encoder in the bubbles of an LLM under torch's order
         chunks = LLM_SCHEDULES[llm][1]
         if args.lm_layers % (p * chunks):
             continue
         per = args.lm_layers // (p * chunks)
         costs_llm = [(per * lm, 2 * per * lm)] * (p * chunks)
-        costs_llm[0] = (per * lm, (2 * per - 1) * lm)  # the first LLM layer's input (frozen features): no gradient
+        if frozen:  # the first LLM layer's input (frozen features): no gradient
+            costs_llm[0] = (per * lm, (2 * per - 1) * lm)
         plan = plan_bubbles(llm, p, n, encoder, costs_llm)
         makespan, busy = _measure_bubbles(pipe, encoder, llm_layers, llm, plan, n)
-        sim = plan.timeline
-        rows.append({
-            "schedule": f"bubbles+{llm}", "cut": f"enc {''.join(map(str, plan.layers))} lead {plan.lead}",
-            "bounds": plan.encoder_bounds(), "rank_predicted_ms": [1e3 * sim.busy[r] for r in sorted(sim.busy)],
-            "rank_busy_ms": [1e3 * b for b in busy], "simulated_ms": 1e3 * sim.makespan, "measured_ms": 1e3 * makespan,
-            "simulated_bubble": sim.bubble, "measured_bubble": 1 - sum(busy) / (p * makespan),
-        })  # fmt: skip
+        cut = f"enc {''.join(map(str, plan.layers))} lead {plan.lead}"
+        rows.append(_row(f"bubbles+{llm}", cut, plan.encoder_bounds(), plan.timeline, makespan, busy))
+    for llm in ("1F1B", "Interleaved1F1B"):  # Megatron-core MIMO's colocated three phases
+        cls, v = SCHEDULES[llm]
+        # each rank encodes n/p micro-batches before the LLM (and, trained, takes their backward after it)
+        prelude = n * sum(c.forward + (not c.frozen) * (c.input_grad + c.weight_grad) for c in encoder) / p
+        bounds = equal_layers(len(llm_layers), p * v)
+        sim = _simulate(cls, p, n, v, stage_costs(llm_layers, bounds))
+        sim.busy = {r: prelude + b for r, b in sim.busy.items()}
+        sim.makespan += prelude
+        makespan, busy = _measure(pipe, llm_layers, bounds, cls, v, n, prelude)
+        rows.append(_row(f"3-phase+{llm}", "encoder DP", bounds, sim, makespan, busy))
     for name, (cls, v) in SCHEDULES.items():
         stages = p * v
         if len(costs) < stages:
             continue
-        for cut_name, bounds in (
-            ("equal layers", equal_layers(len(costs), stages)),
-            ("frozen-aware", partition(costs, stages)),
-        ):
-            per_stage = stage_costs(costs, bounds)
-            order = schedule_order(cls, p, n, v)
-            sim = simulate(order, lambda kind, s, per=per_stage: per[s][0] if kind == "F" else per[s][1],
-                           where=stage_to_rank(cls, p, v))  # fmt: skip
+        cuts = [("equal layers", equal_layers(len(costs), stages)), ("frozen-aware", partition(costs, stages))]
+        if v == 1:  # Cornstarch's baseline: the encoder as the leading stage, the LM over the others
+            cuts.append(("encoder stage", [len(encoder)] + [len(encoder) + b for b in partition(llm_layers, p - 1)]))
+        for cut_name, bounds in cuts:
+            sim = _simulate(cls, p, n, v, stage_costs(costs, bounds))
             makespan, busy = _measure(pipe, costs, bounds, cls, v, n)
-            bubble = 1 - sum(busy) / (p * makespan)
-            rows.append({
-                "schedule": name, "cut": cut_name, "bounds": bounds,
-                "stage_ms": [1e3 * n * (f + b) for f, b, _ in per_stage],
-                "rank_predicted_ms": [1e3 * sim.busy[r] for r in sorted(sim.busy)],
-                "rank_busy_ms": [1e3 * b for b in busy],
-                "simulated_ms": 1e3 * sim.makespan, "measured_ms": 1e3 * makespan,
-                "simulated_bubble": sim.bubble, "measured_bubble": bubble,
-            })  # fmt: skip
+            rows.append(_row(name, cut_name, bounds, sim, makespan, busy))
     if world.rank == 0:
         print(
-            f"{p} stages of one rank, {n} micro-batches; encoder {args.enc_layers} × {args.enc_ms} ms frozen, "
+            f"{p} stages of one rank, {n} micro-batches; encoder {args.enc_layers} × {args.enc_ms} ms "
+            f"{'frozen' if frozen else 'trained'}, "
             f"LM {args.lm_layers} × {args.lm_ms} ms"
         )
         columns = f"{'schedule':22} {'cut':16} {'sim ms':>8} {'meas ms':>8} {'err':>6} {'sim bub':>8} {'meas bub':>8}"

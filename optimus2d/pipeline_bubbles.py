@@ -168,10 +168,13 @@ class BubblePlan:
     order: dict[int, list[_Action]]
     timeline: Timeline
 
+    def stage_layers(self) -> list[int]:
+        """The encoder layers of each encoder stage, in stage order (``llava_stages``' ``encoder_layers``)."""
+        return [self.layers[stage_rank(j, len(self.layers))] for j in range(len(self.layers))]
+
     def encoder_bounds(self) -> list[int]:
         """Where each encoder stage's layers end, in stage order (stage j: ``bounds[j-1] .. bounds[j]``)."""
-        counts = [self.layers[stage_rank(j, len(self.layers))] for j in range(len(self.layers))]
-        return list(itertools.accumulate(counts))
+        return list(itertools.accumulate(self.stage_layers()))
 
 
 def plan_bubbles(
