@@ -1,8 +1,8 @@
 """Pipeline stages on sub-meshes, driven by torch's schedules (``torch.distributed.pipelining``).
 
-A model is cut into stages; every stage runs on its own ``Mesh`` of one shape over a disjoint set
-of ranks (the meshes are replicas in ``Mesh``'s sense: stage s is replica s, ordered by smallest
-rank). On 8 ranks, 2 stages × 2×2::
+A model is cut into stages; every stage runs on its own ``Mesh`` over a disjoint set of ranks, by
+default all of one shape (the meshes are replicas in ``Mesh``'s sense: stage s is replica s, ordered
+by smallest rank; stages of different shapes: below). On 8 ranks, 2 stages × 2×2::
 
     stage 0 (ranks 0..3)        stage 1 (ranks 4..7)
          j=0  j=1                    j=0  j=1
@@ -30,23 +30,48 @@ of the last stage's mesh (``optimus2d.cross_entropy``, or ``mesh_sum`` of a loca
 splits each rank's block into micro-batches along dim 0: micro-batch m holds the m-th slice of
 every batch block, a different set of samples than serial ``x.chunk(n)[m]``, which changes nothing
 for losses that are sums (``scale_grads=False``) or equal-sized means (``scale_grads=True``) over
-samples.
+samples. ``scatter_microbatches(x, mesh, n)`` gives the block whose micro-batch m is this rank's
+block of serial ``x.chunk(n)[m]``.
+
+**Stages of different shapes** (``pipeline_layouts.py``): the same number of ranks p in every
+stage, each its own (q, depth): ``stage_meshes(2, q=(2, 1), depth=(1, 4))`` on 8 ranks is a 2×2
+stage on 0..3 then a 1×1×4 stage on 4..7; ``q=(1, 2), depth=(4, 1)`` puts a frozen
+vision encoder, batch split only, before a 2×2 LLM. The lane pairs the n-th rank of each stage's
+mesh. Where the next stage's shape differs, ``pipeline_stage`` wraps the chunk in ``ToNextStage``:
+its output block moves on the sending stage's ranks to the next stage's shape over those ranks
+(``pipe.meshes[next]``, by ``redistribute``; backward moves the gradient back), is declared to
+torch in that shape ``[b/(n·d'·q'), ..., h/q']``, and travels the lane unchanged. A micro-batch is
+then a global tensor re-split at each boundary, so feed the first stage and the last stage's
+targets with ``scatter_microbatches`` (``scatter``'s m-th slices are other samples on another
+mesh). Stages of unequal sizes are refused with the same ``ValueError`` on every rank.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 
+from optimus2d.comm import replicas, watch
 from optimus2d.comm.functional import activation_sharding, all_reduce, batch_sharding
 from optimus2d.comm.mesh import Mesh
+from optimus2d.pipeline_layouts import ToNextStage, scatter_microbatches, stage_shapes
 
-__all__ = ["SCHEDULES", "StageMesh", "lanes", "mesh_sum", "pipeline_stage", "stage_meshes"]
+__all__ = [
+    "SCHEDULES",
+    "StageMesh",
+    "ToNextStage",
+    "lanes",
+    "mesh_sum",
+    "pipeline_stage",
+    "scatter_microbatches",
+    "stage_meshes",
+]
 
 # torch's schedules by name → (the class, the stages pipeline rank s of p runs: one, looped, or V-shaped)
 SCHEDULES = {
@@ -62,11 +87,14 @@ SCHEDULES = {
 
 @dataclass(frozen=True)
 class StageMesh:
-    """This rank's place in a pipeline of ``stages`` meshes of one shape.
+    """This rank's place in a pipeline of ``stages`` meshes of p ranks each.
 
     ``mesh``: its stage's mesh; ``stage``: that stage's index (the mesh's replica index);
-    ``lane``: the process group of the ranks at this rank's (k, i, j) in every stage's mesh, group
-    rank = stage index (None when there is one stage); ``lane_ranks``: their global ranks.
+    ``lane``: the process group of the n-th rank of every stage's mesh (n: this rank's position in
+    its mesh, the same (k, i, j) where the shapes are equal), group rank = stage index (None when
+    there is one stage); ``lane_ranks``: their global ranks. ``meshes[t]``: a mesh of stage t's shape
+    over this rank's stage's ranks (``meshes[stage] is mesh``; the same object for equal shapes),
+    the layout its output takes to go to stage t; default ``(mesh,) * stages``.
     """
 
     mesh: Mesh
@@ -74,26 +102,49 @@ class StageMesh:
     stages: int
     lane: dist.ProcessGroup | None
     lane_ranks: tuple[int, ...]
+    meshes: tuple[Mesh, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.meshes:
+            object.__setattr__(self, "meshes", (self.mesh,) * self.stages)
+
+    @property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """Every stage's (q, depth)."""
+        return tuple((m.q, m.depth) for m in self.meshes)
 
 
 def stage_meshes(
-    stages: int, q: int, depth: int = 1, *, transport: str | None = None, check: str | None = None
+    stages: int,
+    q: int | Sequence[int],
+    depth: int | Sequence[int] = 1,
+    *,
+    transport: str | None = None,
+    check: str | None = None,
 ) -> StageMesh:
-    """Split the world into ``stages`` meshes ``Mesh(q, depth)``: stage s on ranks s·p .. s·p + p - 1
-    (p = depth·q²), and their lanes. Collective: every rank of the world calls it, at the same point."""
-    if not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"stage_meshes needs a positive number of stages, got {stages!r}")
+    """Split the world into ``stages`` meshes: stage s is ``Mesh(q_s, depth_s)`` on ranks
+    s·p .. s·p + p - 1, and their lanes. ``q``, ``depth``: every stage's, or one per stage, each
+    stage of the same p = depth_s·q_s² ranks (``stage_meshes(2, q=(2, 1), depth=(1, 4))`` on 8
+    ranks: a 2×2 stage on 0..3, a 1×1×4 one on 4..7; ``pipeline_layouts``).
+
+    Collective: every rank of the world calls it, at the same point, with the same arguments (one
+    all-gather over the world checks that first). A refusal (stages of unequal sizes, a world they do
+    not split) is the same ``ValueError`` on every rank, before any mesh or group is built.
+    """
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    p = depth * q * q if isinstance(q, int) and isinstance(depth, int) else 0
-    if p < 1 or stages * p != world:
-        raise ValueError(
-            f"stage_meshes: {stages} stages of Mesh(q={q}, depth={depth}) need {stages}·{max(p, 0)} = "
-            f"{stages * max(p, 0)} ranks but the world has {world}"
-        )
-    rank = dist.get_rank() if world > 1 else 0
-    s = rank // p
-    mesh = Mesh(q, depth, ranks=range(s * p, (s + 1) * p), transport=transport, check=check)
-    return lanes(mesh)
+    shapes, error = stage_shapes(stages, q, depth, world)
+    if world > 1:  # the same stages on every rank, or the same error everywhere
+        asked = f"stage_meshes({stages!r}, shapes={shapes or (q, depth)!r}, transport={transport!r}, check={check!r})"
+        replicas.agree_world("stage_meshes", asked, error, watch.collective_timeout())
+    elif error is not None:
+        raise error
+    p = shapes[0][1] * shapes[0][0] ** 2
+    s = (dist.get_rank() if world > 1 else 0) // p
+    built: dict[tuple[int, int], Mesh] = {}
+    for shape in shapes:  # one mesh per shape, in order, on every rank: replicas over the stages' ranks
+        if shape not in built:
+            built[shape] = Mesh(*shape, ranks=range(s * p, (s + 1) * p), transport=transport, check=check)
+    return replace(lanes(built[shapes[s]]), meshes=tuple(built[shape] for shape in shapes))
 
 
 def lanes(mesh: Mesh) -> StageMesh:
@@ -131,6 +182,7 @@ def pipeline_stage(
     input_dtype: torch.dtype | None = None,
     input_grad: bool | None = None,
     output_grad: bool = True,
+    next_stage: int | None = None,
 ):
     """torch's ``PipelineStage`` of ``chunk`` (already converted on ``pipe.mesh``), over the lane.
 
@@ -150,6 +202,15 @@ def pipeline_stage(
     (default ``dtype``). ``input_grad``: whether a gradient travels back from this stage's input
     (default: for an activation into any stage but the first); ``output_grad``: whether one comes back
     to its output (False for a frozen stage whose output needs none, e.g. a frozen encoder's features).
+
+    Stages of different shapes (``stage_meshes(q=(…), depth=(…))``): the output block is declared,
+    and sent, in the shape of the stage mesh that receives it, ``pipe.meshes[next_stage]``:
+    ``[b/(n·d'·q'), ..., h/q']``; where that shape is not ``pipe.mesh``'s the chunk is wrapped in
+    ``ToNextStage`` (``stage.submod.chunk`` is ``chunk``). ``next_stage``: the stage mesh that runs
+    torch stage ``stage_index + 1``; default ``(stage_index + 1) % pipe.stages``, right for GPipe, 1F1B
+    and the looped schedules; V-shaped ones (``ZBVZeroBubble``, ``DualPipeV``) pass it
+    (``stage_index + 1`` below ``pipe.stages``, else ``2·pipe.stages − 2 − stage_index``); ignored for
+    the last stage, whose output stays on ``pipe.mesh``.
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -168,11 +229,19 @@ def pipeline_stage(
         input_layout, input_dtype = "batch", torch.long
     if input_layout not in ("activation", "batch"):
         raise ValueError(f"pipeline_stage: input_layout={input_layout!r} is not 'activation' or 'batch'")
+    out_mesh = mesh  # the last stage's output stays on its mesh
+    if stage_index < num_stages - 1:
+        receiver = (stage_index + 1) % pipe.stages if next_stage is None else next_stage
+        if not isinstance(receiver, int) or not 0 <= receiver < pipe.stages:
+            raise ValueError(f"pipeline_stage: next_stage={next_stage!r} is not a stage mesh of 0..{pipe.stages - 1}")
+        out_mesh = pipe.meshes[receiver]
     device = mesh.device
-    splits = (mesh.depth * mesh.q, mesh.q)
     blocks = []
     for what, shape in (("microbatch_shape", microbatch_shape), ("output_shape", output_shape or microbatch_shape)):
         shape = tuple(int(size) for size in shape)
+        on = (mesh, out_mesh) if what == "output_shape" else (mesh,)
+        splits = (math.lcm(*(m.depth * m.q for m in on)), math.lcm(*(m.q for m in on)))
+        sent = f", sent as Mesh(q={out_mesh.q}, depth={out_mesh.depth})" if on[-1] is not mesh else ""
         if input_layout == "batch" and what == "microbatch_shape":  # ids, images: batch blocks
             if len(shape) < 1 or shape[0] % splits[0]:
                 raise ValueError(
@@ -187,7 +256,7 @@ def pipeline_stage(
         if len(shape) < 2 or shape[0] % splits[0] or shape[-1] % splits[1]:
             raise ValueError(
                 f"pipeline_stage: {what}={shape} must be [b, ..., h] with b divisible by depth·q = {splits[0]} "
-                f"and h by q = {splits[1]} (mesh {mesh})"
+                f"and h by q = {splits[1]} (mesh {mesh}{sent})"
             )
         # meta tensors: torch reads shape, dtype and requires_grad (whether a gradient travels back: from every
         # output, and to the input of every stage but the first)
@@ -195,8 +264,10 @@ def pipeline_stage(
             grad = output_grad
         else:
             grad = stage_index > 0 if input_grad is None else input_grad
-        local = activation_sharding(shape).local_shape(mesh)
+        local = activation_sharding(shape).local_shape(on[-1])
         blocks.append(torch.empty(local, dtype=dtype, device="meta", requires_grad=grad))
+    if (out_mesh.q, out_mesh.depth) != (mesh.q, mesh.depth):
+        chunk = ToNextStage(chunk, mesh, out_mesh)
     return PipelineStage(
         chunk, stage_index, num_stages, device, input_args=blocks[0], output_args=blocks[1], group=pipe.lane
     )

@@ -24,7 +24,7 @@ echo "== mpiexec -n 8: model families (2×2×2), replicas"
 mpiexec -n 8 python -m pytest -q --only-mpi -p no:cacheprovider -m families "$@"
 mpiexec -n 8 python -m pytest -q --only-mpi -p no:cacheprovider tests/test_device_mesh_mpi.py \
   tests/test_redistribute_mpi.py tests/test_layouts_mpi.py tests/test_pipeline_mpi.py tests/test_pipeline_llama_mpi.py \
-  tests/test_pipeline_bubbles_mpi.py tests/test_pipeline_gpt2_mpi.py "$@"
+  tests/test_pipeline_bubbles_mpi.py tests/test_pipeline_gpt2_mpi.py tests/test_pipeline_layouts_mpi.py "$@"
 for n in 4; do  # the same tests with torch.distributed (gloo) carrying the meshes, not MPI
   echo "== mpiexec -n $n, OPTIMUS2D_TRANSPORT=torch (model families: over MPI only)"
   OPTIMUS2D_TRANSPORT=torch mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider -m "not families" "$@"

@@ -95,6 +95,16 @@ def agree(
     return tuple(sorted(replicas, key=min))
 
 
+def agree_world(what: str, description: str, error, timeout: float) -> None:
+    """Every rank of the world calls ``what`` with the same ``description``, and one rank's ``error``
+    is every rank's: one all-gather of 8 words over the default group, then the same ``ValueError``
+    (or the refusing rank's error) on every rank. Collective over the world."""
+    table = _world_table(what, description, error, (0, 0, 0), timeout)
+    gather = lambda t: agreement.gather_world(t, timeout)  # noqa: E731
+    world = tuple(range(dist.get_world_size()))
+    agreement._verdict(table[:, :5], gather, world, what, description, error, None)
+
+
 def _list(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
