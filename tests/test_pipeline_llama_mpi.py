@@ -1,7 +1,7 @@
 """A Hugging Face LLaMA cut into pipeline stages (``optimus2d.pipeline_models``): loss, every gradient
-and one AdamW step equal the serial ``LlamaForCausalLM``'s ``labels=`` training step; its checkpoint
-loads on one mesh, and one mesh's checkpoint into the stages. 2 stages of 2×2 on 8 ranks, of 1×1×2
-on 4, of one rank on 2."""
+and one AdamW step equal the serial ``LlamaForCausalLM``'s ``labels=`` training step under each of
+torch's seven schedules; its checkpoint loads on one mesh, and one mesh's checkpoint into the stages.
+2 stages of 2×2 on 8 ranks, of 1×1×2 on 4, of one rank on 2."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.mpi
 SHAPES = {2: (1, 1), 4: (1, 2), 8: (2, 1)}  # world → (q, depth) of each of the 2 stage meshes
 B, S, H, V, N = 8, 5, 48, 96, 4  # batch, sequence, hidden, vocabulary, micro-batches
 TOL, ADAM_TOL = 1e-10, 1e-6  # float64; Adam's g/(√v + eps) lifts roundoff of tiny gradients
-SCHEDULES = {name: optimus2d.pipeline.SCHEDULES[name] for name in ("GPipe", "1F1B", "Interleaved1F1B")}
+SCHEDULES = optimus2d.pipeline.SCHEDULES  # all seven of torch's
 _pipes: dict = {}
 
 
