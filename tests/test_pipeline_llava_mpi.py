@@ -143,3 +143,33 @@ def test_llava_with_its_frozen_tower_in_the_bubbles_matches_serial(world, llm):
                 assert_close(g, ref_grads[key], 1e-5, f"stage {sid} grad {key}")
         for key, value in state.items():
             assert_close(value, ref_state[key], 1e-5, f"stage {sid} AdamW {key}")
+
+
+def test_image_tokens_that_do_not_match_the_features_are_refused_on_every_rank(world):
+    """One rank of the first language-model chunk's mesh holds a sample with an image token too many:
+    every rank of that mesh raises the same ValueError (one all-gather), before the merge."""
+    if world.size not in PIPES:
+        pytest.skip(f"runs on {' or '.join(map(str, PIPES))} ranks")
+    if world.size not in _pipes:
+        _pipes[world.size] = stage_meshes(*PIPES[world.size])
+    pipe = _pipes[world.size]
+    _, texts = llava_stages(_llava(), [3] + [0] * (pipe.stages - 1), pipe.stages)
+    first = optimus2d.parallelize(texts[0], pipe.mesh)
+    ids, _, _ = _batch()
+    ids = optimus2d.scatter_batch(ids, pipe.mesh)
+    if pipe.mesh.ranks.index(world.rank) == 0:
+        ids[0, -1] = IMAGE  # this rank's first sample: 5 image tokens for 4 feature rows
+    features = optimus2d.scatter(torch.randn(B, ROWS, 48), pipe.mesh)
+    with pytest.raises(ValueError, match="image tokens"):
+        first(features, input_ids=ids)
+
+
+def test_llava_stages_refuse_what_they_cannot_cut():
+    llava = _llava()
+    with pytest.raises(ValueError, match="sum to the 3 tower layers before vision_feature_layer=-2"):
+        llava_stages(llava, [2, 2], 2)
+    with pytest.raises(ValueError, match="4 decoder layers do not split into 3"):
+        llava_stages(llava, [1, 2], 3)
+    llava.config.vision_feature_layer = [-2, -1]
+    with pytest.raises(ValueError, match="not supported"):
+        llava_stages(llava, [1, 2], 2)
