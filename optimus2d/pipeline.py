@@ -61,11 +61,13 @@ from optimus2d.comm import replicas, watch
 from optimus2d.comm.functional import activation_sharding, all_reduce, batch_sharding
 from optimus2d.comm.mesh import Mesh
 from optimus2d.pipeline_layouts import ToNextStage, scatter_microbatches, stage_shapes
+from optimus2d.training import clip_over
 
 __all__ = [
     "SCHEDULES",
     "StageMesh",
     "ToNextStage",
+    "clip_grad_norm_",
     "lanes",
     "mesh_sum",
     "pipeline_stage",
@@ -279,3 +281,19 @@ def mesh_sum(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     forward: all-reduce over the mesh; backward: identity (each rank's block gets its own gradient).
     """
     return all_reduce(x.sum(), mesh, ("depth", "col", "row"))
+
+
+def clip_grad_norm_(
+    parameters, max_norm: float, pipe: StageMesh, norm_type: float = 2.0, *, copies=None
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a pipelined model: the norm of the whole serial
+    model's gradient, over every stage, and each gradient scaled by ``max_norm / norm`` when that
+    is below 1. ``parameters``: this rank's (all its chunks, on ``pipe.mesh``); ``copies``: those
+    whose gradient other stages hold too, with how many copies the pipeline holds (GPT-2's tied
+    table after ``sum_tied_grads``: ``pipeline_gpt2.shared_copies``), counted once in all.
+
+    Sends one all-reduce of one float over the stage mesh and one over the lane (a max for
+    ``norm_type=inf``); every rank of the pipeline calls it and gets the same norm.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    return clip_over(params, max_norm, pipe.mesh, norm_type, pipe.lane, copies)

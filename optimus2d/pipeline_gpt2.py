@@ -46,7 +46,7 @@ from optimus2d.layers.embedding import TiedHead2D
 from optimus2d.parallelize import keep, register_converter
 from optimus2d.pipeline import StageMesh
 
-__all__ = ["GPT2Stage", "TiedPair", "gpt2_stages", "sum_tied_grads", "tied_pair"]
+__all__ = ["GPT2Stage", "TiedPair", "gpt2_stages", "shared_copies", "sum_tied_grads", "tied_pair"]
 
 
 class GPT2Stage(nn.Module):
@@ -209,3 +209,12 @@ def sum_tied_grads(chunks: nn.Module | Sequence[nn.Module], pair: TiedPair) -> N
             p.grad = total.clone()
         else:
             p.grad.copy_(total)
+
+
+def shared_copies(chunks: nn.Module | Sequence[nn.Module]) -> dict[nn.Parameter, int]:
+    """The tied table's copies in this rank's ``chunks``, each with the number of copies the pipeline
+    holds (2: one on the first stage, one on the last), for ``pipeline.clip_grad_norm_(copies=)``; a
+    stage holding both the embedding and the head holds one Parameter, counted once as it is."""
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    stages = [m for c in chunks for m in c.modules() if isinstance(m, GPT2Stage)]
+    return {p: 2 for s in stages if (s.transformer.wte is None) != (s.lm_head is None) for p in s.tied_copies()}

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 
 from optimus2d.comm import all_reduce
 from optimus2d.comm import primitives as P
@@ -52,18 +53,37 @@ def clip_grad_norm_(
         mesh = _mesh_of(params)
         if mesh is None:  # plain torch parameters only: nothing is split
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-    grads = [(p.grad, _replicas(p, mesh)) for p in params if p.grad is not None]
+    return clip_over(params, max_norm, mesh, norm_type)
+
+
+def clip_over(
+    params: list[torch.Tensor],
+    max_norm: float,
+    mesh: Mesh,
+    norm_type: float = 2.0,
+    lane: dist.ProcessGroup | None = None,
+    copies: Mapping[torch.Tensor, int] | None = None,
+) -> torch.Tensor:
+    """``clip_grad_norm_`` over ``mesh`` and, given ``lane`` (a pipeline's: one rank of each stage
+    mesh), over every stage: the mesh-wide sums (or max) then one all-reduce over the lane.
+    ``copies``: parameters whose gradient that many ranks of the lane hold alike (a tied table's
+    copies on the first and last stages), each counted 1/copies times so the table counts once."""
+    copies = {id(p): n for p, n in (copies or {}).items()}
+    grads = [(p.grad, _replicas(p, mesh) * copies.get(id(p), 1)) for p in params if p.grad is not None]
     device = grads[0][0].device if grads else torch.device("cpu")
     if norm_type == float("inf"):
         local = max((g.detach().abs().max().float() for g, _ in grads), default=torch.zeros((), device=device))
         total = local.reshape(1).clone()
         P.all_reduce_max(total, mesh, "mesh")
+        P.all_reduce_group(total, mesh, lane, "lane", op=dist.ReduceOp.MAX)
         total = total[0]
     else:
         local = torch.zeros((), dtype=torch.float64, device=device)
         for g, replicas in grads:
             local = local + g.detach().double().abs().pow(norm_type).sum() / replicas
-        total = all_reduce(local.reshape(1), mesh, ("mesh",))[0] ** (1.0 / norm_type)
+        total = all_reduce(local.reshape(1), mesh, ("mesh",))
+        P.all_reduce_group(total, mesh, lane, "lane")
+        total = total[0] ** (1.0 / norm_type)
     clip = max_norm / (total.float() + 1e-6)
     if clip < 1:
         for g, _ in grads:

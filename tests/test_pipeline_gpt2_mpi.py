@@ -15,7 +15,7 @@ from helpers import assert_close
 
 import optimus2d
 from optimus2d.pipeline import pipeline_stage, stage_meshes
-from optimus2d.pipeline_gpt2 import TiedPair, gpt2_stages, sum_tied_grads, tied_pair
+from optimus2d.pipeline_gpt2 import TiedPair, gpt2_stages, shared_copies, sum_tied_grads, tied_pair
 from optimus2d.pipeline_models import causal_lm_loss, causal_lm_targets, load_stages, save_stages
 
 transformers = pytest.importorskip("transformers")
@@ -149,6 +149,23 @@ def test_gpt2_stages_match_serial(world, name, tied):
         assert_close(state[key], ref_state[key], ADAM_TOL, f"AdamW {key}")
     assert len(copies) == 2 * world.size // pipe.stages  # the embedding's table and the head's, every position
     assert all(torch.equal(c, copies[0]) for c in copies) == tied  # tied: one step for both, bit for bit
+
+
+@pytest.mark.parametrize("name", ["1F1B", "ZBVZeroBubble"])
+def test_clip_grad_norm_counts_the_tied_table_once(world, name):
+    """``pipeline.clip_grad_norm_(copies=shared_copies(chunks))``: the serial norm, in which the tied
+    table is one tensor, though the first and the last stage each hold a copy of its gradient."""
+    (pipe, pairs), ids = _pipe(world), _ids()
+    serial = _gpt2()
+    _, grads_ref, _, _ = _serial_step(copy.deepcopy(serial), ids)
+    chunks, _, _, _ = _pipeline_step(pipe, pairs, serial, ids, name, 1e-8)
+    unique = {k: g for k, g in grads_ref.items() if k != "lm_head.weight"}  # one tensor under two names
+    norm_ref = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in unique.values()]))
+    params = [p for c in chunks for p in c.parameters()]
+    norm = optimus2d.pipeline.clip_grad_norm_(params, 1e9, pipe, copies=shared_copies(chunks))
+    assert_close(norm.double(), norm_ref, 1e-5, "norm")
+    twice = optimus2d.pipeline.clip_grad_norm_(params, 1e9, pipe)  # without copies= the table counts twice
+    assert twice > norm * (1 + 1e-4)
 
 
 def test_gpt2_stages_with_a_padded_tied_vocabulary(world):

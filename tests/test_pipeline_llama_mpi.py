@@ -133,6 +133,26 @@ def _optim_state(lm, opt) -> dict[str, dict[str, torch.Tensor]]:
     return {names[id(p)]: {k: v for k, v in s.items() if k != "step"} for p, s in opt.state.items()}
 
 
+@pytest.mark.parametrize("name", ["1F1B", "Interleaved1F1B"])
+def test_clip_grad_norm_over_the_stages_is_the_serial_models(world, name):
+    """``pipeline.clip_grad_norm_``: the norm of the whole model's gradient (every stage's, each block
+    once), and every gradient scaled as torch scales the serial model's."""
+    pipe, ids = _pipe(world), _ids()
+    serial = _llama()
+    _, grads_ref, _ = _serial_step(copy.deepcopy(serial), ids)
+    chunks, _, _, _ = _pipeline_step(pipe, serial, ids, name)
+    norm_ref = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads_ref.values()]))
+    max_norm = 0.5 * norm_ref.item()
+    norm = optimus2d.pipeline.clip_grad_norm_([p for c in chunks for p in c.parameters()], max_norm, pipe)
+    assert_close(norm.double(), norm_ref, 1e-6, "norm")
+    clipped = _as_serial(chunks, lambda p: p.grad)
+    for key, g in clipped.items():
+        assert_close(g, grads_ref[key] * (max_norm / (norm_ref + 1e-6)), 1e-6, f"clipped {key}")
+    inf = optimus2d.pipeline.clip_grad_norm_([p for c in chunks for p in c.parameters()], 1e9, pipe, float("inf"))
+    largest = max(g.abs().max() for g in grads_ref.values()) * (max_norm / (norm_ref + 1e-6))
+    assert_close(inf.double(), largest, 1e-6, "inf norm of the clipped gradients")
+
+
 def test_pipelined_checkpoint_loads_on_one_mesh_and_back(world, tmp_path_factory):
     pipe, ids = _pipe(world), _ids()
     serial = _llama()

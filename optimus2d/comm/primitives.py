@@ -121,14 +121,16 @@ def all_reduce_max(t: torch.Tensor, mesh: Mesh, axis: str) -> None:
     all_reduce(t, mesh, axis, op=dist.ReduceOp.MAX)
 
 
-def all_reduce_group(t: torch.Tensor, mesh: Mesh, group: dist.ProcessGroup | None, name: str) -> None:
-    """In place: ``t`` becomes the sum over ``group``, a torch process group across meshes (a pipeline's
-    lanes, ``optimus2d/pipeline.py``) rather than one of ``mesh``'s axes; None (one rank) sends nothing.
-    Carried by torch.distributed, waited on like ``mesh``'s collectives, counted under the axis ``name``."""
+def all_reduce_group(
+    t: torch.Tensor, mesh: Mesh, group: dist.ProcessGroup | None, name: str, op=dist.ReduceOp.SUM
+) -> None:
+    """In place: ``t`` becomes the sum (or ``op``) over ``group``, a torch process group across meshes (a
+    pipeline's lanes, ``optimus2d/pipeline.py``) rather than one of ``mesh``'s axes; None (one rank) sends
+    nothing. Carried by torch.distributed, waited on like ``mesh``'s collectives, counted under ``name``."""
     if group is None:
         return
     record("all_reduce", name, t)
-    _watched(dist.all_reduce(t, group=group, async_op=True), mesh, f"all-reduce over {name}")
+    _watched(dist.all_reduce(t, op=op, group=group, async_op=True), mesh, f"all-reduce over {name}")
 
 
 def summed_copy(t: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Tensor:
