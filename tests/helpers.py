@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -96,3 +98,79 @@ def compare_step(serial, parallel, mesh, tol: float = 1e-4) -> None:
     assert list(state) == list(serial.state_dict())
     for key, value in serial.state_dict().items():
         assert_close(state[key], value, tol, key)
+
+
+# ---- pipelines ---------------------------------------------------------------------------------
+_STAGE_PIPES: dict = {}
+
+
+def stage_pipe(stages, q, depth=1):
+    """``optimus2d.pipeline.stage_meshes(stages, q, depth)``, built once per session for these
+    arguments (collective: every rank runs the same tests in the same order, so asks alike)."""
+    from optimus2d.pipeline import stage_meshes
+
+    key = (stages, q, depth)
+    if key not in _STAGE_PIPES:
+        _STAGE_PIPES[key] = stage_meshes(stages, q, depth)
+    return _STAGE_PIPES[key]
+
+
+def as_serial(chunks, tensors=None) -> dict:
+    """``tensors(param)`` (a block per parameter; default its gradient, zeros where it has none) under
+    the chunks' serial keys, full: collective over the chunks' mesh. Works through wrappers that
+    rewrite keys (``serial_state_dict`` finds each tensor's owner)."""
+    from optimus2d import serial_state_dict
+
+    tensors = tensors or (lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+    out = {}
+    for chunk in chunks if isinstance(chunks, (list, tuple)) else [chunks]:
+        twin = copy.deepcopy(chunk)  # the mesh is shared, not copied
+        for p, twin_p in zip(chunk.parameters(), twin.parameters(), strict=True):  # a deep copy drops .grad
+            twin_p.data = tensors(p)
+        out.update(serial_state_dict(twin))
+    return out
+
+
+def check_stage_checkpoints(pipe, chunks, opt, whole, fresh, ref_state, ref_optim, tmp_path_factory, tol, adam_tol,
+                            eps=1e-8):  # fmt: skip
+    """A pipelined checkpoint against the serial model after the same step (``ref_state``; ``ref_optim``:
+    key → Adam's moments): ``save_stages`` of this rank's ``chunks`` and ``opt`` → ``checkpoint.load``
+    into ``whole`` (the serial model, fresh) on ``pipe.mesh`` → ``checkpoint.save`` of it →
+    ``load_stages`` into ``fresh`` (this rank's stage, fresh); and ``checkpoint.read`` in this process
+    alone. Weights within ``adam_tol``, moments within ``tol``. Returns the fresh stage's optimizer."""
+    import torch.distributed as dist
+
+    import optimus2d
+    from optimus2d.pipeline_models import load_stages, save_stages
+
+    box = [str(dist.get_rank() == 0 and tmp_path_factory.mktemp("stages"))]
+    dist.broadcast_object_list(box, src=0)
+    stages_path, whole_path = f"{box[0]}/stages", f"{box[0]}/whole"
+    # the stages → one checkpoint of the whole model, loaded into the whole model on one stage's mesh
+    save_stages(stages_path, chunks, opt)
+    whole = optimus2d.parallelize(whole, pipe.mesh)
+    whole_opt = torch.optim.AdamW(whole.parameters(), lr=1e-2, eps=eps)
+    optimus2d.checkpoint.load(stages_path, whole, whole_opt)
+    loaded = optimus2d.serial_state_dict(whole)
+    loaded_optim = as_serial([whole], lambda p: whole_opt.state[p]["exp_avg_sq"])
+    # the whole model on one mesh → its checkpoint (each stage mesh a replica: one writes) → the stages
+    optimus2d.checkpoint.save(whole_path, whole, whole_opt)
+    fresh = optimus2d.parallelize(fresh, pipe.mesh)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, eps=eps)
+    load_stages(whole_path, fresh, fresh_opt)
+    back = optimus2d.serial_state_dict(fresh)
+    back_optim = as_serial([fresh], lambda p: fresh_opt.state[p]["exp_avg"])
+    read = optimus2d.checkpoint.read(stages_path)  # in this process alone
+
+    assert set(read["model"]) == set(ref_state) and set(read["optimizer"]) == set(ref_optim)
+    for key, value in ref_state.items():
+        assert_close(read["model"][key], value, adam_tol, f"read {key}")
+        assert_close(loaded[key], value, adam_tol, f"loaded on one mesh {key}")
+        for what in ("exp_avg", "exp_avg_sq"):
+            assert_close(read["optimizer"][key][what], ref_optim[key][what], tol, f"read {what} {key}")
+        assert_close(loaded_optim[key], ref_optim[key]["exp_avg_sq"], tol, f"loaded exp_avg_sq {key}")
+    assert back and set(back) < set(ref_state)
+    for key, value in back.items():
+        assert_close(value, ref_state[key], adam_tol, f"back in the stages {key}")
+        assert_close(back_optim[key], ref_optim[key]["exp_avg"], tol, f"back exp_avg {key}")
+    return fresh_opt

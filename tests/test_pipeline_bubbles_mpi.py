@@ -10,11 +10,11 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import as_serial, assert_close, stage_pipe
 from torch import nn
 
 import optimus2d
-from optimus2d.pipeline import mesh_sum, pipeline_stage, stage_meshes
+from optimus2d.pipeline import mesh_sum, pipeline_stage
 from optimus2d.pipeline_bubbles import (
     LLM_SCHEDULES,
     ScheduleEncoderInBubbles,
@@ -29,13 +29,6 @@ pytestmark = pytest.mark.mpi
 PIPES = {2: [(2, 1, 1)], 4: [(4, 1, 1), (2, 1, 2)], 8: [(2, 2, 1)]}  # world → (stages, q, depth)
 B, S, H, ENC, LM = 8, 3, 8, 4, 8
 TOL, ADAM_TOL = 1e-10, 1e-6  # float64; see test_pipeline_mpi.py for Adam's tolerance
-_pipes: dict = {}
-
-
-def _pipe(world, shape):
-    if shape not in _pipes:
-        _pipes[shape] = stage_meshes(*shape)
-    return _pipes[shape]
 
 
 def _serial(frozen: bool) -> nn.Sequential:
@@ -44,13 +37,6 @@ def _serial(frozen: bool) -> nn.Sequential:
     model = nn.Sequential(*[layer() for _ in range(ENC + LM)]).double()
     model[:ENC].requires_grad_(not frozen)
     return model
-
-
-def _grads_as_serial(chunk: nn.Module) -> dict[str, torch.Tensor]:
-    twin = copy.deepcopy(chunk)
-    for p, twin_p in zip(chunk.parameters(), twin.parameters(), strict=True):
-        twin_p.data = p.grad if p.grad is not None else torch.zeros_like(p)
-    return optimus2d.serial_state_dict(twin)
 
 
 def _cases():
@@ -67,7 +53,7 @@ def test_encoder_in_bubbles_matches_serial(world, world_size, shape, llm, frozen
         pytest.skip(f"runs on {world_size} ranks")
     if llm == "LoopedBFS" and not (frozen and shape[0] == 4):
         pytest.skip("LoopedBFS: the frozen case on 4 pipeline ranks is enough")
-    pipe, n = _pipe(world, shape), 4
+    pipe, n = stage_pipe(*shape), 4
     p, chunks = pipe.stages, LLM_SCHEDULES[llm][1]
     per = LM // (p * chunks)
     if per * p * chunks != LM:
@@ -112,7 +98,7 @@ def test_encoder_in_bubbles_matches_serial(world, world_size, shape, llm, frozen
     schedule.step(*args, target=target, losses=losses if last else None)
 
     trained = [q for c in chunks_here for q in c.parameters() if q.requires_grad]
-    grads = [_grads_as_serial(c) for c in chunks_here]
+    grads = [as_serial(c) for c in chunks_here]
     torch.optim.AdamW(trained, lr=1e-2).step()
     states = [optimus2d.serial_state_dict(c) for c in chunks_here]
 

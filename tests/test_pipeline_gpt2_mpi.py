@@ -11,12 +11,12 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_close
+from helpers import as_serial, assert_close, check_stage_checkpoints, stage_pipe
 
 import optimus2d
-from optimus2d.pipeline import pipeline_stage, stage_meshes
+from optimus2d.pipeline import pipeline_stage
 from optimus2d.pipeline_gpt2 import TiedPair, gpt2_stages, shared_copies, sum_tied_grads, tied_pair
-from optimus2d.pipeline_models import causal_lm_loss, causal_lm_targets, load_stages, save_stages
+from optimus2d.pipeline_models import causal_lm_loss, causal_lm_targets
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.mpi
@@ -37,7 +37,7 @@ def _pipe(world):
     if world.size not in SHAPES:
         pytest.skip(f"runs on {' or '.join(map(str, SHAPES))} ranks")
     if world.size not in _pipes:
-        pipe = stage_meshes(2, *SHAPES[world.size])
+        pipe = stage_pipe(2, *SHAPES[world.size])
         _pipes[world.size] = pipe, {last: tied_pair(pipe, last=last) for last in (1, 0)}  # collective
     return _pipes[world.size]
 
@@ -61,17 +61,6 @@ def _gpt2(tied: bool = True, vocab: int = 96) -> torch.nn.Module:
 def _ids(vocab: int = 96) -> torch.Tensor:
     torch.manual_seed(1)
     return torch.randint(0, vocab, (B, S))
-
-
-def _as_serial(chunks, tensors) -> dict[str, torch.Tensor]:
-    """``tensors(param)`` (a block per parameter) under the serial keys, full (collective over the mesh)."""
-    out = {}
-    for chunk in chunks:
-        twin = copy.deepcopy(chunk)
-        for p, twin_p in zip(chunk.parameters(), twin.parameters(), strict=True):
-            twin_p.data = tensors(p)
-        out.update(optimus2d.serial_state_dict(twin))
-    return out
 
 
 def _serial_step(lm, ids):
@@ -119,7 +108,7 @@ def _pipeline_step(pipe, pairs, serial, ids, name, eps):
     args = (optimus2d.scatter_batch(ids, pipe.mesh),) if 0 in stage_ids else ()
     schedule.step(*args, target=target if last else None, losses=losses if last else None)
     sum_tied_grads(chunks, pair)
-    grads = _as_serial(chunks, lambda p: p.grad)
+    grads = as_serial(chunks, lambda p: p.grad)
     opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-2, eps=eps)
     opt.step()
     return chunks, opt, (torch.stack(losses).sum() if last else None), grads
@@ -138,7 +127,7 @@ def test_gpt2_stages_match_serial(world, name, tied):
     serial = _gpt2(tied)
     loss_ref, grads_ref, eps, _ = _serial_step(ref := copy.deepcopy(serial), ids)
     chunks, _, loss, grads = _pipeline_step(pipe, pairs, serial, ids, name, eps)
-    state = _as_serial(chunks, lambda p: p.data)
+    state = as_serial(chunks, lambda p: p.data)
     copies = _tied_copies(state)  # the last collectives
     if loss is not None:
         assert_close(loss, loss_ref, TOL, "loss")
@@ -174,7 +163,7 @@ def test_gpt2_stages_with_a_padded_tied_vocabulary(world):
     serial = _gpt2(vocab=97)
     loss_ref, grads_ref, eps, _ = _serial_step(ref := copy.deepcopy(serial), ids)
     chunks, _, loss, grads = _pipeline_step(pipe, pairs, serial, ids, "1F1B", eps)
-    state = _as_serial(chunks, lambda p: p.data)
+    state = as_serial(chunks, lambda p: p.data)
     if loss is not None:
         assert_close(loss, loss_ref, TOL, "loss")
     ref_state = ref.state_dict()
@@ -189,46 +178,18 @@ def _optim_state(lm, opt) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def test_pipelined_checkpoint_loads_on_one_mesh_and_back(world, tmp_path_factory):
+    """And the head's copy of the tied table gets its optimizer state back from a whole model's
+    checkpoint, which holds it once, under transformer.wte.weight, naming lm_head.weight its alias."""
     (pipe, pairs), ids = _pipe(world), _ids()
     serial = _gpt2()
     _, _, eps, serial_opt = _serial_step(ref := copy.deepcopy(serial), ids)
     chunks, opt, _, _ = _pipeline_step(pipe, pairs, serial, ids, "1F1B", eps)
     ref_state, ref_optim = ref.state_dict(), _optim_state(ref, serial_opt)
     ref_optim["lm_head.weight"] = ref_optim["transformer.wte.weight"]  # the head's copy took the same steps
-    root = torch.distributed.get_rank() == 0 and tmp_path_factory.mktemp("gpt2")
-    box = [str(root)]
-    torch.distributed.broadcast_object_list(box, src=0)
-    stages_path, whole_path = f"{box[0]}/stages", f"{box[0]}/whole"
-
-    # the stages → one checkpoint of the whole model, loaded into the whole model on one stage's mesh
-    save_stages(stages_path, chunks, opt)
-    whole = optimus2d.parallelize(_gpt2(), pipe.mesh)
-    whole_opt = torch.optim.AdamW(whole.parameters(), lr=1e-2, eps=eps)
-    optimus2d.checkpoint.load(stages_path, whole, whole_opt)
-    loaded = optimus2d.serial_state_dict(whole)
-    loaded_optim = _as_serial([whole], lambda p: whole_opt.state[p]["exp_avg_sq"])
-    # the whole model on one mesh → its checkpoint (each stage mesh a replica: one writes) → the stages
-    optimus2d.checkpoint.save(whole_path, whole, whole_opt)
-    fresh = optimus2d.parallelize(gpt2_stages(_gpt2(), 2)[pipe.stage], pipe.mesh)
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, eps=eps)
-    load_stages(whole_path, fresh, fresh_opt)
-    back = optimus2d.serial_state_dict(fresh)
-    back_optim = _as_serial([fresh], lambda p: fresh_opt.state[p].get("exp_avg", torch.zeros_like(p)))
-    read = optimus2d.checkpoint.read(stages_path)  # in this process alone
-
-    assert set(read["model"]) == set(ref_state) and set(read["optimizer"]) == set(ref_optim)
-    for key, value in ref_state.items():
-        assert_close(read["model"][key], value, ADAM_TOL, f"read {key}")
-        assert_close(loaded[key], value, ADAM_TOL, f"loaded on one mesh {key}")
-        for what in ("exp_avg", "exp_avg_sq"):
-            assert_close(read["optimizer"][key][what], ref_optim[key][what], TOL, f"read {what} {key}")
-        assert_close(loaded_optim[key], ref_optim[key]["exp_avg_sq"], TOL, f"loaded exp_avg_sq {key}")
-    assert back and set(back) < set(ref_state)
-    for key, value in back.items():
-        assert_close(value, ref_state[key], ADAM_TOL, f"back in the stages {key}")
-        # the head's copy too: the whole model's checkpoint holds the tied table's state once, under
-        # transformer.wte.weight, and names lm_head.weight its alias
-        assert_close(back_optim[key], ref_optim[key]["exp_avg"], TOL, f"back exp_avg {key}")
+    check_stage_checkpoints(
+        pipe, chunks, opt, _gpt2(), gpt2_stages(_gpt2(), 2)[pipe.stage], ref_state, ref_optim, tmp_path_factory,
+        TOL, ADAM_TOL, eps,
+    )  # fmt: skip
 
 
 def test_gpt2_stages_refuse_what_they_cannot_cut(world):

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_close
+from helpers import as_serial, assert_close, stage_pipe
 from torch import nn
 
 import optimus2d
@@ -38,31 +38,20 @@ B, S, H, LAYERS, N = 16, 3, 8, 4, 4  # micro-batch [4, 3, 8]: [2, 3, 4] a rank o
 TOL = 1e-5  # float32
 # after AdamW: the key bias's serial gradient is 0 and ~1e-8 here, which g/(√v + eps) lifts to ~1e-5 of the bias
 ADAM_TOL = 1e-4
-_pipes: dict = {}
 
 
 def _pipe(world, name):
     shapes = PIPES.get(world.size, {}).get(name)
     if shapes is None:
         pytest.skip(f"{name} runs on {[w for w, pipes in PIPES.items() if name in pipes]} ranks")
-    if name not in _pipes:
-        q, depth = zip(*shapes, strict=True)
-        _pipes[name] = stage_meshes(2, q=q, depth=depth)
-    return _pipes[name]
+    q, depth = zip(*shapes, strict=True)
+    return stage_pipe(2, q, depth)
 
 
 def _serial() -> nn.Sequential:
     torch.manual_seed(0)
     layer = lambda: nn.TransformerEncoderLayer(H, 2, 2 * H, dropout=0.0, batch_first=True)  # noqa: E731
     return nn.Sequential(*[layer() for _ in range(LAYERS)])
-
-
-def _grads_as_serial(chunk: nn.Module) -> dict[str, torch.Tensor]:
-    """The chunk's gradients under its serial keys, full (collective over the chunk's mesh)."""
-    twin = copy.deepcopy(chunk)
-    for p, twin_p in zip(chunk.parameters(), twin.parameters(), strict=True):
-        twin_p.data = p.grad if p.grad is not None else torch.zeros_like(p)
-    return optimus2d.serial_state_dict(twin)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -162,7 +151,7 @@ def test_schedule_matches_serial(world, pipe_name, name, mode):
     sent = sum(r.numel for r in counted.records if r.kind == "send")
 
     trained = [p for c in chunks for p in c.parameters() if p.requires_grad]
-    grads = [_grads_as_serial(c) for c in chunks]
+    grads = [as_serial(c) for c in chunks]
     y = serial(x)
     loss_ref = (y * probe).sum()
     loss_ref.backward()

@@ -10,11 +10,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import as_serial, assert_close, check_stage_checkpoints, stage_pipe
 from torch import nn
 
 import optimus2d
-from optimus2d.pipeline import pipeline_stage, stage_meshes
+from optimus2d.pipeline import pipeline_stage
 from optimus2d.pipeline_models import causal_lm_loss, causal_lm_targets, llama_stages, load_stages, save_stages
 
 transformers = pytest.importorskip("transformers")
@@ -24,15 +24,12 @@ SHAPES = {2: (1, 1), 4: (1, 2), 8: (2, 1)}  # world → (q, depth) of each of th
 B, S, H, V, N = 8, 5, 48, 96, 4  # batch, sequence, hidden, vocabulary, micro-batches
 TOL, ADAM_TOL = 1e-10, 1e-6  # float64; Adam's g/(√v + eps) lifts roundoff of tiny gradients
 SCHEDULES = optimus2d.pipeline.SCHEDULES  # all seven of torch's
-_pipes: dict = {}
 
 
 def _pipe(world):
     if world.size not in SHAPES:
         pytest.skip(f"runs on {' or '.join(map(str, SHAPES))} ranks")
-    if world.size not in _pipes:
-        _pipes[world.size] = stage_meshes(2, *SHAPES[world.size])
-    return _pipes[world.size]
+    return stage_pipe(2, *SHAPES[world.size])
 
 
 def _llama() -> nn.Module:
@@ -52,17 +49,6 @@ def _llama() -> nn.Module:
                     norm.weight.copy_(1 + 0.3 * torch.randn(H, dtype=torch.float64))
                 setattr(module, name, norm)
     return lm
-
-
-def _as_serial(chunks, tensors) -> dict[str, torch.Tensor]:
-    """``tensors[param]`` (a block per parameter) under the serial keys, full (collective over the mesh)."""
-    out = {}
-    for chunk in chunks:
-        twin = copy.deepcopy(chunk)
-        for p, twin_p in zip(chunk.parameters(), twin.parameters(), strict=True):
-            twin_p.data = tensors(p)
-        out.update(optimus2d.serial_state_dict(twin))
-    return out
 
 
 def _serial_step(lm, ids):
@@ -101,7 +87,7 @@ def _pipeline_step(pipe, serial, ids, name):
     last = num_stages - 1 in stage_ids
     args = (optimus2d.scatter_batch(ids, pipe.mesh),) if 0 in stage_ids else ()
     schedule.step(*args, target=target if last else None, losses=losses if last else None)
-    grads = _as_serial(chunks, lambda p: p.grad)
+    grads = as_serial(chunks, lambda p: p.grad)
     opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-2)
     opt.step()
     return chunks, opt, (torch.stack(losses).sum() if last else None), grads
@@ -117,7 +103,7 @@ def test_llama_stages_match_serial(world, name):
     pipe, ids = _pipe(world), _ids()
     serial = _llama()
     chunks, _, loss, grads = _pipeline_step(pipe, serial, ids, name)
-    state = _as_serial(chunks, lambda p: p.data)  # the last collectives
+    state = as_serial(chunks, lambda p: p.data)  # the last collectives
     loss_ref, grads_ref, _ = _serial_step(serial, ids)
     if loss is not None:
         assert_close(loss, loss_ref, TOL, "loss")
@@ -145,7 +131,7 @@ def test_clip_grad_norm_over_the_stages_is_the_serial_models(world, name):
     max_norm = 0.5 * norm_ref.item()
     norm = optimus2d.pipeline.clip_grad_norm_([p for c in chunks for p in c.parameters()], max_norm, pipe)
     assert_close(norm.double(), norm_ref, 1e-6, "norm")
-    clipped = _as_serial(chunks, lambda p: p.grad)
+    clipped = as_serial(chunks, lambda p: p.grad)
     for key, g in clipped.items():
         assert_close(g, grads_ref[key] * (max_norm / (norm_ref + 1e-6)), 1e-6, f"clipped {key}")
     inf = optimus2d.pipeline.clip_grad_norm_([p for c in chunks for p in c.parameters()], 1e9, pipe, float("inf"))
@@ -159,38 +145,10 @@ def test_pipelined_checkpoint_loads_on_one_mesh_and_back(world, tmp_path_factory
     chunks, opt, _, _ = _pipeline_step(pipe, serial, ids, "1F1B")
     _, _, serial_opt = _serial_step(serial, ids)
     ref_state, ref_optim = serial.state_dict(), _optim_state(serial, serial_opt)
-    root = torch.distributed.get_rank() == 0 and tmp_path_factory.mktemp("pipe")
-    box = [str(root)]
-    torch.distributed.broadcast_object_list(box, src=0)
-    stages_path, whole_path = f"{box[0]}/stages", f"{box[0]}/whole"
-
-    # the stages → one checkpoint of the whole model, loaded into the whole model on one stage's mesh
-    save_stages(stages_path, chunks, opt)
-    whole = optimus2d.parallelize(copy.deepcopy(_llama()), pipe.mesh)
-    whole_opt = torch.optim.AdamW(whole.parameters(), lr=1e-2)
-    optimus2d.checkpoint.load(stages_path, whole, whole_opt)
-    loaded = optimus2d.serial_state_dict(whole)
-    loaded_optim = _as_serial([whole], lambda p: whole_opt.state[p]["exp_avg_sq"])
-    # the whole model on one mesh → its checkpoint (each stage mesh a replica: one writes) → the stages
-    optimus2d.checkpoint.save(whole_path, whole, whole_opt)
-    fresh = optimus2d.parallelize(llama_stages(_llama(), 2)[pipe.stage], pipe.mesh)
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    load_stages(whole_path, fresh, fresh_opt)
-    back = optimus2d.serial_state_dict(fresh)
-    back_optim = _as_serial([fresh], lambda p: fresh_opt.state[p]["exp_avg"])
-    read = optimus2d.checkpoint.read(stages_path)  # in this process alone
-
-    assert set(read["model"]) == set(ref_state) and set(read["optimizer"]) == set(ref_optim)
-    for key, value in ref_state.items():
-        assert_close(read["model"][key], value, ADAM_TOL, f"read {key}")
-        assert_close(loaded[key], value, ADAM_TOL, f"loaded on one mesh {key}")
-        for what in ("exp_avg", "exp_avg_sq"):
-            assert_close(read["optimizer"][key][what], ref_optim[key][what], TOL, f"read {what} {key}")
-        assert_close(loaded_optim[key], ref_optim[key]["exp_avg_sq"], TOL, f"loaded exp_avg_sq {key}")
-    assert back and set(back) < set(ref_state)
-    for key, value in back.items():
-        assert_close(value, ref_state[key], ADAM_TOL, f"back in the stages {key}")
-        assert_close(back_optim[key], ref_optim[key]["exp_avg"], TOL, f"back exp_avg {key}")
+    fresh_opt = check_stage_checkpoints(
+        pipe, chunks, opt, _llama(), llama_stages(_llama(), 2)[pipe.stage], ref_state, ref_optim, tmp_path_factory,
+        TOL, ADAM_TOL,
+    )  # fmt: skip
     assert all(int(s["step"]) == 1 for s in fresh_opt.state.values())
 
 

@@ -8,12 +8,12 @@ import os
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import as_serial, assert_close, stage_pipe
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import optimus2d
-from optimus2d.pipeline import SCHEDULES, mesh_sum, pipeline_stage, stage_meshes
+from optimus2d.pipeline import SCHEDULES, mesh_sum, pipeline_stage
 
 pytestmark = pytest.mark.mpi
 
@@ -22,29 +22,18 @@ B, S, H, LAYERS = 8, 3, 8, 4
 TOL = 1e-10  # float64
 # after AdamW: the key bias's gradient is 0 in serial and ~1e-17 here, which Adam's g/(√v + eps) lifts to ~1e-9·lr
 ADAM_TOL = 1e-6
-_pipes: dict = {}
 
 
 def _pipe(world):
     if world.size not in SHAPES:
         pytest.skip(f"runs on {' or '.join(map(str, SHAPES))} ranks")
-    if world.size not in _pipes:
-        _pipes[world.size] = stage_meshes(2, *SHAPES[world.size])
-    return _pipes[world.size]
+    return stage_pipe(2, *SHAPES[world.size])
 
 
 def _serial() -> nn.Sequential:
     torch.manual_seed(0)
     layer = lambda: nn.TransformerEncoderLayer(H, 2, 2 * H, dropout=0.0, batch_first=True)  # noqa: E731
     return nn.Sequential(*[layer() for _ in range(LAYERS)]).double()
-
-
-def _grads_as_serial(chunk: nn.Module) -> dict[str, torch.Tensor]:
-    """The chunk's gradients under its serial keys, full (collective over the chunk's mesh)."""
-    twin = copy.deepcopy(chunk)  # the mesh is shared, not copied
-    for p, twin_p in zip(chunk.parameters(), twin.parameters(), strict=True):  # (a deep copy drops .grad)
-        twin_p.data = p.grad if p.grad is not None else torch.zeros_like(p)
-    return optimus2d.serial_state_dict(twin)
 
 
 def test_stage_meshes_and_lanes(world):
@@ -100,7 +89,7 @@ def test_schedule_matches_serial(world, name, mode):
     schedule.step(*args, target=target, losses=losses if last else None)
 
     trained = [p for c in chunks for p in c.parameters() if p.requires_grad]
-    grads = [_grads_as_serial(c) for c in chunks]
+    grads = [as_serial(c) for c in chunks]
     if trained:
         torch.optim.AdamW(trained, lr=1e-2).step()
     states = [optimus2d.serial_state_dict(c) for c in chunks]  # the last collectives
