@@ -16,6 +16,24 @@ from optimus2d.layers.norm import LayerNorm2D
 from optimus2d.random import Dropout2D
 
 
+def _declare(block, d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, norm_first, bias, *,
+             cross: bool, num_kv_heads, kw) -> None:  # fmt: skip
+    """The submodules of torch's encoder layer, or decoder layer (``cross``: with ``multihead_attn`` and
+    a third norm), in torch's order, which is their ``state_dict``'s."""
+    mesh = kw["mesh"]
+    block.self_attn = MultiheadAttention2D(d_model, nhead, dropout, bias, num_kv_heads=num_kv_heads, **kw)
+    if cross:
+        block.multihead_attn = MultiheadAttention2D(d_model, nhead, dropout, bias, **kw)
+    block.linear1 = Linear2D(d_model, dim_feedforward, bias, **kw)
+    block.dropout = Dropout2D(dropout, mesh=mesh)
+    block.linear2 = Linear2D(dim_feedforward, d_model, bias, **kw)
+    block.norm_first = norm_first
+    for n in range(1, 4 if cross else 3):
+        setattr(block, f"norm{n}", LayerNorm2D(d_model, layer_norm_eps, bias=bias, **kw))
+        setattr(block, f"dropout{n}", Dropout2D(dropout, mesh=mesh))
+    block.activation = activation_fn(activation)
+
+
 class TransformerBlock2D(nn.Module):
     """Self-attention and feed-forward with residuals, as ``nn.TransformerEncoderLayer(batch_first=True)``.
 
@@ -43,16 +61,8 @@ class TransformerBlock2D(nn.Module):
     ) -> None:
         super().__init__()
         kw = {"mesh": mesh, "device": device, "dtype": dtype}
-        self.self_attn = MultiheadAttention2D(d_model, nhead, dropout, bias, num_kv_heads=num_kv_heads, **kw)
-        self.linear1 = Linear2D(d_model, dim_feedforward, bias, **kw)
-        self.dropout = Dropout2D(dropout, mesh=mesh)
-        self.linear2 = Linear2D(dim_feedforward, d_model, bias, **kw)
-        self.norm_first = norm_first
-        self.norm1 = LayerNorm2D(d_model, layer_norm_eps, bias=bias, **kw)
-        self.norm2 = LayerNorm2D(d_model, layer_norm_eps, bias=bias, **kw)
-        self.dropout1 = Dropout2D(dropout, mesh=mesh)
-        self.dropout2 = Dropout2D(dropout, mesh=mesh)
-        self.activation = activation_fn(activation)
+        _declare(self, d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, norm_first, bias,
+                 cross=False, num_kv_heads=num_kv_heads, kw=kw)  # fmt: skip
 
     @classmethod
     def from_serial(cls, layer: nn.TransformerEncoderLayer, mesh: Mesh) -> TransformerBlock2D:
@@ -111,16 +121,8 @@ class TransformerDecoderBlock2D(nn.Module):
     ) -> None:
         super().__init__()
         kw = {"mesh": mesh, "device": device, "dtype": dtype}
-        self.self_attn = MultiheadAttention2D(d_model, nhead, dropout, bias, **kw)
-        self.multihead_attn = MultiheadAttention2D(d_model, nhead, dropout, bias, **kw)
-        self.linear1 = Linear2D(d_model, dim_feedforward, bias, **kw)
-        self.dropout = Dropout2D(dropout, mesh=mesh)
-        self.linear2 = Linear2D(dim_feedforward, d_model, bias, **kw)
-        self.norm_first = norm_first
-        for n in (1, 2, 3):
-            setattr(self, f"norm{n}", LayerNorm2D(d_model, layer_norm_eps, bias=bias, **kw))
-            setattr(self, f"dropout{n}", Dropout2D(dropout, mesh=mesh))
-        self.activation = activation_fn(activation)
+        _declare(self, d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, norm_first, bias,
+                 cross=True, num_kv_heads=None, kw=kw)  # fmt: skip
 
     @classmethod
     def from_serial(cls, layer: nn.TransformerDecoderLayer, mesh: Mesh) -> TransformerDecoderBlock2D:
