@@ -115,3 +115,14 @@ def test_encoder_in_bubbles_matches_serial(world, world_size, shape, llm, frozen
             assert_close(state[key], ref_state[key], ADAM_TOL, f"stage {sid} AdamW {key}")
         if sid < p and frozen:
             assert all(q.grad is None for q in chunks_here[mine.index(sid)].parameters()), "a frozen chunk got grads"
+
+
+def test_a_rank_without_its_encoder_chunk_is_refused(world):
+    if world.size != 2:
+        pytest.skip("runs on 2 ranks")
+    pipe = stage_pipe(2, 1, 1)
+    order, _ = bubble_order("1F1B", 2, 4, lambda kind, s: 1.0)
+    mine = llm_stages(pipe.stage, 2)[0]  # the LLM chunk alone: the encoder chunk is missing
+    stage = pipeline_stage(nn.Linear(H, H).double(), pipe, microbatch_shape=(2, S, H), stage_index=mine, num_stages=4)
+    with pytest.raises(ValueError, match=rf"pipeline rank {pipe.stage} of 2 needs stages \[{1 - pipe.stage}, {mine}\]"):
+        ScheduleEncoderInBubbles([stage], 4, order)

@@ -5,6 +5,8 @@ gradient and one AdamW step equal the serial model's; the tower gets no gradient
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers import assert_close
@@ -52,13 +54,13 @@ def _llava():
     return model
 
 
-def _batch():
+def _batch(b: int = B):
     torch.manual_seed(1)
-    ids = torch.randint(1, IMAGE, (B, SEQ))
-    for row in range(B):
+    ids = torch.randint(1, IMAGE, (b, SEQ))
+    for row in range(b):
         start = 1 + row % 4
         ids[row, start : start + ROWS] = IMAGE
-    return ids, torch.randn(B, 3, 16, 16), ids.masked_fill(ids == IMAGE, -100)
+    return ids, torch.randn(b, 3, 16, 16), ids.masked_fill(ids == IMAGE, -100)
 
 
 def _grads(chunk, mesh) -> dict:
@@ -147,19 +149,22 @@ def test_llava_with_its_frozen_tower_in_the_bubbles_matches_serial(world, llm):
 
 def test_image_tokens_that_do_not_match_the_features_are_refused_on_every_rank(world):
     """One rank of the first language-model chunk's mesh holds a sample with an image token too many:
-    every rank of that mesh raises the same ValueError (one all-gather), before the merge."""
-    if world.size not in PIPES:
-        pytest.skip(f"runs on {' or '.join(map(str, PIPES))} ranks")
-    if world.size not in _pipes:
-        _pipes[world.size] = stage_meshes(*PIPES[world.size])
-    pipe = _pipes[world.size]
-    _, texts = llava_stages(_llava(), [3] + [0] * (pipe.stages - 1), pipe.stages)
-    first = optimus2d.parallelize(texts[0], pipe.mesh)
-    ids, _, _ = _batch()
-    ids = optimus2d.scatter_batch(ids, pipe.mesh)
-    if pipe.mesh.ranks.index(world.rank) == 0:
+    every rank of that mesh raises the same ValueError (one all-gather), before the merge. A fresh mesh
+    over the world: a mesh whose ranks disagreed is not to be used again."""
+    q = math.isqrt(world.size)
+    while world.size % (q * q):
+        q -= 1
+    mesh = optimus2d.Mesh(q, world.size // (q * q))
+    _, texts = llava_stages(_llava(), [3], 1)
+    first = optimus2d.parallelize(texts[0], mesh)
+    b = 2 * mesh.depth * mesh.q
+    ids, _, _ = _batch(b)
+    ids = optimus2d.scatter_batch(ids, mesh)
+    features = optimus2d.scatter(torch.randn(b, ROWS, 48), mesh)
+    with pytest.raises(ValueError, match="needs input_ids="):  # on every rank alike, before any collective
+        first(features)
+    if world.rank == 0:
         ids[0, -1] = IMAGE  # this rank's first sample: 5 image tokens for 4 feature rows
-    features = optimus2d.scatter(torch.randn(B, ROWS, 48), pipe.mesh)
     with pytest.raises(ValueError, match="image tokens"):
         first(features, input_ids=ids)
 
@@ -170,6 +175,10 @@ def test_llava_stages_refuse_what_they_cannot_cut():
         llava_stages(llava, [2, 2], 2)
     with pytest.raises(ValueError, match="4 decoder layers do not split into 3"):
         llava_stages(llava, [1, 2], 3)
+    llava.config.get_text_config().tie_word_embeddings = True
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        llava_stages(llava, [1, 2], 2)
+    llava.config.get_text_config().tie_word_embeddings = False
     llava.config.vision_feature_layer = [-2, -1]
     with pytest.raises(ValueError, match="not supported"):
         llava_stages(llava, [1, 2], 2)

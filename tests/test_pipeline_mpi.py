@@ -108,3 +108,23 @@ def test_schedule_matches_serial(world, name, mode):
         for key, g in grad.items():  # a slice of nn.Sequential keeps the serial keys
             assert_close(g, ref_grads[key], TOL, f"stage {sid} grad {key}")
             assert_close(state[key], ref_state[key], ADAM_TOL, f"stage {sid} AdamW {key}")
+
+
+def test_pipeline_stage_refuses_what_does_not_fit_on_every_rank(world):
+    """Before any stage is built (nothing is sent): a layout that is not one, a next stage mesh that
+    does not exist, and, on a mesh that splits, a batch the mesh does not divide, with the numbers."""
+    pipe = _pipe(world)
+    chunk, shape = nn.Identity(), (B // 4, S, H)
+    with pytest.raises(ValueError, match="input_layout='images' is not 'activation' or 'batch'"):
+        pipeline_stage(chunk, pipe, microbatch_shape=shape, dtype=torch.float64, input_layout="images")
+    with pytest.raises(ValueError, match=r"next_stage=5 is not a stage mesh of 0\.\.1"):
+        pipeline_stage(chunk, pipe, microbatch_shape=shape, dtype=torch.float64, stage_index=0, next_stage=5)
+    splits = pipe.mesh.depth * pipe.mesh.q
+    if splits == 1:
+        return
+    odd = (splits + 1, S, H)
+    with pytest.raises(ValueError, match=rf"microbatch_shape=\({splits + 1}, {S}, {H}\) must be .* depth·q = {splits}"):
+        pipeline_stage(chunk, pipe, microbatch_shape=odd, dtype=torch.float64)
+    images = (splits + 1, 3, 16, 16)
+    with pytest.raises(ValueError, match=rf"batch microbatch_shape=\({splits + 1}, 3, 16, 16\) .* depth·q = {splits}"):
+        pipeline_stage(chunk, pipe, microbatch_shape=images, dtype=torch.float64, input_layout="batch")
