@@ -1,5 +1,5 @@
 """A rank SIGKILLed while saving over a checkpoint (tests/scripts/save_kill.py), under mpiexec, torchrun
-and no launcher at all: every process ends within 2×timeout of the kill, and the previous checkpoint
+and no launcher at all: every process ends within 2×timeout of the kill (+ 10 s to exit), and the previous checkpoint
 reads back exactly."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _assert_ended_in_error(launcher: str, rcs: list[int], out: str, after_kill: 
     print(f"{launcher}: exit codes {rcs}, {', '.join(f'{t:.1f}' for t in after_kill)} s after the kill")
     assert all(rc != 0 for rc in rcs), f"{launcher}: exit codes {rcs} after a rank was killed:\n{out[-4000:]}"
     assert "save B returned" not in out, out[-4000:]
-    assert max(after_kill) < 2 * TIMEOUT_S, f"{launcher}: ended {after_kill} s after the kill:\n{out[-4000:]}"
+    assert max(after_kill) < 2 * TIMEOUT_S + 10, f"{launcher}: ended {after_kill} s after the kill:\n{out[-4000:]}"
 
 
 def _assert_reads_back_a(directory: Path) -> None:

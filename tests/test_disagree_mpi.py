@@ -1,7 +1,9 @@
 """Ranks that disagree are caught on every rank, fast: never a silent wrong block, never a hang.
 
 Each case builds meshes of its own (a failure is fatal to a mesh), makes one rank (the last)
-differ from its peers, and asserts that every rank raises the expected error within ``_FAST_S``.
+differ from its peers, and asserts that every rank raises the expected error within ``_FAST_S``:
+a sixth of the suite's collective timeout (120 s), so the error came from the check or the
+peer's report, not from a wait running out, with room for 9 ranks sharing 2 cores.
 Run at every world size of the suite, over MPI and over gloo (``OPTIMUS2D_TRANSPORT=torch``).
 """
 
@@ -21,7 +23,7 @@ from optimus2d.comm import primitives as P
 from optimus2d.comm import watch
 
 pytestmark = pytest.mark.mpi
-_FAST_S = 3.0
+_FAST_S = 20.0
 
 
 @pytest.fixture
@@ -229,5 +231,5 @@ def test_a_rank_that_skips_a_collective_is_a_timeout_on_the_others(world, world_
         start = time.monotonic()
         with pytest.raises((TimeoutError, optimus2d.PeerFailedError), match=r"did not complete within 1 s"):
             layer(x)
-        assert time.monotonic() - start < 2 * timeout + 0.5
+        assert time.monotonic() - start < _FAST_S  # the message names the 1 s wait; this bounds the hang
     dist.barrier()
