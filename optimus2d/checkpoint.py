@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from optimus2d import checkpoint_files as _files
+from optimus2d.comm import replicas
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
 from optimus2d.layers.base import sharding_of
@@ -202,10 +204,14 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     model is saved as its module): replicas hold the same blocks, so replica 0 alone writes them.
     Every rank of every replica calls ``save``: the commit is collective over the world, and no rank
     returns before it. The checkpoint is that of one mesh, and loads on any mesh or in one process.
+    Meshes of the same shape that hold different tensors are pipeline stages, not replicas: refused
+    on every rank, before anything is written (``pipeline_models.save_stages`` writes them).
     """
     model = _unwrap(model)
     entries = _entries(model)
     mesh = _model_mesh(entries)
+    if _replicated(mesh):
+        _agree_replicas(entries, mesh)
     device_mesh = _device_mesh(mesh)
     state: dict[str, object] = {}  # on every rank, so that every rank refuses what does not fit
     for e in entries:
@@ -246,6 +252,17 @@ def _unwrap(model: nn.Module) -> nn.Module:
 def _replicated(mesh: Mesh | None) -> bool:
     """Whether ``mesh`` is one of several data-parallel replicas (``Mesh.replicas``)."""
     return mesh is not None and dist.is_initialized() and len(mesh.replicas) > 1
+
+
+def _agree_replicas(entries: list[_Entry], mesh: Mesh) -> None:
+    """Every replica of ``mesh`` saves a model of the same serial keys and shapes, or every rank
+    raises ``ValueError`` naming each group's tensors. One all-gather of 8 words over the world."""
+    keys = [f"{e.key}{list(e.sharding.full_shape) if e.sharding else list(e.tensor.shape)}" for e in entries]
+    digest = zlib.crc32("\n".join(keys).encode())
+    shown = f"{keys[0]} … {keys[-1]}" if len(keys) > 1 else (keys[0] if keys else "nothing")
+    description = f"a model of {len(keys)} tensors ({shown}; crc {digest:08x})"
+    where = "checkpoint.save over replica meshes (pipeline stages hold different parts: pipeline_models.save_stages)"
+    replicas.agree_world(where, description, None, mesh.timeout)
 
 
 def _parts_dims(entries: list[_Entry], state: dict) -> dict[str, int]:

@@ -1,9 +1,11 @@
 """Pipeline stages on sub-meshes under torch's schedules: loss, gradients and one AdamW step equal
-the serial model's. 2 stages of 2×2 on 8 ranks, of 1×1×2 on 4, of one rank on 2."""
+the serial model's. 2 stages of 2×2 on 8 ranks, of 1×1×2 on 4, of one rank on 2, and of 3×3 on 18
+(scripts/test.sh runs 4, 8 and 18)."""
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import pytest
@@ -13,12 +15,13 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import optimus2d
+from optimus2d import checkpoint
 from optimus2d.pipeline import SCHEDULES, mesh_sum, pipeline_stage
 
 pytestmark = pytest.mark.mpi
 
-SHAPES = {2: (1, 1), 4: (1, 2), 8: (2, 1)}  # world → (q, depth) of each of the 2 stage meshes
-B, S, H, LAYERS = 8, 3, 8, 4
+SHAPES = {2: (1, 1), 4: (1, 2), 8: (2, 1), 18: (3, 1)}  # world → (q, depth) of each of the 2 stage meshes
+S, LAYERS = 3, 4
 TOL = 1e-10  # float64
 # after AdamW: the key bias's gradient is 0 in serial and ~1e-17 here, which Adam's g/(√v + eps) lifts to ~1e-9·lr
 ADAM_TOL = 1e-6
@@ -30,9 +33,16 @@ def _pipe(world):
     return stage_pipe(2, *SHAPES[world.size])
 
 
-def _serial() -> nn.Sequential:
+def _dims(pipe) -> tuple[int, int, int]:
+    """(batch, hidden, heads): 4 micro-batches the mesh splits, heads the mesh splits (8, 8, 2 up to
+    2×2; 24, 24, 6 on 3×3)."""
+    unit = math.lcm(2, pipe.mesh.q * pipe.mesh.depth)
+    return 4 * unit, 4 * unit, unit
+
+
+def _serial(h: int, heads: int) -> nn.Sequential:
     torch.manual_seed(0)
-    layer = lambda: nn.TransformerEncoderLayer(H, 2, 2 * H, dropout=0.0, batch_first=True)  # noqa: E731
+    layer = lambda: nn.TransformerEncoderLayer(h, heads, 2 * h, dropout=0.0, batch_first=True)  # noqa: E731
     return nn.Sequential(*[layer() for _ in range(LAYERS)]).double()
 
 
@@ -54,15 +64,16 @@ def test_schedule_matches_serial(world, name, mode):
         pytest.skip("the mean loss and a frozen first chunk on two schedules are enough")
     mean = mode == "mean"
     pipe, n = _pipe(world), 4
+    b, h, heads = _dims(pipe)
     cls, indices = SCHEDULES[name]
     stage_ids = indices(pipe.stage, pipe.stages)
     num_stages = pipe.stages * len(stage_ids)
     per_chunk = LAYERS // num_stages
     torch.manual_seed(1)
-    x, probe = torch.randn(B, S, H, dtype=torch.float64), torch.randn(B, S, H, dtype=torch.float64)
-    scale = 1.0 / (B // n * S * H) if mean else 1.0  # the mean of each micro-batch, averaged as serial
+    x, probe = torch.randn(b, S, h, dtype=torch.float64), torch.randn(b, S, h, dtype=torch.float64)
+    scale = 1.0 / (b // n * S * h) if mean else 1.0  # the mean of each micro-batch, averaged as serial
 
-    serial = _serial()
+    serial = _serial(h, heads)
     if mode == "frozen":  # the first chunk learns nothing: its output has no grad_fn, and still gets a gradient sent
         serial[:per_chunk].requires_grad_(False)
     chunks, stages = [], []
@@ -72,7 +83,7 @@ def test_schedule_matches_serial(world, name, mode):
             for at, layer in enumerate(chunk):
                 chunk[at] = checkpoint_wrapper(layer)
         chunks.append(chunk)
-        shape = (B // n, S, H)
+        shape = (b // n, S, h)
         stages.append(pipeline_stage(chunk, pipe, microbatch_shape=shape, stage_index=sid, num_stages=num_stages))
 
     def loss_fn(out, target):  # the micro-batch's global loss, the same on every rank of the mesh
@@ -95,7 +106,7 @@ def test_schedule_matches_serial(world, name, mode):
     states = [optimus2d.serial_state_dict(c) for c in chunks]  # the last collectives
 
     y = serial(x)
-    loss_ref = (y * probe).sum() * (1.0 / (B * S * H) if mean else 1.0)
+    loss_ref = (y * probe).sum() * (1.0 / (b * S * h) if mean else 1.0)
     loss_ref.backward()
     torch.optim.AdamW([p for p in serial.parameters() if p.requires_grad], lr=1e-2).step()
     ref_grads = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in serial.named_parameters()}
@@ -114,7 +125,8 @@ def test_pipeline_stage_refuses_what_does_not_fit_on_every_rank(world):
     """Before any stage is built (nothing is sent): a layout that is not one, a next stage mesh that
     does not exist, and, on a mesh that splits, a batch the mesh does not divide, with the numbers."""
     pipe = _pipe(world)
-    chunk, shape = nn.Identity(), (B // 4, S, H)
+    b, h, _ = _dims(pipe)
+    chunk, shape = nn.Identity(), (b // 4, S, h)
     with pytest.raises(ValueError, match="input_layout='images' is not 'activation' or 'batch'"):
         pipeline_stage(chunk, pipe, microbatch_shape=shape, dtype=torch.float64, input_layout="images")
     with pytest.raises(ValueError, match=r"next_stage=5 is not a stage mesh of 0\.\.1"):
@@ -122,9 +134,26 @@ def test_pipeline_stage_refuses_what_does_not_fit_on_every_rank(world):
     splits = pipe.mesh.depth * pipe.mesh.q
     if splits == 1:
         return
-    odd = (splits + 1, S, H)
-    with pytest.raises(ValueError, match=rf"microbatch_shape=\({splits + 1}, {S}, {H}\) must be .* depth·q = {splits}"):
+    odd = (splits + 1, S, h)
+    with pytest.raises(ValueError, match=rf"microbatch_shape=\({splits + 1}, {S}, {h}\) must be .* depth·q = {splits}"):
         pipeline_stage(chunk, pipe, microbatch_shape=odd, dtype=torch.float64)
     images = (splits + 1, 3, 16, 16)
     with pytest.raises(ValueError, match=rf"batch microbatch_shape=\({splits + 1}, 3, 16, 16\) .* depth·q = {splits}"):
         pipeline_stage(chunk, pipe, microbatch_shape=images, dtype=torch.float64, input_layout="batch")
+
+
+def test_checkpoint_save_refuses_stage_meshes_as_replicas(world, tmp_path):
+    """Stage meshes have one shape over disjoint ranks, as data-parallel replicas do, but hold
+    different layers: ``checkpoint.save`` (replica 0 writes) would keep only the first stage's.
+    Refused on every rank with each stage's tensors named, nothing written."""
+    pipe = _pipe(world)
+    _, h, heads = _dims(pipe)
+    per = LAYERS // pipe.stages
+    chunk = optimus2d.parallelize(_serial(h, heads)[pipe.stage * per : (pipe.stage + 1) * per], pipe.mesh)
+    path = tmp_path / "ckpt"
+    with pytest.raises(ValueError, match=r"checkpoint\.save over replica meshes .*save_stages\).*disagree") as info:
+        checkpoint.save(path, chunk)
+    first = pipe.mesh.size
+    assert f"ranks {', '.join(map(str, range(first)))}: a model of" in str(info.value)
+    assert f"({per}.self_attn.in_proj_weight[{3 * h}, {h}]" in str(info.value)  # the second stage's first layer
+    assert not path.exists()
