@@ -60,6 +60,7 @@ from torch.distributed import pipelining
 from optimus2d.comm import replicas, watch
 from optimus2d.comm.functional import activation_sharding, all_reduce, batch_sharding
 from optimus2d.comm.mesh import Mesh
+from optimus2d.pipeline_data_parallel import DataParallelStage, pipeline_groups
 from optimus2d.pipeline_layouts import ToNextStage, scatter_microbatches, stage_shapes
 from optimus2d.training import clip_over
 
@@ -96,7 +97,9 @@ class StageMesh:
     its mesh, the same (k, i, j) where the shapes are equal), group rank = stage index (None when
     there is one stage); ``lane_ranks``: their global ranks. ``meshes[t]``: a mesh of stage t's shape
     over this rank's stage's ranks (``meshes[stage] is mesh``; the same object for equal shapes),
-    the layout its output takes to go to stage t; default ``(mesh,) * stages``.
+    the layout its output takes to go to stage t; default ``(mesh,) * stages``. ``dp``: the
+    pipeline's data-parallel replicas (``pipeline_data_parallel``), ``dp_rank`` this rank's,
+    ``dp_group``/``dp_ranks`` the ranks at its place in every replica (None: one replica).
     """
 
     mesh: Mesh
@@ -105,6 +108,10 @@ class StageMesh:
     lane: dist.ProcessGroup | None
     lane_ranks: tuple[int, ...]
     meshes: tuple[Mesh, ...] = ()
+    dp: int = 1
+    dp_rank: int = 0
+    dp_group: dist.ProcessGroup | None = None
+    dp_ranks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.meshes:
@@ -115,59 +122,65 @@ class StageMesh:
         """Every stage's (q, depth)."""
         return tuple((m.q, m.depth) for m in self.meshes)
 
+    def stage_ranks(self, stage: int, replica: int | None = None) -> tuple[int, ...]:
+        """The global ranks of stage mesh ``stage`` of data-parallel ``replica`` (default this rank's)."""
+        return self.mesh.replicas[stage * self.dp + (self.dp_rank if replica is None else replica)]
+
 
 def stage_meshes(
     stages: int,
     q: int | Sequence[int],
     depth: int | Sequence[int] = 1,
     *,
+    dp: int = 1,
     transport: str | None = None,
     check: str | None = None,
 ) -> StageMesh:
     """Split the world into ``stages`` meshes: stage s is ``Mesh(q_s, depth_s)`` on ranks
     s·p .. s·p + p - 1, and their lanes. ``q``, ``depth``: every stage's, or one per stage, each
     stage of the same p = depth_s·q_s² ranks (``stage_meshes(2, q=(2, 1), depth=(1, 4))`` on 8
-    ranks: a 2×2 stage on 0..3, a 1×1×4 one on 4..7; ``pipeline_layouts``).
+    ranks: a 2×2 stage on 0..3, a 1×1×4 one on 4..7; ``pipeline_layouts``). ``dp``: that many
+    data-parallel copies of the pipeline, stage s of copy r on ranks (s·dp + r)·p ..
+    (``pipeline_data_parallel``; ``pipeline_stage`` then averages each stage's gradients over them).
 
     Collective: every rank of the world calls it, at the same point, with the same arguments (one
     all-gather over the world checks that first). A refusal (stages of unequal sizes, a world they do
     not split) is the same ``ValueError`` on every rank, before any mesh or group is built.
     """
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    shapes, error = stage_shapes(stages, q, depth, world)
+    shapes, error = stage_shapes(stages, q, depth, world, dp)
     if world > 1:  # the same stages on every rank, or the same error everywhere
-        asked = f"stage_meshes({stages!r}, shapes={shapes or (q, depth)!r}, transport={transport!r}, check={check!r})"
+        options = f"dp={dp!r}, transport={transport!r}, check={check!r}"
+        asked = f"stage_meshes({stages!r}, shapes={shapes or (q, depth)!r}, {options})"
         replicas.agree_world("stage_meshes", asked, error, watch.collective_timeout())
     elif error is not None:
         raise error
     p = shapes[0][1] * shapes[0][0] ** 2
-    s = (dist.get_rank() if world > 1 else 0) // p
+    m = (dist.get_rank() if world > 1 else 0) // p  # this rank's stage mesh: stage s of replica r, m = s·dp + r
     built: dict[tuple[int, int], Mesh] = {}
     for shape in shapes:  # one mesh per shape, in order, on every rank: replicas over the stages' ranks
         if shape not in built:
-            built[shape] = Mesh(*shape, ranks=range(s * p, (s + 1) * p), transport=transport, check=check)
-    return replace(lanes(built[shapes[s]]), meshes=tuple(built[shape] for shape in shapes))
+            built[shape] = Mesh(*shape, ranks=range(m * p, (m + 1) * p), transport=transport, check=check)
+    return replace(lanes(built[shapes[m // dp]], dp=dp), meshes=tuple(built[shape] for shape in shapes))
 
 
-def lanes(mesh: Mesh) -> StageMesh:
+def lanes(mesh: Mesh, dp: int = 1) -> StageMesh:
     """The pipeline whose stages are ``mesh``'s replicas (``Mesh(ranks=...)`` per stage, or
-    ``Mesh.from_device_mesh`` with a leading "pp" dim), in the order of ``mesh.replicas``.
+    ``Mesh.from_device_mesh`` with a leading "pp" dim), in the order of ``mesh.replicas``; with
+    ``dp``, ``dp`` copies of it, replica mesh s·dp + r being stage s of copy r (a DeviceMesh's
+    ("pp", "dp", ...) dims).
 
-    Collective over the world: creates one lane group per mesh position, on every rank, in the
-    same order (``dist.new_group``).
+    Collective over the world: creates one lane group per mesh position (and copy), then one dp
+    group per stage and position, on every rank, in the same order (``dist.new_group``).
     """
     replicas = mesh.replicas
     if mesh.coord is None:
         raise ValueError(f"lanes: rank {mesh.rank} is not in {mesh}; every rank must be in a stage's mesh")
-    position = mesh.ranks.index(mesh.rank)
-    lane, lane_ranks = None, tuple(r[position] for r in replicas)
-    if len(replicas) > 1:
-        for n in range(mesh.size):  # every lane on every rank: creating a group is collective
-            members = [r[n] for r in replicas]
-            group = dist.new_group(members, sort_ranks=False)
-            if n == position:
-                lane = group
-    return StageMesh(mesh, mesh.replica, len(replicas), lane, lane_ranks)
+    if not isinstance(dp, int) or dp < 1 or len(replicas) % dp:
+        raise ValueError(f"lanes: dp={dp!r} does not divide the {len(replicas)} meshes of {mesh} into copies")
+    lane, lane_ranks, dp_group, dp_ranks = pipeline_groups(replicas, dp, mesh.replica, mesh.ranks.index(mesh.rank))
+    stage, replica = divmod(mesh.replica, dp)
+    return StageMesh(mesh, stage, len(replicas) // dp, lane, lane_ranks, (), dp, replica, dp_group, dp_ranks)
 
 
 def pipeline_stage(
@@ -212,7 +225,9 @@ def pipeline_stage(
     torch stage ``stage_index + 1``; default ``(stage_index + 1) % pipe.stages``, right for GPipe, 1F1B
     and the looped schedules; V-shaped ones (``ZBVZeroBubble``, ``DualPipeV``) pass it
     (``stage_index + 1`` below ``pipe.stages``, else ``2·pipe.stages − 2 − stage_index``); ignored for
-    the last stage, whose output stays on ``pipe.mesh``.
+    the last stage, whose output stays on ``pipe.mesh``. Data-parallel copies (``pipe.dp > 1``): a
+    ``DataParallelStage``, which averages the gradients over ``pipe.dp_group`` at the step's last
+    backward (``pipeline_data_parallel``).
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -270,9 +285,11 @@ def pipeline_stage(
         blocks.append(torch.empty(local, dtype=dtype, device="meta", requires_grad=grad))
     if (out_mesh.q, out_mesh.depth) != (mesh.q, mesh.depth):
         chunk = ToNextStage(chunk, mesh, out_mesh)
-    return PipelineStage(
-        chunk, stage_index, num_stages, device, input_args=blocks[0], output_args=blocks[1], group=pipe.lane
-    )
+    args = (chunk, stage_index, num_stages, device)
+    kwargs = {"input_args": blocks[0], "output_args": blocks[1], "group": pipe.lane}
+    if pipe.dp_group is not None:  # data-parallel copies: gradients averaged over them
+        return DataParallelStage(*args, **kwargs, dp_group=pipe.dp_group, mesh=mesh)
+    return PipelineStage(*args, **kwargs)
 
 
 def mesh_sum(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:

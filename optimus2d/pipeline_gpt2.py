@@ -167,16 +167,16 @@ def tied_pair(pipe: StageMesh, *, last: int | None = None) -> TiedPair:
     last = pipe.stages - 1 if last is None else last
     if not isinstance(last, int) or not 0 <= last < pipe.stages:
         raise ValueError(f"tied_pair: last={last!r} is not a stage mesh of a pipeline of {pipe.stages}")
-    replicas, mesh = pipe.mesh.replicas, pipe.mesh
+    mesh = pipe.mesh
     position = mesh.ranks.index(mesh.rank)
-    ranks = tuple(dict.fromkeys((replicas[0][position], replicas[last][position])))
+    ranks = tuple(dict.fromkeys((pipe.stage_ranks(0)[position], pipe.stage_ranks(last)[position])))
     group = None
     if last != 0:
-        for n in range(mesh.size):  # every pair on every rank: creating a group is collective
-            members = [replicas[0][n], replicas[last][n]]
-            made = dist.new_group(members, sort_ranks=False)
-            if n == position and pipe.stage in (0, last):
-                group = made
+        for r in range(pipe.dp):  # every pair of every data-parallel copy on every rank: creating a group is collective
+            for n in range(mesh.size):
+                made = dist.new_group([pipe.stage_ranks(0, r)[n], pipe.stage_ranks(last, r)[n]], sort_ranks=False)
+                if (r, n) == (pipe.dp_rank, position) and pipe.stage in (0, last):
+                    group = made
     return TiedPair(mesh, ranks, group)
 
 

@@ -35,12 +35,14 @@ __all__ = ["ToNextStage", "scatter_microbatches", "stage_shapes"]
 
 
 def stage_shapes(
-    stages: int, q: int | Sequence[int], depth: int | Sequence[int], world: int
+    stages: int, q: int | Sequence[int], depth: int | Sequence[int], world: int, dp: int = 1
 ) -> tuple[tuple[tuple[int, int], ...], ValueError | None]:
     """Each stage's ``(q, depth)`` (an int is every stage's), and why they do not split a world of
-    ``world`` ranks into ``stages`` stages of one size (None if they do). No communication."""
-    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-        return (), ValueError(f"stage_meshes needs a positive number of stages, got {stages!r}")
+    ``world`` ranks into ``dp`` replicas of ``stages`` stages of one size (None if they do). No
+    communication."""
+    for name, value in (("stages", stages), ("dp", dp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return (), ValueError(f"stage_meshes needs a positive number {name}, got {name}={value!r}")
     per_stage = []
     for name, value in (("q", q), ("depth", depth)):
         values = [value] * stages if isinstance(value, int) else list(value) if isinstance(value, Sequence) else None
@@ -57,12 +59,13 @@ def stage_shapes(
             f"stage_meshes: the stages have different numbers of ranks ({listed}); every stage needs the same "
             f"number depth·q², so that a lane pairs the n-th rank of each"
         )
-    if stages * sizes[0] != world:
+    if dp * stages * sizes[0] != world:
         (qs, d), p = shapes[0], sizes[0]
         what = f"Mesh(q={qs}, depth={d})" if len(set(shapes)) == 1 else f"meshes of {p} ranks"
-        return shapes, ValueError(
-            f"stage_meshes: {stages} stages of {what} need {stages}·{p} = {stages * p} ranks but the world has {world}"
-        )
+        times = f"dp={dp} replicas of " if dp > 1 else ""
+        n = f"{dp}·{stages}·{p}" if dp > 1 else f"{stages}·{p}"
+        need = f"{times}{stages} stages of {what} need {n} = {dp * stages * p} ranks"
+        return shapes, ValueError(f"stage_meshes: {need} but the world has {world}")
     return shapes, None
 
 

@@ -180,31 +180,43 @@ def _merged_meta(metas: list[dict]) -> dict:
     return meta
 
 
-def save_stages(path: str | os.PathLike, chunks: nn.Module | list[nn.Module], optimizer=None) -> None:
+def save_stages(path: str | os.PathLike, chunks: nn.Module | list[nn.Module], optimizer=None, *, pipe=None) -> None:
     """Write every stage's ``chunks`` (this rank's, converted on its stage mesh; a list for several
     stages per rank) and ``optimizer`` as ONE checkpoint of the whole model, in ``optimus2d.checkpoint``'s
     format: it loads with ``optimus2d.checkpoint.load`` into the whole model on any mesh (or ``read``).
 
     Collective over the world: every rank of every stage calls it. The stages' keys must be disjoint
     (``llama_stages`` keeps the serial names); their optimizers of one class, with the same groups.
+    Data-parallel copies (``stage_meshes(dp=)``): pass ``pipe``, this rank's ``StageMesh``; the copies
+    of a stage must hold the same keys, and copy 0 writes them. Without it, every stage mesh is a stage.
     """
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     state, meta, entries = _state(chunks, optimizer)
     world = dist.get_world_size() if dist.is_initialized() else 1
     mesh = _ckpt._model_mesh(entries)
     where = mesh.ranks[0] if mesh is not None else (dist.get_rank() if world > 1 else 0)  # the stage mesh
-    mine = (meta, where, sorted(k for k in state if k.startswith("model/")))
+    mine = (meta, where if pipe is None else pipe.stage, sorted(k for k in state if k.startswith("model/")))
     metas = [mine]
     if world > 1:
         metas = [None] * world
         dist.all_gather_object(metas, mine)
-    holders: dict[str, set[int]] = {}
+    by_stage: dict[object, set[tuple[str, ...]]] = {}  # a stage's data-parallel copies share its id
     for _, stage, keys in metas:
+        by_stage.setdefault(stage, set()).add(tuple(keys))
+    differ = [stage for stage, held in by_stage.items() if len(held) > 1]
+    if differ:  # on every rank alike, before anything is written
+        raise ValueError(f"save_stages: the data-parallel copies of stage {differ[0]} hold different tensors")
+    holders: dict[str, set[object]] = {}
+    for stage, (keys,) in by_stage.items():
         for k in keys:
             holders.setdefault(k, set()).add(stage)
     shared = sorted(k for k, h in holders.items() if len(h) > 1)
-    if shared:  # on every rank alike, before anything is written
-        raise ValueError(f"save_stages: {shared[:5]} are held by more than one stage mesh (they would overwrite)")
+    if shared:
+        copies = "" if pipe is not None else "; data-parallel copies: pass pipe="
+        held = f"{shared[:5]} are held by more than one stage mesh"
+        raise ValueError(f"save_stages: {held} (they would overwrite{copies})")
+    if pipe is not None and pipe.dp_rank != 0:  # copy 0 of this stage writes these blocks
+        state = {}
     state["meta"] = torch.tensor(list(json.dumps(_merged_meta([m for m, _, _ in metas])).encode()), dtype=torch.uint8)
     no_dist = world == 1
 

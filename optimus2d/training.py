@@ -72,7 +72,8 @@ def clip_over(
     grads = [(p.grad, _replicas(p, mesh) * copies.get(id(p), 1)) for p in params if p.grad is not None]
     device = grads[0][0].device if grads else torch.device("cpu")
     if norm_type == float("inf"):
-        local = max((g.detach().abs().max().float() for g, _ in grads), default=torch.zeros((), device=device))
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        local = max((g.detach().abs().max().double() for g, _ in grads), default=zero)
         total = local.reshape(1).clone()
         P.all_reduce_max(total, mesh, "mesh")
         P.all_reduce_group(total, mesh, lane, "lane", op=dist.ReduceOp.MAX)
@@ -84,8 +85,8 @@ def clip_over(
         total = all_reduce(local.reshape(1), mesh, ("mesh",))
         P.all_reduce_group(total, mesh, lane, "lane")
         total = total[0] ** (1.0 / norm_type)
-    clip = max_norm / (total.float() + 1e-6)
+    clip = max_norm / (total + 1e-6)  # in float64, rounded once to each gradient's dtype
     if clip < 1:
         for g, _ in grads:
             g.detach().mul_(clip.to(g.dtype))
-    return total.float()
+    return total.to(grads[0][0].dtype if grads else torch.float32)  # as torch: the gradients' dtype

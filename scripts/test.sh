@@ -17,14 +17,15 @@ for n in 1 4 9; do  # each in two sessions: a session's meshes (and their groups
   mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider -m families "$@"
 done
 # 8 ranks: the model families on 2×2×2, the data-parallel replicas (2 × 2×2), redistribute and
-# per-module layouts between 2×2×2 and 1×1×8, pipelines of 2 stages × 2×2. The other tests
+# per-module layouts between 2×2×2 and 1×1×8, pipelines of 2 stages × 2×2 (and × 2 copies of 1×1×2). The other tests
 # also pass there (`mpiexec -n 8 python -m pytest -q --only-mpi`, about 10 minutes on 2 cores),
 # left out of this command to keep it within CI's 30 minutes
 echo "== mpiexec -n 8: model families (2×2×2), replicas"
 mpiexec -n 8 python -m pytest -q --only-mpi -p no:cacheprovider -m families "$@"
 mpiexec -n 8 python -m pytest -q --only-mpi -p no:cacheprovider tests/test_device_mesh_mpi.py \
   tests/test_redistribute_mpi.py tests/test_layouts_mpi.py tests/test_pipeline_mpi.py tests/test_pipeline_llama_mpi.py \
-  tests/test_pipeline_bubbles_mpi.py tests/test_pipeline_gpt2_mpi.py tests/test_pipeline_layouts_mpi.py "$@"
+  tests/test_pipeline_bubbles_mpi.py tests/test_pipeline_gpt2_mpi.py tests/test_pipeline_layouts_mpi.py \
+  tests/test_pipeline_dp_mpi.py "$@"
 echo "== mpiexec -n 18: pipelines of 2 stages × 3×3, every schedule"
 mpiexec -n 18 python -m pytest -q --only-mpi -p no:cacheprovider tests/test_pipeline_mpi.py "$@"
 for n in 4; do  # the same tests with torch.distributed (gloo) carrying the meshes, not MPI

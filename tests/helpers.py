@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 
@@ -104,14 +105,14 @@ def compare_step(serial, parallel, mesh, tol: float = 1e-4) -> None:
 _STAGE_PIPES: dict = {}
 
 
-def stage_pipe(stages, q, depth=1):
-    """``optimus2d.pipeline.stage_meshes(stages, q, depth)``, built once per session for these
+def stage_pipe(stages, q, depth=1, dp=1):
+    """``optimus2d.pipeline.stage_meshes(stages, q, depth, dp=dp)``, built once per session for these
     arguments (collective: every rank runs the same tests in the same order, so asks alike)."""
     from optimus2d.pipeline import stage_meshes
 
-    key = (stages, q, depth)
+    key = (stages, q, depth, dp)
     if key not in _STAGE_PIPES:
-        _STAGE_PIPES[key] = stage_meshes(stages, q, depth)
+        _STAGE_PIPES[key] = stage_meshes(stages, q, depth, dp=dp)
     return _STAGE_PIPES[key]
 
 
@@ -131,6 +132,17 @@ def as_serial(chunks, tensors=None) -> dict:
     return out
 
 
+def shared_tmp(tmp_path_factory, name: str) -> Path:
+    """A fresh directory made by rank 0, its path on every rank (collective over the world). One
+    directory for all: each rank's own pytest session would make (and prune, keeping 3) its own
+    numbered base directory, and could delete another rank's."""
+    import torch.distributed as dist
+
+    box = [str(tmp_path_factory.mktemp(name)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
 def check_stage_checkpoints(pipe, chunks, opt, whole, fresh, ref_state, ref_optim, tmp_path_factory, tol, adam_tol,
                             eps=1e-8):  # fmt: skip
     """A pipelined checkpoint against the serial model after the same step (``ref_state``; ``ref_optim``:
@@ -138,16 +150,14 @@ def check_stage_checkpoints(pipe, chunks, opt, whole, fresh, ref_state, ref_opti
     into ``whole`` (the serial model, fresh) on ``pipe.mesh`` → ``checkpoint.save`` of it →
     ``load_stages`` into ``fresh`` (this rank's stage, fresh); and ``checkpoint.read`` in this process
     alone. Weights within ``adam_tol``, moments within ``tol``. Returns the fresh stage's optimizer."""
-    import torch.distributed as dist
 
     import optimus2d
     from optimus2d.pipeline_models import load_stages, save_stages
 
-    box = [str(dist.get_rank() == 0 and tmp_path_factory.mktemp("stages"))]
-    dist.broadcast_object_list(box, src=0)
-    stages_path, whole_path = f"{box[0]}/stages", f"{box[0]}/whole"
+    base = shared_tmp(tmp_path_factory, "stages")
+    stages_path, whole_path = f"{base}/stages", f"{base}/whole"
     # the stages → one checkpoint of the whole model, loaded into the whole model on one stage's mesh
-    save_stages(stages_path, chunks, opt)
+    save_stages(stages_path, chunks, opt, pipe=pipe)
     whole = optimus2d.parallelize(whole, pipe.mesh)
     whole_opt = torch.optim.AdamW(whole.parameters(), lr=1e-2, eps=eps)
     optimus2d.checkpoint.load(stages_path, whole, whole_opt)

@@ -2,7 +2,7 @@
 one AdamW step equal the serial ``GPT2LMHeadModel``'s ``labels=`` training step, its tied table included
 (the first and the last stage hold copies whose gradients ``sum_tied_grads`` adds: they stay equal); its
 checkpoint loads on one mesh, and one mesh's checkpoint into the stages. 2 stages of 2×2 on 8 ranks, of
-1×1×2 on 4, of one rank on 2; float32."""
+1×1×2 on 4, of one rank on 2; with 2 data-parallel copies, of 1×1×2 on 8 and of one rank on 4; float32."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.mpi
 
 SHAPES = {2: (1, 1), 4: (1, 2), 8: (2, 1)}  # world → (q, depth) of each of the 2 stage meshes
+DP_SHAPES = {4: (1, 1), 8: (1, 2)}  # the same, for 2 data-parallel copies of the pipeline
 B, S, H, N = 8, 5, 48, 4  # batch, sequence, hidden, micro-batches
 TOL, ADAM_TOL = 1e-5, 1e-5  # float32, relative to each tensor's largest element
 SCHEDULES = optimus2d.pipeline.SCHEDULES
@@ -32,14 +33,15 @@ TIED = ("transformer.wte.weight", "lm_head.weight")
 _pipes: dict = {}
 
 
-def _pipe(world):
+def _pipe(world, dp: int = 1):
     """(this rank's StageMesh, its TiedPair by the stage mesh of the last chunk), built once per world size."""
-    if world.size not in SHAPES:
-        pytest.skip(f"runs on {' or '.join(map(str, SHAPES))} ranks")
-    if world.size not in _pipes:
-        pipe = stage_pipe(2, *SHAPES[world.size])
-        _pipes[world.size] = pipe, {last: tied_pair(pipe, last=last) for last in (1, 0)}  # collective
-    return _pipes[world.size]
+    shapes = SHAPES if dp == 1 else DP_SHAPES
+    if world.size not in shapes:
+        pytest.skip(f"runs on {' or '.join(map(str, shapes))} ranks")
+    if (world.size, dp) not in _pipes:
+        pipe = stage_pipe(2, *shapes[world.size], dp=dp)
+        _pipes[world.size, dp] = pipe, {last: tied_pair(pipe, last=last) for last in (1, 0)}  # collective
+    return _pipes[world.size, dp]
 
 
 def _gpt2(tied: bool = True, vocab: int = 96) -> torch.nn.Module:
@@ -78,8 +80,11 @@ def _serial_step(lm, ids):
 
 
 def _pipeline_step(pipe, pairs, serial, ids, name, eps):
-    """This rank's converted chunks, its optimizer, the loss (last stage) and the gradients (serial keys)."""
+    """This rank's converted chunks, its optimizer, the loss (last stage: its copy's) and the gradients
+    (serial keys). Data-parallel copies each take their share of ``ids``, in N / dp micro-batches."""
     cls, indices = SCHEDULES[name]
+    b, n = B // pipe.dp, N // pipe.dp
+    ids = ids[pipe.dp_rank * b : (pipe.dp_rank + 1) * b]
     stage_ids = indices(pipe.stage, pipe.stages)
     num_stages = pipe.stages * len(stage_ids)
     pair = pairs[next(s for s in range(pipe.stages) if num_stages - 1 in indices(s, pipe.stages))]
@@ -92,15 +97,15 @@ def _pipeline_step(pipe, pairs, serial, ids, name, eps):
         first, last = sid == 0, sid == num_stages - 1
         stages.append(
             pipeline_stage(
-                chunk, pipe, microbatch_shape=(B // N, S) if first else (B // N, S, H),
-                output_shape=(B // N, S, logits) if last else (B // N, S, H),
+                chunk, pipe, microbatch_shape=(b // n, S) if first else (b // n, S, H),
+                output_shape=(b // n, S, logits) if last else (b // n, S, H),
                 stage_index=sid, num_stages=num_stages, token_ids=first,
             )
         )  # fmt: skip
         chunks.append(chunk)
     target, count = causal_lm_targets(ids, pipe.mesh)
     schedule = cls(
-        stages if len(stages) > 1 else stages[0], n_microbatches=N, loss_fn=causal_lm_loss(pipe.mesh, count),
+        stages if len(stages) > 1 else stages[0], n_microbatches=n, loss_fn=causal_lm_loss(pipe.mesh, count),
         scale_grads=False,
     )  # fmt: skip
     losses: list[torch.Tensor] = []
@@ -138,6 +143,27 @@ def test_gpt2_stages_match_serial(world, name, tied):
         assert_close(state[key], ref_state[key], ADAM_TOL, f"AdamW {key}")
     assert len(copies) == 2 * world.size // pipe.stages  # the embedding's table and the head's, every position
     assert all(torch.equal(c, copies[0]) for c in copies) == tied  # tied: one step for both, bit for bit
+
+
+@pytest.mark.parametrize("name", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+def test_gpt2_stages_with_data_parallel_copies(world, name):
+    """Two copies of the pipeline, each on half the batch: the stages average their gradients over
+    the copies, then ``sum_tied_grads`` adds the tied table's (each copy's own pair): the serial step."""
+    (pipe, pairs), ids = _pipe(world, dp=2), _ids()
+    serial = _gpt2()
+    loss_ref, grads_ref, eps, _ = _serial_step(ref := copy.deepcopy(serial), ids)
+    chunks, _, loss, grads = _pipeline_step(pipe, pairs, serial, ids, name, eps)
+    state = as_serial(chunks, lambda p: p.data)
+    if loss is not None:  # each copy's mean over its targets, as many in each: their mean is serial's
+        total = loss.clone()
+        dist.all_reduce(total, group=pipe.dp_group)
+        assert_close(total / pipe.dp, loss_ref, TOL, "loss")
+    ref_state = ref.state_dict()
+    for key, g in grads.items():
+        assert_close(g, grads_ref[key], TOL, f"grad {key}")
+        assert_close(state[key], ref_state[key], ADAM_TOL, f"AdamW {key}")
+    copies = _tied_copies(state)
+    assert len(copies) == 2 * world.size // pipe.stages and all(torch.equal(c, copies[0]) for c in copies)
 
 
 @pytest.mark.parametrize("name", ["1F1B", "ZBVZeroBubble"])

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import as_serial, assert_close, check_stage_checkpoints, stage_pipe
+from helpers import as_serial, assert_close, check_stage_checkpoints, shared_tmp, stage_pipe
 from torch import nn
 
 import optimus2d
@@ -163,12 +163,13 @@ def test_llama_stages_refuses_what_it_cannot_cut(world):
 
 def test_stage_checkpoints_refuse_overlapping_or_missing_stages(world, tmp_path_factory):
     pipe = _pipe(world)
-    box = [str(torch.distributed.get_rank() == 0 and tmp_path_factory.mktemp("refuse"))]
-    torch.distributed.broadcast_object_list(box, src=0)
+    base = shared_tmp(tmp_path_factory, "refuse")
     same = optimus2d.parallelize(llama_stages(_llama(), 2)[0], pipe.mesh)  # every stage mesh holds stage 0
     with pytest.raises(ValueError, match="held by more than one stage mesh"):
-        save_stages(f"{box[0]}/twice", same)
+        save_stages(f"{base}/twice", same)
+    with pytest.raises(ValueError, match="held by more than one stage mesh"):
+        save_stages(f"{base}/twice", same, pipe=pipe)  # stage meshes, not copies, whatever their keys
     whole = optimus2d.parallelize(_llama(), pipe.mesh)
-    optimus2d.checkpoint.save(f"{box[0]}/whole", whole)
+    optimus2d.checkpoint.save(f"{base}/whole", whole)
     with pytest.raises(ValueError, match=r"no stage holds \['model/lm_head.weight'"):
-        load_stages(f"{box[0]}/whole", same)
+        load_stages(f"{base}/whole", same)

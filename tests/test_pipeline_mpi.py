@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from helpers import as_serial, assert_close, stage_pipe
+from helpers import as_serial, assert_close, shared_tmp, stage_pipe
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -142,7 +142,7 @@ def test_pipeline_stage_refuses_what_does_not_fit_on_every_rank(world):
         pipeline_stage(chunk, pipe, microbatch_shape=images, dtype=torch.float64, input_layout="batch")
 
 
-def test_checkpoint_save_refuses_stage_meshes_as_replicas(world, tmp_path):
+def test_checkpoint_save_refuses_stage_meshes_as_replicas(world, tmp_path_factory):
     """Stage meshes have one shape over disjoint ranks, as data-parallel replicas do, but hold
     different layers: ``checkpoint.save`` (replica 0 writes) would keep only the first stage's.
     Refused on every rank with each stage's tensors named, nothing written."""
@@ -150,7 +150,7 @@ def test_checkpoint_save_refuses_stage_meshes_as_replicas(world, tmp_path):
     _, h, heads = _dims(pipe)
     per = LAYERS // pipe.stages
     chunk = optimus2d.parallelize(_serial(h, heads)[pipe.stage * per : (pipe.stage + 1) * per], pipe.mesh)
-    path = tmp_path / "ckpt"
+    path = shared_tmp(tmp_path_factory, "refused") / "ckpt"
     with pytest.raises(ValueError, match=r"checkpoint\.save over replica meshes .*save_stages\).*disagree") as info:
         checkpoint.save(path, chunk)
     first = pipe.mesh.size

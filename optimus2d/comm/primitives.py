@@ -133,6 +133,15 @@ def all_reduce_group(
     _watched(dist.all_reduce(t, op=op, group=group, async_op=True), mesh, f"all-reduce over {name}")
 
 
+def broadcast_group(t: torch.Tensor, mesh: Mesh, group: dist.ProcessGroup | None, name: str) -> None:
+    """In place: ``t`` becomes that of the first rank of ``group`` (its group rank 0), a torch process
+    group across meshes like ``all_reduce_group``'s; None (one rank) sends nothing."""
+    if group is None:
+        return
+    record("broadcast", name, t)
+    _watched(dist.broadcast(t, group_src=0, group=group, async_op=True), mesh, f"broadcast over {name}")
+
+
 def summed_copy(t: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Tensor:
     """A contiguous copy of ``t`` summed over each of ``axes`` (``t`` itself is left alone: autograd
     may hand one gradient tensor to two branches)."""

@@ -1,0 +1,102 @@
+"""Data-parallel replicas of a pipeline: ``stage_meshes(stages, q, depth, dp=n)``.
+
+The world holds ``dp`` copies of the pipeline, every copy ``stages`` stage meshes of p ranks. Ranks
+follow torchtitan's order (pipeline outermost): stage mesh s of replica r is ranks
+(s·dp + r)·p .. (s·dp + r + 1)·p − 1, so ``Mesh.replicas[s·dp + r]``, as ``Mesh.from_device_mesh``
+orders a DeviceMesh of dims ("pp", "dp", "depth", "row", "col"). On 8 ranks, 2 stages × dp 2 × 1×1×2::
+
+                 replica 0    replica 1
+    stage 0        0  1         2  3
+    stage 1        4  5         6  7
+
+    lanes (pipeline groups, per replica):    {0, 4}, {1, 5} | {2, 6}, {3, 7}
+    dp groups (per stage and mesh position): {0, 2}, {1, 3} | {4, 6}, {5, 7}
+
+Each copy runs the whole schedule on its share of the batch, on its own lanes. ``pipeline_stage``
+builds a ``DataParallelStage``: torch's ``PipelineStage`` whose backward, on the step's last backward
+of the stage (torch's own ``last_backward``, the point where it lets DDP reduce), averages the
+chunk's gradients over the dp group: one all-reduce per dtype of the stage's flattened gradient
+blocks, divided by dp, so every copy holds the gradient of the mean of the copies' losses (losses
+that are means over equal shares, ``scale_grads=True``, give the serial mean's). Not torch's DDP: its
+reducer hears only ``.backward()``, and the zero-bubble schedules compute weight gradients with
+``autograd.grad`` (torch's own note in ``perform_reduce_grad``), which left DDP's gradients
+unreduced, silently, under InterleavedZeroBubble; this stage reduces under every schedule. Building
+the stage broadcasts copy 0's parameters and buffers over the dp group, as DDP does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from optimus2d.comm import primitives as P
+from optimus2d.comm.mesh import Mesh
+
+__all__ = ["DataParallelStage", "pipeline_groups"]
+
+
+def pipeline_groups(
+    replicas: tuple[tuple[int, ...], ...], dp: int, index: int, position: int
+) -> tuple[dist.ProcessGroup | None, tuple[int, ...], dist.ProcessGroup | None, tuple[int, ...]]:
+    """``(lane, lane_ranks, dp_group, dp_ranks)`` of the rank at ``position`` in replica mesh ``index``
+    (= s·dp + r) of ``replicas`` (every stage mesh of every replica, in rank order).
+
+    Collective over the world: creates every lane, then every dp group, on every rank in the same
+    order (``dist.new_group``); a group of one rank is None (nothing to send).
+    """
+    stages, size = len(replicas) // dp, len(replicas[0])
+    stage, replica = divmod(index, dp)
+    lane_ranks = tuple(replicas[t * dp + replica][position] for t in range(stages))
+    dp_ranks = tuple(replicas[stage * dp + r][position] for r in range(dp))
+    lane = dp_group = None
+    if stages > 1:
+        for r in range(dp):
+            for n in range(size):
+                group = dist.new_group([replicas[t * dp + r][n] for t in range(stages)], sort_ranks=False)
+                if (r, n) == (replica, position):
+                    lane = group
+    if dp > 1:
+        for t in range(stages):
+            for n in range(size):
+                group = dist.new_group([replicas[t * dp + r][n] for r in range(dp)], sort_ranks=False)
+                if (t, n) == (stage, position):
+                    dp_group = group
+    return lane, lane_ranks, dp_group, dp_ranks
+
+
+class DataParallelStage(PipelineStage):
+    """torch's ``PipelineStage`` of one data-parallel copy: ``PipelineStage``'s arguments, then
+    ``dp_group`` (the ranks at this place in every copy) and ``mesh`` (the stage's, for the waits).
+
+    Collective over ``dp_group`` when built (copy 0's parameters and buffers) and at the stage's last
+    backward of each step (the average of the gradients); the copies run the same schedule, so they
+    meet in the same order.
+    """
+
+    def __init__(self, *args, dp_group: dist.ProcessGroup, mesh: Mesh, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.dp_group, self.mesh = dp_group, mesh
+        for t in [*self.submod.parameters(), *self.submod.buffers()]:
+            P.broadcast_group(t.data, mesh, dp_group, "dp")
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if last_backward:  # every micro-batch's gradient is in: average it over the copies
+            average_grads(self.submod, self.dp_group, self.mesh)
+        return result
+
+
+def average_grads(module: nn.Module, group: dist.ProcessGroup, mesh: Mesh) -> None:
+    """Each gradient of ``module`` becomes its mean over ``group``: one all-reduce per dtype of the
+    flattened gradients (parameters without one are left without one)."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    size = dist.get_world_size(group)
+    for dtype in dict.fromkeys(g.dtype for g in grads):
+        same = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in same])
+        P.all_reduce_group(flat, mesh, group, "dp")
+        flat /= size
+        for g, part in zip(same, flat.split([g.numel() for g in same]), strict=True):
+            g.copy_(part.view_as(g))
