@@ -3,6 +3,7 @@
     mpiexec -n 4 python examples/train_gpt.py --check          # 2×2 mesh, asserts equal loss curves
     torchrun --standalone --nproc_per_node 8 examples/train_gpt.py --depth 2
     mpiexec -n 8 python examples/train_gpt.py --check --stages 2   # 2 pipeline stages of 2×2, 1F1B
+    mpiexec -n 8 python examples/train_gpt.py --check --stages 2 --dp 2 --depth 2 --microbatches 2
 
 The model (nanoGPT-shaped: token and position embeddings, pre-norm blocks of causal
 self-attention and MLP, a final LayerNorm and a head tied to the token embedding) is built from
@@ -14,6 +15,8 @@ batches; every rank keeps its block ``[batch/(depth·q), seq, n_embd/q]`` of eac
 holds the embeddings, the last the final norm and the head, the blocks are shared out in order.
 The tied head keeps its own copy of the token embedding on the last chunk; their gradients are
 summed over the lane before each step, so both copies stay equal (Megatron's embedding group).
+``--dp N`` runs N data-parallel copies of that pipeline (``stage_meshes(dp=N)``), each on its
+share of the batch; each stage averages its gradients over the copies at its last backward.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Config:
     dropout: float = 0.0
     depth: int = 1
     stages: int = 1
+    dp: int = 1
     schedule: str = "1F1B"
     microbatches: int = 4
     seed: int = 0
@@ -148,9 +152,9 @@ class Pipeline:
 
 def build_pipeline(serial: SerialGPT, cfg: Config, q: int, vocab: int) -> Pipeline:
     cls, chunks_of = SCHEDULES[cfg.schedule]
-    pipe = stage_meshes(cfg.stages, q, cfg.depth)  # collective over the world
+    pipe = stage_meshes(cfg.stages, q, cfg.depth, dp=cfg.dp)  # collective over the world
     n_chunks = cfg.stages * len(chunks_of(0, cfg.stages))
-    b, t = cfg.batch // cfg.microbatches, cfg.block_size  # one micro-batch, serial shape
+    b, t = cfg.batch // cfg.dp // cfg.microbatches, cfg.block_size  # one micro-batch of one copy, serial shape
     chunks, stages = [], []
     for c in chunks_of(pipe.stage, pipe.stages):
         blocks = range(c * cfg.n_layer // n_chunks, (c + 1) * cfg.n_layer // n_chunks)
@@ -162,7 +166,7 @@ def build_pipeline(serial: SerialGPT, cfg: Config, q: int, vocab: int) -> Pipeli
             pipeline_stage(chunk, pipe, microbatch_shape=shape, output_shape=out, stage_index=c, num_stages=n_chunks)
         )
         chunks.append(chunk)
-    tokens = cfg.batch * cfg.block_size
+    tokens = cfg.batch // cfg.dp * cfg.block_size  # one copy's share: the copies' mean is serial's
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # Σ over micro-batches = serial's mean
         return optimus2d.cross_entropy(logits, targets, pipe.mesh, reduction="sum") / tokens
@@ -218,6 +222,9 @@ def pipeline_step(pl: Pipeline, optimizer, ids, targets, cfg) -> float:
     optimizer.step()
     loss = torch.stack(losses).sum().detach() if last else torch.zeros((), device=pl.pipe.mesh.device)
     dist.broadcast(loss, src=pl.pipe.lane_ranks[pl.last_on], group=pl.pipe.lane)
+    if pl.pipe.dp_group is not None:  # each copy's mean over its share → the whole batch's
+        dist.all_reduce(loss, group=pl.pipe.dp_group)
+        loss /= pl.pipe.dp
     return loss.item()
 
 
@@ -256,19 +263,23 @@ def main() -> None:
         parser.error("--check compares with the serial model step for step: it needs --dropout 0")
 
     world = optimus2d.init()
-    per_stage = world.size // cfg.stages if cfg.stages >= 1 and world.size % cfg.stages == 0 else 0
+    if cfg.dp > 1 and cfg.stages == 1:
+        parser.error("--dp copies a pipeline: give --stages ≥ 2 (one mesh's replicas: Mesh.from_device_mesh and DDP)")
+    copies = cfg.stages * cfg.dp
+    per_stage = world.size // copies if cfg.stages >= 1 and cfg.dp >= 1 and world.size % copies == 0 else 0
     q = math.isqrt(per_stage // cfg.depth) if per_stage and per_stage % cfg.depth == 0 else 0
     if not q or cfg.depth * q * q != per_stage:
-        parser.error(f"{world.size} ranks are not stages·depth·q² with stages={cfg.stages}, depth={cfg.depth}")
+        parser.error(
+            f"{world.size} ranks are not dp·stages·depth·q² with dp={cfg.dp}, stages={cfg.stages}, depth={cfg.depth}"
+        )
     n_chunks = cfg.stages * len(SCHEDULES[cfg.schedule][1](0, cfg.stages))
     if cfg.stages > 1 and cfg.n_layer < n_chunks:
         parser.error(
             f"--schedule {cfg.schedule} on {cfg.stages} stages runs {n_chunks} chunks: it needs --n_layer ≥ {n_chunks}"
         )
-    if cfg.stages > 1 and cfg.batch % (cfg.microbatches * cfg.depth * q):
-        parser.error(
-            f"--batch {cfg.batch} is not divisible by microbatches·depth·q = {cfg.microbatches * cfg.depth * q}"
-        )
+    if cfg.stages > 1 and cfg.batch % (cfg.dp * cfg.microbatches * cfg.depth * q):
+        splits = cfg.dp * cfg.microbatches * cfg.depth * q
+        parser.error(f"--batch {cfg.batch} is not divisible by dp·microbatches·depth·q = {splits}")
     raw = Path(cfg.data).read_text(encoding="utf-8")
     chars = sorted(set(raw))
     text = torch.tensor([chars.index(c) for c in raw], dtype=torch.long)
@@ -282,7 +293,8 @@ def main() -> None:
     else:
         pl = build_pipeline(serial, cfg, q, len(chars))
         mesh, models = pl.pipe.mesh, pl.chunks
-        layout = f"{cfg.stages} pipeline stages ({cfg.schedule}, {cfg.microbatches} micro-batches) of "
+        copies = f"{cfg.dp} data-parallel copies of " if cfg.dp > 1 else ""
+        layout = f"{copies}{cfg.stages} pipeline stages ({cfg.schedule}, {cfg.microbatches} micro-batches) of "
     opt = torch.optim.AdamW([p for m in models for p in m.parameters()], lr=cfg.lr)
     opt_serial = torch.optim.AdamW(serial.parameters(), lr=cfg.lr)
     clip_2d = lambda params, max_norm: optimus2d.clip_grad_norm_(params, max_norm, mesh)  # noqa: E731
@@ -298,7 +310,9 @@ def main() -> None:
     worst, times, times_serial = 0.0, [], []
     for step, (ids, targets) in zip(range(cfg.steps), batches(text, cfg, world.device), strict=False):
         start = time.perf_counter()
-        ids_block, targets_block = optimus2d.scatter_batch(ids, mesh), optimus2d.scatter_batch(targets, mesh)
+        r = pl.pipe.dp_rank if pl else 0  # this copy's share of the batch
+        share = slice(r * cfg.batch // cfg.dp, (r + 1) * cfg.batch // cfg.dp)
+        ids_block, targets_block = (optimus2d.scatter_batch(t[share], mesh) for t in (ids, targets))
         if pl is None:
             loss = train_step(model, opt, list(model.parameters()), ids_block, targets_block, cfg, clip_2d)
         else:

@@ -40,6 +40,15 @@ def test_gpt_trains_in_two_pipeline_stages_on_8_ranks():
     assert "check: largest relative weight difference from the serial twin" in out
 
 
+def test_gpt_trains_in_two_data_parallel_copies_of_a_zero_bubble_pipeline():
+    args = ["--check", "--steps", "3", "--stages", "2", "--dp", "2", "--depth", "2", "--microbatches", "2"]
+    args += ["--n_layer", "4", "--schedule", "ZBVZeroBubble"]
+    out = _run([str(BIN / "mpiexec"), "-n", "8"], "train_gpt.py", *args)
+    layout = "2 data-parallel copies of 2 pipeline stages (ZBVZeroBubble, 2 micro-batches) of Mesh(q=1, depth=2)"
+    assert f"on 8 ranks as {layout}" in out
+    assert "check: largest relative loss difference from the serial twin over 3 steps" in out
+
+
 def test_vit_trains_like_its_serial_twin_on_a_3x3_mesh():
     cmd = ["--check", "--steps", "5", "--batch", "9", "--n_head", "6"]
     out = _run([str(BIN / "mpiexec"), "-n", "9"], "train_vit.py", *cmd)
