@@ -50,19 +50,20 @@ def pipeline_groups(
     stage, replica = divmod(index, dp)
     lane_ranks = tuple(replicas[t * dp + replica][position] for t in range(stages))
     dp_ranks = tuple(replicas[stage * dp + r][position] for r in range(dp))
+
+    def groups(count: int, members, mine: tuple[int, int]) -> dist.ProcessGroup:
+        found = None
+        for a in range(count):  # every group on every rank: creating one is collective
+            for n in range(size):
+                group = dist.new_group(members(a, n), sort_ranks=False)
+                found = group if (a, n) == mine else found
+        return found
+
     lane = dp_group = None
-    if stages > 1:
-        for r in range(dp):
-            for n in range(size):
-                group = dist.new_group([replicas[t * dp + r][n] for t in range(stages)], sort_ranks=False)
-                if (r, n) == (replica, position):
-                    lane = group
-    if dp > 1:
-        for t in range(stages):
-            for n in range(size):
-                group = dist.new_group([replicas[t * dp + r][n] for r in range(dp)], sort_ranks=False)
-                if (t, n) == (stage, position):
-                    dp_group = group
+    if stages > 1:  # lane (r, n): place n of every stage of copy r
+        lane = groups(dp, lambda r, n: [replicas[t * dp + r][n] for t in range(stages)], (replica, position))
+    if dp > 1:  # dp group (t, n): place n of stage t in every copy
+        dp_group = groups(stages, lambda t, n: [replicas[t * dp + r][n] for r in range(dp)], (stage, position))
     return lane, lane_ranks, dp_group, dp_ranks
 
 

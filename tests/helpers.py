@@ -132,6 +132,12 @@ def as_serial(chunks, tensors=None) -> dict:
     return out
 
 
+def optim_state(model, opt) -> dict:
+    """``opt``'s state of ``model`` (serial) by state_dict key, without the step count."""
+    names = {id(p): k for k, p in model.named_parameters()}
+    return {names[id(p)]: {k: v for k, v in s.items() if k != "step"} for p, s in opt.state.items()}
+
+
 def shared_tmp(tmp_path_factory, name: str) -> Path:
     """A fresh directory made by rank 0, its path on every rank (collective over the world). One
     directory for all: each rank's own pytest session would make (and prune, keeping 3) its own

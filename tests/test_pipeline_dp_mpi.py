@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import as_serial, assert_close, check_stage_checkpoints, shared_tmp, stage_pipe
+from helpers import as_serial, assert_close, check_stage_checkpoints, optim_state, shared_tmp, stage_pipe
 from torch import nn
 
 import optimus2d
@@ -116,11 +116,6 @@ def test_data_parallel_pipeline_matches_serial(world, name):
             assert_close(state[key], ref_state[key], ADAM_TOL, f"{name} AdamW {key}")
 
 
-def _optim_state(model, opt) -> dict[str, dict[str, torch.Tensor]]:
-    names = {id(p): k for k, p in model.named_parameters()}
-    return {names[id(p)]: {k: v for k, v in s.items() if k != "step"} for p, s in opt.state.items()}
-
-
 def test_copies_save_one_checkpoint_of_the_whole_model(world, tmp_path_factory):
     """``save_stages`` from both copies writes each block once (the first copy's); it loads on one mesh
     and back into the stages, equal to the serial model after the step."""
@@ -132,7 +127,7 @@ def test_copies_save_one_checkpoint_of_the_whole_model(world, tmp_path_factory):
     half = LAYERS // 2
     fresh = _serial()[pipe.stage * half : (pipe.stage + 1) * half]
     check_stage_checkpoints(
-        pipe, chunks, opt, _serial(), fresh, ref.state_dict(), _optim_state(ref, ref_opt), tmp_path_factory,
+        pipe, chunks, opt, _serial(), fresh, ref.state_dict(), optim_state(ref, ref_opt), tmp_path_factory,
         TOL, ADAM_TOL,
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"held by more than one stage mesh .*data-parallel copies: pass pipe="):

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import as_serial, assert_close, check_stage_checkpoints, stage_pipe
+from helpers import as_serial, assert_close, check_stage_checkpoints, optim_state, stage_pipe
 
 import optimus2d
 from optimus2d.pipeline import pipeline_stage
@@ -198,11 +198,6 @@ def test_gpt2_stages_with_a_padded_tied_vocabulary(world):
         assert_close(state[key], ref_state[key], ADAM_TOL, f"AdamW {key}")
 
 
-def _optim_state(lm, opt) -> dict[str, dict[str, torch.Tensor]]:
-    names = {id(p): k for k, p in lm.named_parameters()}
-    return {names[id(p)]: {k: v for k, v in s.items() if k != "step"} for p, s in opt.state.items()}
-
-
 def test_pipelined_checkpoint_loads_on_one_mesh_and_back(world, tmp_path_factory):
     """And the head's copy of the tied table gets its optimizer state back from a whole model's
     checkpoint, which holds it once, under transformer.wte.weight, naming lm_head.weight its alias."""
@@ -210,7 +205,7 @@ def test_pipelined_checkpoint_loads_on_one_mesh_and_back(world, tmp_path_factory
     serial = _gpt2()
     _, _, eps, serial_opt = _serial_step(ref := copy.deepcopy(serial), ids)
     chunks, opt, _, _ = _pipeline_step(pipe, pairs, serial, ids, "1F1B", eps)
-    ref_state, ref_optim = ref.state_dict(), _optim_state(ref, serial_opt)
+    ref_state, ref_optim = ref.state_dict(), optim_state(ref, serial_opt)
     ref_optim["lm_head.weight"] = ref_optim["transformer.wte.weight"]  # the head's copy took the same steps
     check_stage_checkpoints(
         pipe, chunks, opt, _gpt2(), gpt2_stages(_gpt2(), 2)[pipe.stage], ref_state, ref_optim, tmp_path_factory,
