@@ -16,7 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 import optimus2d
 from optimus2d import checkpoint
-from optimus2d.pipeline import SCHEDULES, mesh_sum, pipeline_stage
+from optimus2d.pipeline import SCHEDULES, mesh_sum, pipeline_stage, scatter_microbatches
 
 pytestmark = pytest.mark.mpi
 
@@ -157,3 +157,44 @@ def test_checkpoint_save_refuses_stage_meshes_as_replicas(world, tmp_path_factor
     assert f"ranks {', '.join(map(str, range(first)))}: a model of" in str(info.value)
     assert f"({per}.self_attn.in_proj_weight[{3 * h}, {h}]" in str(info.value)  # the second stage's first layer
     assert not path.exists()
+
+
+@pytest.mark.parametrize("name", [n for n in SCHEDULES if n not in ("ZBVZeroBubble", "DualPipeV")])
+def test_schedule_eval_is_the_serial_forward(world, name):
+    """``schedule.eval``: forwards only (validation), the losses equal the serial model's, no gradient
+    anywhere; then a training step still runs on the same schedule."""
+    pipe, n = _pipe(world), 4
+    b, h, heads = _dims(pipe)
+    cls, indices = SCHEDULES[name]
+    stage_ids = indices(pipe.stage, pipe.stages)
+    num_stages = pipe.stages * len(stage_ids)
+    per_chunk = LAYERS // num_stages
+    torch.manual_seed(1)
+    x, probe = torch.randn(b, S, h, dtype=torch.float64), torch.randn(b, S, h, dtype=torch.float64)
+    serial = _serial(h, heads)
+    chunks, stages = [], []
+    for sid in stage_ids:
+        chunks.append(optimus2d.parallelize(copy.deepcopy(serial[sid * per_chunk : (sid + 1) * per_chunk]), pipe.mesh))
+        shape = (b // n, S, h)
+        stages.append(pipeline_stage(chunks[-1], pipe, microbatch_shape=shape, stage_index=sid, num_stages=num_stages))
+    schedule = cls(
+        stages if len(stages) > 1 else stages[0], n_microbatches=n, scale_grads=False,
+        loss_fn=lambda out, target: mesh_sum(out * target, pipe.mesh),
+    )  # fmt: skip
+    last = num_stages - 1 in stage_ids
+    args = (scatter_microbatches(x, pipe.mesh, n),) if 0 in stage_ids else ()
+    target = scatter_microbatches(probe, pipe.mesh, n) if last else None
+    for step in ("eval", "step", "eval"):
+        losses: list[torch.Tensor] = []
+        getattr(schedule, step)(*args, target=target, losses=losses if last else None)
+        if step == "eval":
+            assert all(p.grad is None for c in chunks for p in c.parameters()), "eval left a gradient"
+        else:
+            assert all(p.grad is not None for c in chunks for p in c.parameters())
+            for c in chunks:
+                c.zero_grad(set_to_none=True)
+        if last:
+            with torch.no_grad():
+                ref = [(m * t).sum() for m, t in zip(serial(x).chunk(n), probe.chunk(n), strict=True)]
+            for got, want in zip(losses, ref, strict=True):
+                assert_close(got.detach(), want, TOL, f"{step} micro-batch loss")
