@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: serial tests, then the MPI tests under mpiexec at 1, 4 and 9 ranks (meshes
 # 1, 2×2 and 1×1×4, 3×3 and 1×1×9; MPI carries the meshes), the model families and replicas at 8
-# (2×2×2), pipelines of 2 stages × 3×3 at 18, the tests again at 4 with gloo carrying the meshes (OPTIMUS2D_TRANSPORT=torch), then
+# (2×2×2), pipelines of 2 stages × 2×2×2 at 16 and × 3×3 at 18, the tests again at 4 with gloo carrying the meshes (OPTIMUS2D_TRANSPORT=torch), then
 # timm's ViT in a second environment (scripts/setup_timm.sh). Extra arguments go to every pytest
 # of the main runs.
 set -euo pipefail
@@ -26,8 +26,10 @@ mpiexec -n 8 python -m pytest -q --only-mpi -p no:cacheprovider tests/test_devic
   tests/test_redistribute_mpi.py tests/test_layouts_mpi.py tests/test_pipeline_mpi.py tests/test_pipeline_llama_mpi.py \
   tests/test_pipeline_bubbles_mpi.py tests/test_pipeline_gpt2_mpi.py tests/test_pipeline_layouts_mpi.py \
   tests/test_pipeline_dp_mpi.py "$@"
-echo "== mpiexec -n 18: pipelines of 2 stages × 3×3, every schedule"
-mpiexec -n 18 python -m pytest -q --only-mpi -p no:cacheprovider tests/test_pipeline_mpi.py "$@"
+for n in 16 18; do  # pipelines of 2 stages × 2×2×2, × 3×3
+  echo "== mpiexec -n $n: pipelines of 2 stages, every schedule"
+  mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider tests/test_pipeline_mpi.py "$@"
+done
 for n in 4; do  # the same tests with torch.distributed (gloo) carrying the meshes, not MPI
   echo "== mpiexec -n $n, OPTIMUS2D_TRANSPORT=torch (model families: over MPI only)"
   OPTIMUS2D_TRANSPORT=torch mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider -m "not families" "$@"

@@ -1,6 +1,6 @@
 """Pipeline stages on sub-meshes under torch's schedules: loss, gradients and one AdamW step equal
-the serial model's. 2 stages of 2×2 on 8 ranks, of 1×1×2 on 4, of one rank on 2, and of 3×3 on 18
-(scripts/test.sh runs 4, 8 and 18)."""
+the serial model's. 2 stages of 2×2 on 8 ranks, of 1×1×2 on 4, of one rank on 2, of 2×2×2 on 16 and
+of 3×3 on 18 (scripts/test.sh runs 4, 8, 16 and 18)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from optimus2d.pipeline import SCHEDULES, mesh_sum, pipeline_stage, scatter_micr
 
 pytestmark = pytest.mark.mpi
 
-SHAPES = {2: (1, 1), 4: (1, 2), 8: (2, 1), 18: (3, 1)}  # world → (q, depth) of each of the 2 stage meshes
+SHAPES = {2: (1, 1), 4: (1, 2), 8: (2, 1), 16: (2, 2), 18: (3, 1)}  # world → (q, depth) of each of the 2 stage meshes
 S, LAYERS = 3, 4
 TOL = 1e-10  # float64
 # after AdamW: the key bias's gradient is 0 in serial and ~1e-17 here, which Adam's g/(√v + eps) lifts to ~1e-9·lr
