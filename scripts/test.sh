@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: serial tests, then the MPI tests under mpiexec at 1, 4 and 9 ranks (meshes
 # 1, 2×2 and 1×1×4, 3×3 and 1×1×9; MPI carries the meshes), the model families and replicas at 8
-# (2×2×2), pipelines of 2 stages × 2×2×2 at 16 and × 3×3 at 18, the tests again at 4 with gloo carrying the meshes (OPTIMUS2D_TRANSPORT=torch), then
-# timm's ViT in a second environment (scripts/setup_timm.sh). Extra arguments go to every pytest
-# of the main runs.
+# (2×2×2), pipelines of 2 stages × 2×2×2 at 16 and × 3×3 at 18, the tests again at 4 with gloo
+# carrying the meshes (OPTIMUS2D_TRANSPORT=torch), then timm's ViT in a second environment
+# (scripts/setup_timm.sh). Extra arguments go to every pytest of the main runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
