@@ -1,7 +1,8 @@
 """Pipelines with data-parallel copies (``stage_meshes(..., dp=2)``): every copy runs torch's schedule
 on its share of the batch, each stage's gradient is averaged over the copies, and the loss, every
 gradient, the clipped norm and one AdamW step equal the serial model's on the whole batch.
-2 stages × dp 2 × one rank on 4 ranks, × 1×1×2 on 8."""
+2 stages × dp 2 × one rank on 4 ranks, × 1×1×2 on 8 (both in scripts/test.sh), × 2×2 on 16 (by hand:
+``mpiexec -n 16 python -m pytest --only-mpi tests/test_pipeline_dp_mpi.py``, 12 passed)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from optimus2d.pipeline_models import save_stages
 
 pytestmark = pytest.mark.mpi
 
-SHAPES = {4: (1, 1), 8: (1, 2)}  # world → (q, depth) of each of the 2 stages × 2 copies
+SHAPES = {4: (1, 1), 8: (1, 2), 16: (2, 1)}  # world → (q, depth) of each of the 2 stages × 2 copies
 DP, B, S, H, LAYERS, N = 2, 16, 3, 8, 4, 4  # copies, batch, sequence, hidden, layers, micro-batches
 TOL, ADAM_TOL, MAX_NORM = 1e-10, 1e-6, 0.1  # float64; the clip bites (the norm is about 0.33)
 
