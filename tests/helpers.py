@@ -132,6 +132,51 @@ def as_serial(chunks, tensors=None) -> dict:
     return out
 
 
+def assert_chunks_match(labels, grads, states, ref_grads, ref_state, tol, adam_tol) -> None:
+    """Each chunk's gradients and parameters after the step (``as_serial``/``serial_state_dict``
+    dicts, one per chunk, named by ``labels``) against the serial model's, key by key; every chunk
+    holds some parameter."""
+    for label, grad, state in zip(labels, grads, states, strict=True):
+        assert grad, f"{label}: no parameters"
+        for key, g in grad.items():
+            assert_close(g, ref_grads[key], tol, f"{label} grad {key}")
+            assert_close(state[key], ref_state[key], adam_tol, f"{label} AdamW {key}")
+
+
+def causal_lm_schedule_step(pipe, cut, name, ids, n, hidden, logits):
+    """One training step of a causal LM cut into ``cut`` (one chunk per torch stage: ids in, logits of
+    width ``logits`` out) under torch's schedule ``name``, ``n`` micro-batches of ``ids`` ``[b, s]``,
+    HF's ``labels=`` loss: this rank's chunks (converted on ``pipe.mesh``) and the loss (the sum of
+    the micro-batches', on the ranks of the last chunk; else None)."""
+    import optimus2d
+    from optimus2d.pipeline import SCHEDULES, pipeline_stage
+    from optimus2d.pipeline_models import causal_lm_loss, causal_lm_targets
+
+    cls, indices = SCHEDULES[name]
+    stage_ids = indices(pipe.stage, pipe.stages)
+    num_stages = pipe.stages * len(stage_ids)
+    (b, s), chunks, stages = ids.shape, [], []
+    for sid in stage_ids:
+        chunk = optimus2d.parallelize(cut[sid], pipe.mesh)
+        first, last = sid == 0, sid == num_stages - 1
+        stages.append(
+            pipeline_stage(
+                chunk, pipe, microbatch_shape=(b // n, s) if first else (b // n, s, hidden),
+                output_shape=(b // n, s, logits) if last else (b // n, s, hidden),
+                stage_index=sid, num_stages=num_stages, token_ids=first,
+            )
+        )  # fmt: skip
+        chunks.append(chunk)
+    target, count = causal_lm_targets(ids, pipe.mesh)
+    loss_fn = causal_lm_loss(pipe.mesh, count)
+    schedule = cls(stages if len(stages) > 1 else stages[0], n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
+    losses: list[torch.Tensor] = []
+    last = num_stages - 1 in stage_ids
+    args = (optimus2d.scatter_batch(ids, pipe.mesh),) if 0 in stage_ids else ()
+    schedule.step(*args, target=target if last else None, losses=losses if last else None)
+    return chunks, (torch.stack(losses).sum() if last else None)
+
+
 def optim_state(model, opt) -> dict:
     """``opt``'s state of ``model`` (serial) by state_dict key, without the step count."""
     names = {id(p): k for k, p in model.named_parameters()}

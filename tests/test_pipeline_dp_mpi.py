@@ -11,7 +11,15 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import as_serial, assert_close, check_stage_checkpoints, optim_state, shared_tmp, stage_pipe
+from helpers import (
+    as_serial,
+    assert_chunks_match,
+    assert_close,
+    check_stage_checkpoints,
+    optim_state,
+    shared_tmp,
+    stage_pipe,
+)
 from torch import nn
 
 import optimus2d
@@ -110,11 +118,7 @@ def test_data_parallel_pipeline_matches_serial(world, name):
         assert_close(total / DP, loss_ref, TOL, "loss")
     assert_close(norm.double(), norm_ref, TOL, "clipped norm")
     ref_state = ref.state_dict()
-    for grad, state in zip(grads, states, strict=True):
-        assert grad
-        for key, g in grad.items():
-            assert_close(g, grads_ref[key], TOL, f"{name} grad {key}")
-            assert_close(state[key], ref_state[key], ADAM_TOL, f"{name} AdamW {key}")
+    assert_chunks_match([name] * len(grads), grads, states, grads_ref, ref_state, TOL, ADAM_TOL)
 
 
 def test_copies_save_one_checkpoint_of_the_whole_model(world, tmp_path_factory):

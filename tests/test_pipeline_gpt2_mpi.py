@@ -11,12 +11,10 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import as_serial, assert_close, check_stage_checkpoints, optim_state, stage_pipe
+from helpers import as_serial, assert_close, causal_lm_schedule_step, check_stage_checkpoints, optim_state, stage_pipe
 
 import optimus2d
-from optimus2d.pipeline import pipeline_stage
 from optimus2d.pipeline_gpt2 import TiedPair, gpt2_stages, shared_copies, sum_tied_grads, tied_pair
-from optimus2d.pipeline_models import causal_lm_loss, causal_lm_targets
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.mpi
@@ -82,7 +80,7 @@ def _serial_step(lm, ids):
 def _pipeline_step(pipe, pairs, serial, ids, name, eps):
     """This rank's converted chunks, its optimizer, the loss (last stage: its copy's) and the gradients
     (serial keys). Data-parallel copies each take their share of ``ids``, in N / dp micro-batches."""
-    cls, indices = SCHEDULES[name]
+    _, indices = SCHEDULES[name]
     b, n = B // pipe.dp, N // pipe.dp
     ids = ids[pipe.dp_rank * b : (pipe.dp_rank + 1) * b]
     stage_ids = indices(pipe.stage, pipe.stages)
@@ -91,32 +89,12 @@ def _pipeline_step(pipe, pairs, serial, ids, name, eps):
     cut = gpt2_stages(serial, num_stages)
     q, vocab = pipe.mesh.q, serial.config.vocab_size
     logits = -(-vocab // q) * q if cut[0].tied else vocab  # a tied head's vocabulary is padded to q·⌈V/q⌉
-    chunks, stages = [], []
-    for sid in stage_ids:
-        chunk = optimus2d.parallelize(cut[sid], pipe.mesh)
-        first, last = sid == 0, sid == num_stages - 1
-        stages.append(
-            pipeline_stage(
-                chunk, pipe, microbatch_shape=(b // n, S) if first else (b // n, S, H),
-                output_shape=(b // n, S, logits) if last else (b // n, S, H),
-                stage_index=sid, num_stages=num_stages, token_ids=first,
-            )
-        )  # fmt: skip
-        chunks.append(chunk)
-    target, count = causal_lm_targets(ids, pipe.mesh)
-    schedule = cls(
-        stages if len(stages) > 1 else stages[0], n_microbatches=n, loss_fn=causal_lm_loss(pipe.mesh, count),
-        scale_grads=False,
-    )  # fmt: skip
-    losses: list[torch.Tensor] = []
-    last = num_stages - 1 in stage_ids
-    args = (optimus2d.scatter_batch(ids, pipe.mesh),) if 0 in stage_ids else ()
-    schedule.step(*args, target=target if last else None, losses=losses if last else None)
+    chunks, loss = causal_lm_schedule_step(pipe, cut, name, ids, n, H, logits)
     sum_tied_grads(chunks, pair)
     grads = as_serial(chunks, lambda p: p.grad)
     opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-2, eps=eps)
     opt.step()
-    return chunks, opt, (torch.stack(losses).sum() if last else None), grads
+    return chunks, opt, loss, grads
 
 
 def _tied_copies(state: dict) -> list[torch.Tensor]:

@@ -10,12 +10,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import as_serial, assert_close, check_stage_checkpoints, shared_tmp, stage_pipe
+from helpers import as_serial, assert_close, causal_lm_schedule_step, check_stage_checkpoints, shared_tmp, stage_pipe
 from torch import nn
 
 import optimus2d
-from optimus2d.pipeline import pipeline_stage
-from optimus2d.pipeline_models import causal_lm_loss, causal_lm_targets, llama_stages, load_stages, save_stages
+from optimus2d.pipeline_models import llama_stages, load_stages, save_stages
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.mpi
@@ -64,33 +63,13 @@ def _serial_step(lm, ids):
 
 def _pipeline_step(pipe, serial, ids, name):
     """This rank's converted chunks, its optimizer, the loss (last stage) and the gradients (serial keys)."""
-    cls, indices = SCHEDULES[name]
-    stage_ids = indices(pipe.stage, pipe.stages)
-    num_stages = pipe.stages * len(stage_ids)
-    cut = llama_stages(serial, num_stages)
-    chunks, stages = [], []
-    for sid in stage_ids:
-        chunk = optimus2d.parallelize(cut[sid], pipe.mesh)
-        first, last = sid == 0, sid == num_stages - 1
-        stages.append(
-            pipeline_stage(
-                chunk, pipe, microbatch_shape=(B // N, S) if first else (B // N, S, H),
-                output_shape=(B // N, S, V) if last else (B // N, S, H),
-                stage_index=sid, num_stages=num_stages, token_ids=first,
-            )
-        )  # fmt: skip
-        chunks.append(chunk)
-    target, count = causal_lm_targets(ids, pipe.mesh)
-    loss_fn = causal_lm_loss(pipe.mesh, count)
-    schedule = cls(stages if len(stages) > 1 else stages[0], n_microbatches=N, loss_fn=loss_fn, scale_grads=False)
-    losses: list[torch.Tensor] = []
-    last = num_stages - 1 in stage_ids
-    args = (optimus2d.scatter_batch(ids, pipe.mesh),) if 0 in stage_ids else ()
-    schedule.step(*args, target=target if last else None, losses=losses if last else None)
+    _, indices = SCHEDULES[name]
+    cut = llama_stages(serial, pipe.stages * len(indices(pipe.stage, pipe.stages)))
+    chunks, loss = causal_lm_schedule_step(pipe, cut, name, ids, N, H, V)
     grads = as_serial(chunks, lambda p: p.grad)
     opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-2)
     opt.step()
-    return chunks, opt, (torch.stack(losses).sum() if last else None), grads
+    return chunks, opt, loss, grads
 
 
 def _ids():
