@@ -23,7 +23,7 @@ from helpers import (
 from torch import nn
 
 import optimus2d
-from optimus2d.pipeline import SCHEDULES, mesh_sum, pipeline_stage, stage_meshes
+from optimus2d.pipeline import SCHEDULES, lanes, mesh_sum, pipeline_stage, stage_meshes
 from optimus2d.pipeline_data_parallel import DataParallelStage
 from optimus2d.pipeline_models import save_stages
 
@@ -147,6 +147,9 @@ def test_copies_that_do_not_fit_are_refused_on_every_rank(world):
         stage_meshes(2, 1, dp=3)
     with pytest.raises(ValueError, match=r"positive number dp, got dp=0"):
         stage_meshes(2, 1, dp=0)
+    pipe = _pipe(world)  # 4 stage meshes (2 stages × 2 copies) do not make 3 copies
+    with pytest.raises(ValueError, match=r"lanes: dp=3 does not divide the 4 meshes of Mesh"):
+        lanes(pipe.mesh, dp=3)
 
 
 @pytest.mark.parametrize("name", ["1F1B", "Interleaved1F1B"])
