@@ -9,65 +9,24 @@ keeps a module it has no converter for only when one of these says so:
 - ``as_norm(m)``: a leaf holding only a 1-D ``weight`` (and ``bias``) that, probed with a random
   weight and inputs of two scales, computes RMSNorm (``w·x̂`` or Gemma's ``(1 + w)·x̂``) or
   LayerNorm with the ``eps`` it stores: it becomes an ``RMSNorm2D``/``LayerNorm2D``;
-- ``forward_problems(m)``: a container (no tensors of its own) whose forward, read as code, only
-  calls its children, element-wise functions and known per-head helpers (rotary, masks, attention
-  kernels), and never reduces, slices, splits or multiplies over the last dim, nor reshapes with
-  a global size. Anything it cannot vouch for is a problem, named with its line; the rule is
-  conservative: it refuses some correct forwards (declare those with
-  ``register_converter(cls, keep=True)``), never accepts one that reads the hidden dim.
+- ``forward_problems(m)`` (``forward_reader.py``): a container (no tensors of its own) whose
+  forward, read as code for this instance, only calls its children, element-wise functions and
+  known per-head helpers, and never mixes the split last dim. Anything it cannot vouch for is a
+  problem, named with its line.
 """
 
 from __future__ import annotations
 
-import ast
-import builtins
 import functools
-import inspect
-import textwrap
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from optimus2d.comm import primitives as P
+from optimus2d.forward_reader import forward_problems
 
-# Methods that reduce, split, reorder or mix elements along a dim (possibly the split hidden one).
-_MIXING_METHODS = frozenset(
-    "chunk split tensor_split unbind narrow norm mean sum nansum prod softmax log_softmax max min amax amin "
-    "argmax argmin topk sort var std var_mean std_mean cumsum cumprod logsumexp matmul mm bmm einsum flip "
-    "roll gather scatter scatter_add index_select masked_select take_along_dim unfold diff renorm".split()
-)
-# Methods of values known to act element by element, on shapes or on non-tensors (caches, dicts,
-# configs): any other method called on a value is a problem (an allowlist: unknown means refused).
-_SAFE_METHODS = frozenset(
-    "view reshape expand expand_as repeat new_empty new_zeros new_ones new_full new_tensor view_as unflatten "
-    "flatten transpose permute contiguous to float double half bfloat16 long int bool type type_as unsqueeze "
-    "squeeze size dim numel item clone detach masked_fill masked_fill_ exp tanh sigmoid relu pow sqrt rsqrt abs "
-    "neg reciprocal mul add sub div mul_ add_ sub_ div_ clamp clamp_ is_floating_point requires_grad_ "
-    "get_seq_length get_usable_length get_mask_sizes update get items keys values pop setdefault get_interface "
-    "get_text_config format startswith endswith lower append extend insert".split()
-)
-# Sizes of the whole model: a reshape by one of them assumes the full hidden dim is here.
-_GLOBAL_SIZES = frozenset(
-    "hidden_size embed_dim all_head_size num_heads num_attention_heads num_key_value_heads n_head n_heads "
-    "n_embd d_model inner_dim intermediate_size vocab_size split_size".split()
-)
-# Functions known to act on whole heads, on masks or on scalars only.
-_SAFE_NAMES = frozenset(
-    "apply_rotary_pos_emb create_causal_mask create_sliding_window_causal_mask create_bidirectional_mask "
-    "create_masks_for_generate eager_attention_forward sdpa_attention_forward repeat_kv attention_interface "
-    "isinstance type len range enumerate zip tuple list dict set getattr hasattr slice int float bool str super "
-    "any all print DynamicCache EncoderDecoderCache slice_logits_to_keep".split()
-)
-_SAFE_TORCH = frozenset(
-    {
-        *(torch.arange, torch.tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.finfo, torch.tanh),
-        *(torch.sigmoid, torch.exp, torch.relu, torch.is_autocast_enabled, torch.no_grad, torch.where),
-        *(F.gelu, F.silu, F.relu, F.relu6, F.elu, F.selu, F.celu, F.leaky_relu, F.mish, F.softplus, F.hardswish),
-        *(F.hardsigmoid, F.hardtanh, F.sigmoid, F.tanh, F.logsigmoid),
-        nn.Transformer.generate_square_subsequent_mask,
-    }
-)
+__all__ = ["acts_elementwise", "as_norm", "forward_problems", "head_problems", "independent_of_hidden", "per_head"]
 
 
 def acts_elementwise(module: nn.Module) -> bool:
@@ -209,176 +168,3 @@ def head_problems(module: nn.Module, mesh) -> list[str]:
         for name, n in counts.items()
         if isinstance(n, int) and n % mesh.q
     ]
-
-
-def forward_problems(module: nn.Module) -> list[str]:
-    """What in ``module``'s forward may read the split hidden dim; empty when nothing does. A Hugging
-    Face causal LM's ``self.loss_function`` is fine: ``families/hf_causal_lm.py`` replaces it."""
-    problems = _class_problems(type(module), tuple(sorted(module._modules)))
-    if hasattr(module, "lm_head") and hasattr(module, "generate"):
-        problems = [p for p in problems if "self.loss_function()" not in p]
-    return list(problems)
-
-
-@functools.cache
-def _class_problems(cls: type, children: tuple[str, ...]) -> tuple[str, ...]:
-    problems: list[str] = []
-    seen: set[str] = set()
-    _read_method(cls, "forward", set(children), problems, seen)
-    return tuple(problems)
-
-
-def _read_method(cls: type, name: str, children: set[str], problems: list[str], seen: set[str]) -> None:
-    if name in seen:
-        return
-    seen.add(name)
-    fn = getattr(cls, name, None)
-    fn = inspect.unwrap(getattr(fn, "__func__", fn))  # the code under Hugging Face's decorators
-    try:
-        source = textwrap.dedent(inspect.getsource(fn))
-        _, first = inspect.getsourcelines(fn)
-    except (OSError, TypeError):
-        problems.append(f"{cls.__name__}.{name}: its source cannot be read")
-        return
-    tree = ast.parse(source).body[0]
-    for node in ast.walk(tree):  # type annotations (tuple[Tensor, Tensor]) are not code that runs
-        if isinstance(node, (ast.arg, ast.AnnAssign)):
-            node.annotation = ast.Constant(None)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            node.returns = None
-    where = f"{cls.__name__}.{name}, line {{}}"
-    reshapes = _names_holding_minus_one(tree)
-    local_children = _names_of_children(tree, children)
-    for node in ast.walk(tree):
-        line = where.format(first + getattr(node, "lineno", 1) - 1)
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
-            problems.append(f"{line}: multiplies matrices (@)")
-        elif isinstance(node, ast.Subscript):
-            problem = _subscript_problem(node)
-            if problem:
-                problems.append(f"{line}: {problem}")
-        elif isinstance(node, ast.Call):
-            problem = _call_problem(node, cls, children | local_children, fn, reshapes, problems, seen)
-            if problem:
-                problems.append(f"{line}: {problem}")
-
-
-def _names_holding_minus_one(tree: ast.AST) -> set[str]:
-    """Local names assigned a tuple with a literal -1 (``hidden_shape = (*input_shape, -1, d)``)."""
-    names = set()
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Assign)
-            and isinstance(node.value, ast.Tuple)
-            and any(map(_is_minus_one, node.value.elts))
-        ):
-            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-    return names
-
-
-def _names_of_children(tree: ast.AST, children: set[str]) -> set[str]:
-    """Local names bound to a child or a safe function: ``for layer in self.layers[:n]``,
-    ``mask_function = create_causal_mask if ... else create_sliding_window_causal_mask``."""
-
-    def safe(expr: ast.AST) -> bool:
-        refs = [n for n in ast.walk(expr) if isinstance(n, (ast.Name, ast.Attribute))]
-        children_used = any(isinstance(n, ast.Attribute) and n.attr in children for n in refs)
-        names = {n.id for n in refs if isinstance(n, ast.Name)} - {"self"}
-        return children_used or (bool(names) and names <= _SAFE_NAMES | {"config"})
-
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.For) and safe(node.iter):
-            names.update(n.id for n in ast.walk(node.target) if isinstance(n, ast.Name))
-        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.IfExp) and safe(node.value):
-            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-    return names
-
-
-def _is_minus_one(node: ast.AST) -> bool:
-    return isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and getattr(node.operand, "value", None) == 1
-
-
-def _subscript_problem(node: ast.Subscript) -> str | None:
-    index = node.slice
-    last = index.elts[-1] if isinstance(index, ast.Tuple) and index.elts else index
-    if isinstance(node.value, ast.Attribute) and node.value.attr == "shape" and _is_minus_one(last):
-        return "reads the size of the last dim (.shape[-1])"
-    if isinstance(index, ast.Tuple) and isinstance(last, ast.Slice) and (last.lower or last.upper or last.step):
-        return f"slices the last dim ({ast.unparse(node)})"
-    whole = isinstance(last, ast.Slice) or (isinstance(last, ast.Constant) and last.value in (None, Ellipsis))
-    if isinstance(index, ast.Tuple) and not whole:
-        return f"indexes the last dim ({ast.unparse(node)[:60]})"
-    return None
-
-
-def _call_problem(node, cls, children, fn, reshapes, problems, seen) -> str | None:
-    func = node.func
-    if isinstance(func, ast.Attribute):
-        base = func.value
-        if isinstance(base, ast.Name) and base.id == "self":
-            if func.attr in children:
-                return None
-            if callable(getattr(cls, func.attr, None)) and not isinstance(getattr(cls, func.attr), type):
-                _read_method(cls, func.attr, children, problems, seen)
-                return None
-            return f"calls self.{func.attr}(), which is neither a child nor a method"
-        if func.attr in _MIXING_METHODS:
-            return f"calls .{func.attr}() ({ast.unparse(node)[:60]})"
-        if func.attr == "size" and node.args and _is_minus_one(node.args[0]):
-            return "reads the size of the last dim (.size(-1))"
-        if func.attr in ("view", "reshape", "expand", "repeat", "new_empty", "new_zeros", "view_as"):
-            return _reshape_problem(node, reshapes)
-        if isinstance(base, ast.Call) and ast.unparse(base.func) == "super":
-            return f"calls super().{func.attr}(), which is not read"
-        resolved = _resolve(func, fn)
-        if resolved is not None and resolved is not _UNKNOWN:
-            return None if resolved in _SAFE_TORCH else f"calls {ast.unparse(func)}"
-        if func.attr in _SAFE_METHODS:
-            return None
-        return f"calls .{func.attr}(), not known to act on blocks ({ast.unparse(node)[:60]})"
-    if isinstance(func, ast.Name):
-        if func.id in _SAFE_NAMES or func.id in children:
-            return None
-        resolved = fn.__globals__.get(func.id, getattr(builtins, func.id, _UNKNOWN))
-        if resolved in _SAFE_TORCH or (isinstance(resolved, type) and issubclass(resolved, Exception)):
-            return None
-        if isinstance(resolved, type) and any(c.__name__ == "ModelOutput" for c in resolved.__mro__):
-            return None  # a Hugging Face output: a dataclass of the tensors
-        return f"calls {func.id}(), not known to act on blocks"
-    return f"calls {ast.unparse(func)[:40]}"
-
-
-_UNKNOWN = object()
-
-
-def _resolve(func: ast.Attribute, fn) -> object:
-    """``torch.tanh``, ``F.gelu``, ``nn.functional.silu`` → the object; anything else → None."""
-    parts = []
-    node = func
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    root = fn.__globals__.get(node.id, _UNKNOWN)
-    if root not in (torch, F, nn):
-        return None
-    obj = root
-    for part in reversed(parts):
-        obj = getattr(obj, part, _UNKNOWN)
-    return obj
-
-
-def _reshape_problem(node: ast.Call, reshapes: set[str]) -> str | None:
-    args = node.args
-    sizes = {a.attr for arg in args for a in ast.walk(arg) if isinstance(a, ast.Attribute)} & _GLOBAL_SIZES
-    if sizes:
-        return f"reshapes by a global size ({ast.unparse(node)[:60]})"
-    if len(args) == 1 and isinstance(args[0], ast.Name) and args[0].id in reshapes:
-        return None
-    if any(map(_is_minus_one, args)) or not args:
-        return None
-    if len(args) == 1 and isinstance(args[0], ast.Name):  # view_as(x), expand_as-like, or an unknown shape
-        return None if node.func.attr == "view_as" else f"reshapes to a shape it computes ({ast.unparse(node)[:60]})"
-    return f"reshapes without -1 in the hidden place ({ast.unparse(node)[:60]})"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from optimus2d import blockwise, families, layouts
+from optimus2d import blockwise, families, forward_reader, layouts
 from optimus2d.comm.agreement import check_same_tensors, layout
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers import (
@@ -339,7 +339,8 @@ class _Walk:
         else:
             self.plans[id(module)] = how
             self.seen.append(module)
-        if isinstance(how, str) or how in _CONVERTS_CHILDREN:  # a refused container: its children too
+        # a refused container, or one whose children convert: look inside
+        if isinstance(how, str) or how in _CONVERTS_CHILDREN or isinstance(how, _KeepAsRead):
             for name, child in _children(module):
                 self.check(child, f"{path}.{name}" if path else name, module, mesh, mesh if called else caller)
 
@@ -417,9 +418,31 @@ def _plan(module: nn.Module, parent: nn.Module | None, mesh: Mesh) -> Converter 
         return "is not known to act element by element (a probe with a random input says it does not)"
     if type(module).forward is nn.Module.forward or type(module).forward is nn.Sequential.forward:
         return _keep  # no forward (a ModuleList, a holder of parts), or a chain of children
-    problems = blockwise.forward_problems(module) + blockwise.head_problems(module, mesh)
+    reading = forward_reader.read_forward(module)
+    problems = reading.problems + blockwise.head_problems(module, mesh)
     if problems:
         return (
             "its forward " + "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
         )
+    if reading.guards or reading.draws:
+        return _KeepAsRead(reading)
     return _keep
+
+
+class _KeepAsRead:
+    """``keep``, for a forward the reader judged on this instance's flags: the flags it relied on are
+    checked before every call, and a forward whose dropout may draw runs under ``shard_rng``."""
+
+    converts_children = True
+
+    def __init__(self, reading: forward_reader.Reading) -> None:
+        self.reading = reading
+
+    def __call__(self, module: nn.Module, mesh: Mesh) -> nn.Module:
+        keep(module, mesh)
+        if self.reading.guards:
+            module._optimus2d_guards = self.reading.guards
+            module.register_forward_pre_hook(forward_reader.check_guards)
+        if self.reading.draws:
+            forward_reader.draw_per_shard(module, mesh)
+        return module

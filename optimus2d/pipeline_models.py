@@ -32,6 +32,7 @@ data-parallel replicas, which hold the same blocks, and writes only stage 0's.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import os
 import warnings
@@ -85,16 +86,24 @@ class LlamaStage(nn.Module):
         return hidden
 
 
+def causal_mask(config, hidden: torch.Tensor, positions: torch.Tensor):
+    """Hugging Face's causal mask for ``hidden`` at ``positions``, with no padding and no cache (the
+    cache argument is ``past_key_values`` up to transformers 5.23, ``cache`` from 5.24)."""
+    from transformers.masking_utils import create_causal_mask
+
+    params = inspect.signature(create_causal_mask).parameters
+    no_cache = {name: None for name in ("cache", "past_key_values") if name in params}
+    return create_causal_mask(
+        config=config, inputs_embeds=hidden, attention_mask=None, position_ids=positions, **no_cache
+    )
+
+
 def decoder_layers(config, rotary_emb: nn.Module, layers, hidden: torch.Tensor) -> torch.Tensor:
     """LLaMA-shaped decoder ``layers`` in turn on ``hidden`` ``[b, s, h]`` (a block ``[b/(d·q), s, h/q]``),
     at positions ``0 .. s-1`` under the causal mask, as the serial model runs them without an
     ``attention_mask`` (no padding, no cache)."""
-    from transformers.masking_utils import create_causal_mask
-
     positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-    mask = create_causal_mask(
-        config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
-    )
+    mask = causal_mask(config, hidden, positions)
     rotary = rotary_emb(hidden, position_ids=positions)
     for layer in layers:
         hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)

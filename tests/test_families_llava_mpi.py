@@ -60,6 +60,16 @@ def _batch(b: int):
     return dict(input_ids=ids, pixel_values=torch.randn(b, 3, 16, 16), attention_mask=mask, labels=labels)
 
 
+def _image_features(out):
+    """The projected image features: ``image_hidden_states`` up to transformers 5.23; from 5.24, which
+    deprecates that name, ``image_outputs.pooler_output`` (a tensor per image, concatenated here)."""
+    if hasattr(out, "image_outputs"):
+        features = None if out.image_outputs is None else out.image_outputs.pooler_output
+    else:
+        features = out.image_hidden_states
+    return torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+
+
 def _local(batch, mesh):
     return {k: scatter_batch(v, mesh) for k, v in batch.items()}
 
@@ -87,8 +97,8 @@ def test_llava_logits_loss_and_step(mesh, frozen_tower):
 
     assert_close(gather(out.logits.detach(), mesh)[..., :96], out_ref.logits, 1e-4, "logits")
     assert_close(out.loss, out_ref.loss, 1e-5, "loss")
-    features = gather(out.image_hidden_states.detach(), mesh)  # [rows/(d·q), 60/q] → [rows, 60]
-    assert_close(features, out_ref.image_hidden_states, 1e-4, "image_hidden_states")
+    features = gather(_image_features(out).detach(), mesh)  # [rows/(d·q), 60/q] → [rows, 60]
+    assert_close(features, _image_features(out_ref), 1e-4, "image features")
     if frozen_tower:
         assert all(p.grad is None for p in parallel.model.vision_tower.parameters())
         assert parallel.model.multi_modal_projector.linear_1.weight.grad is not None
@@ -105,7 +115,7 @@ def test_text_only_batch(mesh):
     out_ref = serial(**batch)
     out = parallel(**_local(batch, mesh))
 
-    assert out.image_hidden_states is None
+    assert _image_features(out) is None
     assert_close(gather(out.logits.detach(), mesh)[..., :96], out_ref.logits, 1e-4, "logits")
     assert_close(out.loss.detach(), out_ref.loss, 1e-5, "loss")
     del batch["labels"]  # generate: full inputs on every rank, serial's tokens; with images refused
@@ -186,7 +196,7 @@ def test_vision_tower_on_its_own_mesh(world, frozen_tower):
         out.loss.backward()
         assert_close(gather(out.logits.detach(), mesh)[..., :96], out_ref.logits, 1e-4, "logits")
         assert_close(out.loss, out_ref.loss, 1e-5, "loss")
-        assert_close(gather(out.image_hidden_states.detach(), mesh), out_ref.image_hidden_states, 1e-4, "features")
+        assert_close(gather(_image_features(out).detach(), mesh), _image_features(out_ref), 1e-4, "features")
         # what the boundary sent, over all ranks: the images to the tower's mesh, and back its last
         # layer, its pooled output and the one feature layer LLaVA reads (hidden_states move when read)
         b = len(batch["pixel_values"])

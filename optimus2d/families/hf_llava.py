@@ -95,13 +95,14 @@ def _forward(
         pixel_values = None
     _agree_placeholders(self, mesh, where, input_ids, outputs.get("image"))
     serial = type(self).__mro__[1]  # LlavaModel
+    if past_key_values is not None:  # transformers 5.24 renames it `cache` (and warns when both are passed)
+        kwargs["past_key_values"] = past_key_values
     return serial.forward(
         self,
         input_ids=input_ids,
         pixel_values=pixel_values,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=past_key_values,
         inputs_embeds=inputs_embeds,
         vision_feature_layer=vision_feature_layer,
         vision_feature_select_strategy=vision_feature_select_strategy,

@@ -1,0 +1,235 @@
+"""The forward reader judges what runs: decorators that only wrap, dead branches, dropout, reductions
+over masks and per-head ops are kept and exact; whatever mixes the split hidden dim is refused,
+however it is written (a method, a function, a decorator, a helper, a view, an index)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close, assert_grads_like_serial, check_against_serial
+from torch import nn
+
+import optimus2d
+from optimus2d import gather, parallelize, scatter, scatter_batch
+
+pytestmark = pytest.mark.mpi
+E, FF = 12, 24
+
+transformers = pytest.importorskip("transformers")
+from transformers.utils.deprecation import deprecate_kwarg  # noqa: E402
+from transformers.utils.generic import can_return_tuple  # noqa: E402
+
+
+def _x(mesh, h=E):
+    torch.manual_seed(3)
+    return torch.randn(2 * mesh.depth * mesh.q, 3, h)
+
+
+class Decorated(nn.Module):  # Hugging Face's wrappers, as transformers 5.24 puts on every forward
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(E, FF), nn.Linear(FF, E)
+
+    @deprecate_kwarg("past_key_values", "9.0.0", new_name="cache")
+    @can_return_tuple
+    def forward(self, x, cache=None):
+        return self.down(F.silu(self.up(x)))
+
+
+def centred(fn):  # a user's decorator whose wrapper reads the hidden dim
+    @functools.wraps(fn)
+    def wrapper(self, x):
+        return fn(self, x - x.mean(-1, keepdim=True))
+
+    return wrapper
+
+
+class Centred(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(E, E)
+
+    @centred
+    def forward(self, x):
+        return self.proj(x)
+
+
+class MaybeNormalised(nn.Module):  # a branch on a flag: read only when it runs
+    def __init__(self, normalise: bool):
+        super().__init__()
+        self.proj, self.normalise, self.q_norm = nn.Linear(E, E), normalise, None
+
+    def forward(self, x):
+        y = self.proj(x)
+        if self.normalise and self.q_norm is None:
+            y = y / y.norm(dim=-1, keepdim=True)
+        return F.gelu(y) if not self.normalise else y
+
+
+class Dropping(nn.Module):  # F.dropout in a forward: element-wise
+    def __init__(self, p: float):
+        super().__init__()
+        self.proj, self.p = nn.Linear(E, E), p
+
+    def forward(self, x):
+        return F.dropout(self.proj(x), p=self.p, training=self.training)
+
+
+class Masked(nn.Module):  # reductions and cumulative sums over a mask, which has no hidden dim
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(E, E)
+
+    def forward(self, x, attention_mask=None):
+        seen = attention_mask.cumsum(dim=1) > 1  # [b, s]
+        rows = attention_mask.sum(dim=-1, keepdim=True)  # [b, 1]
+        return self.proj(x) * seen.unsqueeze(-1) * rows.unsqueeze(-1)
+
+
+class FusedHeads(nn.Module):  # GPT-NeoX's habits: qkv fused per head, partial rotary by torch.cat
+    def __init__(self, heads: int):
+        super().__init__()
+        self.head_dim, self.rot = E // heads, 1
+        self.qkv, self.out = nn.Linear(E, 3 * E), nn.Linear(E, E)
+
+    def forward(self, x):
+        b, s = x.shape[:2]
+        qkv = self.qkv(x).view(b, s, -1, 3 * self.head_dim)
+        q, k, v = qkv.chunk(3, dim=-1)
+        q = torch.cat([q[..., : self.rot] * 2, q[..., self.rot :]], dim=-1)
+        heads = (q * k.sigmoid() + v).softmax(dim=-1)
+        return self.out(heads.reshape(b, s, -1))
+
+
+def _heads(mesh):
+    return 6 if mesh.q == 3 else 4
+
+
+def test_wrapping_decorators_dead_branches_and_per_head_ops_convert_exactly(mesh):
+    torch.manual_seed(0)
+    serial = nn.Sequential(Decorated(), MaybeNormalised(False), FusedHeads(_heads(mesh)), Dropping(0.0))
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    assert [type(m) for m in parallel] == [type(m) for m in serial]  # each kept, its children converted
+    assert isinstance(parallel[2].qkv, optimus2d.Linear2D)
+    serial.train(), parallel.train()  # dropout with p = 0 draws nothing
+    check_against_serial(serial, parallel, _x(mesh), mesh)
+
+
+def test_reductions_over_a_mask_convert_exactly(mesh):
+    torch.manual_seed(0)
+    serial = Masked()
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    x = _x(mesh)
+    mask = (torch.rand(x.shape[:2], generator=torch.Generator().manual_seed(4)) > 0.3).long()
+    y_ref = serial(x, attention_mask=mask)
+    y = parallel(scatter(x, mesh), attention_mask=scatter_batch(mask, mesh))
+    assert_close(gather(y.detach(), mesh), y_ref, 1e-5, "output")
+    (y_ref * 1.5).sum().backward()
+    (y * 1.5).sum().backward()
+    assert_grads_like_serial(serial, parallel, mesh, 1e-5)
+
+
+def test_a_flag_changed_after_conversion_stops_the_forward(mesh):
+    parallel = parallelize(nn.Sequential(MaybeNormalised(False)), mesh)
+    parallel(scatter(_x(mesh), mesh))
+    parallel[0].normalise = True
+    with pytest.raises(RuntimeError, match=r"self.normalise and self.q_norm is None.* False; it is now True"):
+        parallel(scatter(_x(mesh), mesh))
+
+
+def test_dropout_that_may_draw_draws_a_mask_per_shard(mesh):
+    torch.manual_seed(0)
+    serial = Dropping(0.5)
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    serial.eval(), parallel.eval()  # no draw: exact
+    check_against_serial(serial, parallel, _x(mesh), mesh)
+    parallel.train()
+    x = torch.ones(2 * mesh.depth * mesh.q, 3, E)
+    with torch.no_grad():
+        kept = gather(parallel(scatter(x, mesh)), mesh) != 0
+    assert 0.2 < kept.float().mean() < 0.8
+    if mesh.q > 1:  # the column blocks' masks differ (one mask drawn for every shard would repeat)
+        blocks = kept.chunk(mesh.q, dim=-1)
+        assert not all(torch.equal(blocks[0], b) for b in blocks[1:])
+
+
+def _module(forward):
+    """A container with one Linear child whose forward is ``forward(self, x)``."""
+    cls = type(forward.__name__.title(), (nn.Module,), {"forward": forward})
+    module = cls()
+    module.proj = nn.Linear(E, E)
+    return module
+
+
+def centre(y):
+    return y - y.mean(-1, keepdim=True)
+
+
+def _mean_method(self, x):
+    y = self.proj(x)
+    return y - y.mean(-1, keepdim=True)
+
+
+def _mean_function(self, x):
+    y = self.proj(x)
+    return y - torch.mean(y, dim=-1, keepdim=True)
+
+
+def _helper(self, x):
+    return centre(self.proj(x))
+
+
+def _merging_view(self, x):
+    y = self.proj(x)
+    return y.reshape(y.shape[0], -1).view_as(y)
+
+
+def _flattened(self, x):
+    return self.proj(x).flatten(1).view_as(x)
+
+
+def _indexed(self, x):
+    y = self.proj(x)
+    return y * y[:, :, 3:4]
+
+
+def _live_branch(self, x):
+    y = self.proj(x)
+    if self.proj is not None:
+        y = F.normalize(y, dim=-1)
+    return y
+
+
+@pytest.mark.parametrize(
+    ("forward", "named"),
+    [
+        (_mean_method, ".mean()"),
+        (_mean_function, "calls torch.mean"),
+        (_helper, "calls centre(), not known to act on blocks"),
+        (_merging_view, "may merge the split last dim with another"),
+        (_flattened, "flattens the split last dim with another"),
+        (_indexed, "slices the last dim"),
+        (_live_branch, "calls F.normalize"),
+    ],
+    ids=["method", "function", "helper", "view", "flatten", "index", "live-branch"],
+)
+def test_a_forward_that_mixes_the_split_dim_is_refused_however_written(mesh, forward, named):
+    model = nn.Sequential(nn.Linear(E, E), _module(forward))
+    with pytest.raises(TypeError, match=r"1 module\(s\) cannot be converted") as err:
+        parallelize(model, mesh)
+    assert named in str(err.value)
+    assert type(model[0]) is nn.Linear  # refused before anything changed
+
+
+def test_every_offender_is_named_once_a_decorator_and_a_live_branch_among_them(mesh):
+    model = nn.Sequential(Centred(), MaybeNormalised(True), Dropping(0.1), Decorated())
+    with pytest.raises(TypeError) as err:
+        parallelize(model, mesh)
+    text = str(err.value)
+    assert "2 module(s) cannot be converted" in text
+    assert "0 (Centred): its forward Centred.forward, line" in text and "decorated by centred" in text
+    assert "1 (MaybeNormalised)" in text and ".norm()" in text
