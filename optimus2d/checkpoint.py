@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from optimus2d import checkpoint_files as _files
+from optimus2d._progress import Progress, mib, on
 from optimus2d.comm import replicas
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
@@ -191,7 +193,13 @@ def _meta(optimizer, entries: list[_Entry]) -> dict:
     }
 
 
-def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    progress: bool | None = None,
+) -> None:
     """Write ``model`` (and ``optimizer``) to the directory ``path``; collective over the model's mesh.
 
     Each rank writes its own blocks; nothing is gathered to one rank. Atomic: ``path`` (an earlier
@@ -206,25 +214,34 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     returns before it. The checkpoint is that of one mesh, and loads on any mesh or in one process.
     Meshes of the same shape that hold different tensors are pipeline stages, not replicas: refused
     on every rank, before anything is written (``pipeline_models.save_stages`` writes them).
+
+    ``progress``: a bar on the mesh's first rank (None: when stderr is a terminal) over the tensors
+    as they are laid out, then one step for DCP's write and the commit; that rank ends with one
+    summary line (on stderr with the bar, else logged at INFO to the ``optimus2d`` logger).
     """
+    start = time.perf_counter()
     model = _unwrap(model)
     entries = _entries(model)
     mesh = _model_mesh(entries)
     if _replicated(mesh):
         _agree_replicas(entries, mesh)
     device_mesh = _device_mesh(mesh)
+    optimizer_tensors = _optimizer_tensors(optimizer, entries) if optimizer is not None else {}
+    bar = Progress("checkpoint.save", len(entries) + len(optimizer_tensors) + 1, mesh, progress)
+    bar.start = start
     state: dict[str, object] = {}  # on every rank, so that every rank refuses what does not fit
     for e in entries:
         for suffix, view in zip(
             _suffixes(e.sharding), _stored_views(e.tensor.detach(), e.sharding, e.mesh, device_mesh), strict=True
         ):
             state[f"model/{e.key}{suffix}"] = view
-    if optimizer is not None:
-        for key, (value, entry) in _optimizer_tensors(optimizer, entries).items():
-            sharding = entry.sharding if entry is not None else None
-            views = _stored_views(value.detach(), sharding, entry.mesh if entry else None, device_mesh)
-            for suffix, view in zip(_suffixes(sharding), views, strict=True):
-                state[f"{key}{suffix}"] = view
+        bar.update()
+    for key, (value, entry) in optimizer_tensors.items():
+        sharding = entry.sharding if entry is not None else None
+        views = _stored_views(value.detach(), sharding, entry.mesh if entry else None, device_mesh)
+        for suffix, view in zip(_suffixes(sharding), views, strict=True):
+            state[f"{key}{suffix}"] = view
+        bar.update()
     meta = _meta(optimizer, entries)
     meta["parts_dim"] = {k.partition("#")[0]: dim for k, dim in _parts_dims(entries, state).items()}
     state["meta"] = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)
@@ -238,10 +255,30 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             dcp.save(state, checkpoint_id=directory, process_group=group, no_dist=no_dist)
         return 0 if no_dist else dist.get_rank(group)  # DCP names its files after the rank in its group
 
-    if _replicated(mesh):  # replica 0 writes; the commit waits for every rank of the world
-        _files.save_atomically(path, write, None, False)
-    else:
-        _files.save_atomically(path, write, group, no_dist)
+    bar.note("writing")
+    with bar:
+        if _replicated(mesh):  # replica 0 writes; the commit waits for every rank of the world
+            _files.save_atomically(path, write, None, False)
+        else:
+            _files.save_atomically(path, write, group, no_dist)
+        bar.update()
+    if bar.lead:  # the sizes from the manifest the commit wrote: read here, nothing exchanged
+        files = _manifest_files(path)
+        nbytes = sum(f.get("bytes", 0) for f in files.values())
+        where = on(mesh)
+        bar.summary(
+            f"checkpoint.save: {len(entries)} tensors{' and optimizer state' if optimizer is not None else ''}, "
+            f"{mib(nbytes)} in {len(files)} files to {os.fspath(path)} in {bar.seconds():.1f} s{where}"
+        )
+
+
+def _manifest_files(path: str | os.PathLike) -> dict:
+    """The committed checkpoint's files (name → {"bytes", "crc32"}); empty if unreadable."""
+    try:
+        with open(os.path.join(_files.locate(path), _files.MANIFEST)) as f:
+            return json.load(f).get("files", {})
+    except (OSError, ValueError):
+        return {}
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

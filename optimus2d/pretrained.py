@@ -29,12 +29,14 @@ import os
 import re
 import shutil
 import struct
+import time
 from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from optimus2d._progress import Progress, mib, on
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, Slices, block_slices
@@ -260,7 +262,12 @@ def _install(t: _Tensor, block: torch.Tensor) -> None:
 
 
 def load_pretrained(
-    model: nn.Module, path: str | os.PathLike, *, strict: bool = True, device: torch.device | str | None = None
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    strict: bool = True,
+    device: torch.device | str | None = None,
+    progress: bool | None = None,
 ) -> None:
     """Fill ``model`` (converted by ``optimus2d.parallelize``, or plain torch) from the Hugging Face
     checkpoint directory ``path`` (safetensors), in place; collective over the model's mesh.
@@ -275,8 +282,13 @@ def load_pretrained(
     ignore are honoured. Raises ``ValueError`` on every rank, before anything is read, listing
     missing and unexpected keys (``strict=False``: those are skipped) and shapes that differ;
     ``RuntimeError`` (or the error itself) on every rank if a rank fails while reading.
+
+    ``progress``: a bar over the tensors on the mesh's first rank (None: when stderr is a
+    terminal); that rank ends with one summary line (on stderr with the bar, else logged at INFO
+    to the ``optimus2d`` logger).
     """
     path = os.fspath(path)
+    start = time.perf_counter()
     tensors = _tensors(model)
     mesh = _model_mesh(tensors)
     plan, error = [], None
@@ -289,8 +301,10 @@ def load_pretrained(
     for t, key, name in plan:
         by_file.setdefault(name, []).append((t, key))
     error = None
+    bar = Progress("load_pretrained", len(plan), mesh, progress)
+    bar.start = start
     try:
-        with torch.no_grad():
+        with bar, torch.no_grad():
             for name, items in sorted(by_file.items()):
                 for t, key in items:  # the file opened per run of rows: its pages leave memory at once
                     if t.tensor.is_meta:
@@ -300,6 +314,7 @@ def load_pretrained(
                         _install(t, block)
                     else:
                         _read_block(name, key, t, t.tensor)
+                    bar.update()
     except Exception as err:  # every rank learns of it (none is left waiting): raised below
         error = err
     _agree(mesh, "load_pretrained (reading the blocks)", error)
@@ -307,6 +322,12 @@ def load_pretrained(
         from optimus2d.meta_init import materialize  # (LLaMA's rotary table) as the serial model makes it
 
         materialize(model, seed=0, device=device or (mesh.device if mesh is not None else None))
+    nbytes = sum(math.prod(t.serial_shape) * t.tensor.element_size() for t, _, _ in plan)
+    where = on(mesh)
+    bar.summary(
+        f"load_pretrained: {len(plan)} tensors, {mib(nbytes)} from {path} in {bar.seconds():.1f} s{where} "
+        f"({len(by_file)} file{'s' if len(by_file) != 1 else ''})"
+    )
 
 
 # ---- save ------------------------------------------------------------------------------------
@@ -439,7 +460,9 @@ def _write_config(model: nn.Module, saving: str, dtype: torch.dtype | None) -> N
         generation.save_pretrained(saving)
 
 
-def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> None:
+def save_pretrained(
+    model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB", progress: bool | None = None
+) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory; collective: every rank calls it.
 
     The files are the serial model's (``from_pretrained(path)`` of its transformers class loads
@@ -452,7 +475,12 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
     that a save does not write, such as a tokenizer's), so a killed save leaves ``path`` as it was
     (or, killed between the two renames, at ``path.optimus2d-previous``, which ``load_pretrained``
     and the next save take up). Errors are raised on every rank.
+
+    ``progress``: a bar over the tensors on the mesh's first rank (None: when stderr is a
+    terminal); that rank ends with one summary line (on stderr with the bar, else logged at INFO
+    to the ``optimus2d`` logger).
     """
+    start = time.perf_counter()
     path = os.path.abspath(os.fspath(path))
     tensors = _tensors(model)
     mesh = _model_mesh(tensors)
@@ -471,6 +499,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
         else [f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" for n in range(len(shards))]
     )
     error = None
+    bar = Progress("save_pretrained", sum(len(shard) for shard in shards), mesh, progress)
+    bar.start = start
     for shard, name in zip(shards, names, strict=True):
         f = None
         if writer and error is None:
@@ -487,6 +517,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
                 except Exception as err:  # rank 0 goes on gathering with the others: none is left waiting
                     error = err
             del full
+            bar.update()
         if f is not None:
             error = error or _close(f)
     if writer and error is None:
@@ -505,4 +536,10 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
             error = err
     if writer and error is not None and saving is not None:
         shutil.rmtree(saving, ignore_errors=True)
+    bar.close()
     _agree(mesh, "save_pretrained (writing)", error)  # also the barrier: none returns before the commit
+    count = sum(len(shard) for shard in shards)
+    nbytes = sum(math.prod(t.serial_shape) * t.tensor.element_size() for shard in shards for t, _ in shard)
+    where = on(mesh)
+    files = f"{len(names)} file{'s' if len(names) != 1 else ''}"
+    bar.summary(f"save_pretrained: {count} tensors, {mib(nbytes)} in {files} to {path} in {bar.seconds():.1f} s{where}")

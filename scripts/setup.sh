@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! .venv/bin/python -c "import optimus2d, mpi4py, pytest_mpi, pytest_timeout, einops, ruff, transformers" 2>/dev/null \
    || [ ! -x .venv/bin/mpiexec ]; then
-  echo "setting up .venv (about a minute)..."
+  echo "setting up .venv (a few minutes)..."
   .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,mpi,families]' 2>&1 \
     | grep -v "is ignored: it is neither a file nor a directory" || true
 fi
