@@ -1,0 +1,305 @@
+"""What the values in a forward hold, read from its code: the reader's vocabulary (methods and
+functions that mix a dim, act element by element, or wrap), constant folding of ``self``'s
+attributes (``static_value``), and the local names' kinds (``Names``: a child, no hidden dim, whole
+heads on the last dim). ``forward_reader.py`` judges a forward with these."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MIXING_METHODS = frozenset(
+    "chunk split tensor_split unbind narrow norm mean sum nansum prod softmax log_softmax max min amax amin "
+    "argmax argmin topk sort var std var_mean std_mean cumsum cumprod logsumexp matmul mm bmm einsum flip "
+    "roll gather scatter scatter_add index_select masked_select take_along_dim unfold diff renorm all any".split()
+)
+SAFE_METHODS = frozenset(
+    "view reshape expand expand_as repeat new_empty new_zeros new_ones new_full new_tensor view_as unflatten "
+    "flatten transpose permute contiguous to float double half bfloat16 long int bool type type_as unsqueeze "
+    "squeeze size dim numel item clone detach masked_fill masked_fill_ exp tanh sigmoid relu pow sqrt rsqrt abs "
+    "neg reciprocal mul add sub div mul_ add_ sub_ div_ clamp clamp_ is_floating_point requires_grad_ "
+    "get_seq_length get_usable_length get_mask_sizes update get items keys values pop setdefault get_interface "
+    "get_text_config format startswith endswith lower append extend insert".split()
+)
+GLOBAL_SIZES = frozenset(
+    "hidden_size embed_dim all_head_size num_heads num_attention_heads num_key_value_heads n_head n_heads "
+    "n_embd d_model inner_dim intermediate_size vocab_size split_size".split()
+)
+ELEMENTWISE_METHODS = frozenset(
+    "contiguous to float double half bfloat16 clone detach type_as mul add sub div neg exp tanh sigmoid relu pow "
+    "sqrt rsqrt abs reciprocal clamp masked_fill".split()
+)
+HEAD_SIZES = frozenset("head_dim attention_head_size head_size d_head kv_channels".split())
+# Inputs that never carry the hidden dim (Hugging Face's names for ids, masks and positions).
+NO_HIDDEN_INPUTS = frozenset(
+    "input_ids attention_mask position_ids cache_position token_type_ids decoder_input_ids decoder_attention_mask "
+    "encoder_attention_mask labels pixel_mask head_mask image_sizes image_grid_thw num_items_in_batch "
+    "logits_to_keep".split()
+)
+SAFE_NAMES = frozenset(
+    "apply_rotary_pos_emb create_causal_mask create_sliding_window_causal_mask create_bidirectional_mask "
+    "create_masks_for_generate eager_attention_forward sdpa_attention_forward repeat_kv attention_interface "
+    "isinstance type len range enumerate zip tuple list dict set getattr hasattr slice int float bool str super "
+    "any all print DynamicCache EncoderDecoderCache slice_logits_to_keep".split()
+)
+SAFE_TORCH = frozenset(
+    {
+        *(torch.arange, torch.tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.finfo, torch.tanh),
+        *(torch.sigmoid, torch.exp, torch.relu, torch.is_autocast_enabled, torch.no_grad, torch.where),
+        *(F.gelu, F.silu, F.relu, F.relu6, F.elu, F.selu, F.celu, F.leaky_relu, F.mish, F.softplus, F.hardswish),
+        *(F.hardsigmoid, F.hardtanh, F.sigmoid, F.tanh, F.logsigmoid),
+        nn.Transformer.generate_square_subsequent_mask,
+    }
+)
+DROPOUTS = frozenset({F.dropout, torch.dropout})
+TENSOR_FUNCTIONS = frozenset({torch.cumsum, torch.cumprod, torch.sum, torch.mean, torch.amax, torch.amin})
+# Decorators whose wrappers only rename arguments, document, or reshape the returned container.
+WRAPPERS = frozenset(
+    "deprecate_kwarg can_return_tuple auto_docstring capture_outputs check_model_inputs merge_with_config_defaults "
+    "filter_output_hidden_states no_grad enable_grad inference_mode disable".split()
+)
+UNKNOWN = object()
+
+
+def truth(value) -> bool | None:
+    try:
+        return bool(value)
+    except Exception:  # a tensor of many elements, a meta tensor
+        return None
+
+
+def static_value(expr: ast.expr, module: nn.Module):
+    """The value of ``expr`` from constants and ``self``'s attributes (never ``self.training``)."""
+    if isinstance(expr, ast.Constant):
+        return expr.value
+    if isinstance(expr, ast.Name):
+        return module if expr.id == "self" else UNKNOWN
+    if isinstance(expr, ast.Attribute):
+        base = static_value(expr.value, module)
+        if base is UNKNOWN or expr.attr == "training" or isinstance(base, torch.Tensor):
+            return UNKNOWN
+        try:
+            return getattr(base, expr.attr, UNKNOWN)
+        except Exception:  # a property that raises
+            return UNKNOWN
+    if isinstance(expr, ast.IfExp):  # `0.0 if not self.training else self.attention_dropout`: both 0
+        test = static_value(expr.test, module)
+        if test is not UNKNOWN and truth(test) is not None:
+            return static_value(expr.body if truth(test) else expr.orelse, module)
+        body, orelse = static_value(expr.body, module), static_value(expr.orelse, module)
+        return body if body is not UNKNOWN and orelse is not UNKNOWN and _same(body, orelse) else UNKNOWN
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
+        value = static_value(expr.operand, module)
+        return UNKNOWN if value is UNKNOWN or truth(value) is None else not truth(value)
+    if isinstance(expr, ast.BoolOp):
+        values = [static_value(v, module) for v in expr.values]
+        stop = isinstance(expr.op, ast.Or)  # `or` stops at the first true value, `and` at the first false
+        for value in values:
+            if value is UNKNOWN or truth(value) is None:
+                return UNKNOWN
+            if truth(value) is stop:
+                return value
+        return values[-1]
+    if isinstance(expr, ast.Compare) and len(expr.ops) == 1:
+        left, right = static_value(expr.left, module), static_value(expr.comparators[0], module)
+        if left is UNKNOWN or right is UNKNOWN:
+            return UNKNOWN
+        ops = {ast.Is: lambda a, b: a is b, ast.IsNot: lambda a, b: a is not b, ast.Eq: lambda a, b: a == b}
+        ops |= {ast.NotEq: lambda a, b: a != b, ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
+        op = ops.get(type(expr.ops[0]))
+        try:
+            return UNKNOWN if op is None else op(left, right)
+        except Exception:
+            return UNKNOWN
+    return UNKNOWN
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+class Names:
+    """What the local names of one forward hold: a child or safe function (``for layer in
+    self.layers``), no hidden dim (ids, masks and what is computed only from them), or whole heads
+    on the last dim (a reshape into ``head_dim``)."""
+
+    def __init__(self, tree: ast.FunctionDef, module: nn.Module, fn) -> None:
+        self.module, self.fn = module, fn
+        params = {a.arg for a in [*tree.args.posonlyargs, *tree.args.args, *tree.args.kwonlyargs]}
+        self.reshapes = _names_holding_minus_one(tree)
+        self.children = _names_of_children(tree, set(module._modules))
+        assigned: dict[str, list[ast.expr]] = {}
+        for node in ast.walk(tree):
+            targets, value = _assignment(node)
+            for target in targets:
+                for n in ast.walk(target):
+                    if isinstance(n, ast.Name):
+                        assigned.setdefault(n.id, []).append(value)
+        self.assigned = assigned
+        candidates = {n for n in assigned if n not in params or n in NO_HIDDEN_INPUTS}
+        self._clean = candidates | {p for p in params if p in NO_HIDDEN_INPUTS}
+        self._heads = set(candidates)
+        changed = True
+        while changed:  # the greatest fixed point: a name is clean (or per head) when every value it is given is
+            changed = False
+            for name in candidates:
+                values = assigned[name]
+                if name in self._clean and not all(v is not None and self.clean(v) for v in values):
+                    self._clean.discard(name)
+                    changed = True
+                if name in self._heads and not all(v is not None and self.per_head(v) for v in values):
+                    self._heads.discard(name)
+                    changed = True
+
+    def leading(self, sizes: list[ast.expr]) -> bool:
+        """Do ``sizes``, before a final -1, keep every dim but the last apart? Two or more explicit
+        sizes (``view(b, s, -1)``), or a spread of a shape without its last size
+        (``reshape(*input_shape, -1)``, ``input_shape = hidden_states.shape[:-1]``)."""
+        if len(sizes) >= 2 and not any(isinstance(a, ast.Starred) for a in sizes):
+            return True
+        if len(sizes) != 1 or not isinstance(sizes[0], ast.Starred):
+            return False
+        spread = sizes[0].value
+        values = self.assigned.get(spread.id, []) if isinstance(spread, ast.Name) else [spread]
+        return bool(values) and all(v is not None and _shape_but_last(v) for v in values)
+
+    def clean(self, expr: ast.expr) -> bool:
+        """Computed only from ids, masks, positions, constants and ``self``'s non-tensor attributes."""
+        for node in ast.walk(expr):
+            if isinstance(node, ast.Name) and node.id not in self._clean and node.id != "self":
+                if node.id not in ("torch", "F", "nn", "math") and not hasattr(builtins, node.id):
+                    return False
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                if node.attr in self.module._modules:
+                    return False
+        return True
+
+    def per_head(self, expr: ast.expr) -> bool:
+        """A tensor whose last dim holds one head's features, whole on every rank."""
+        if isinstance(expr, ast.Name):
+            return expr.id in self._heads
+        if isinstance(expr, ast.Subscript):  # q[..., :rot], or one part of a per-head split
+            return self.per_head(expr.value)
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
+            method, base, args = expr.func.attr, expr.func.value, expr.args
+            if method in ("view", "reshape") and len(args) == 1 and isinstance(args[0], (ast.Name, ast.Starred)):
+                spread = args[0].value if isinstance(args[0], ast.Starred) else args[0]
+                args = self.reshapes.get(getattr(spread, "id", None), args)  # view(hidden_shape), view(*shape)
+            if method in ("view", "reshape") and args and _head_size(args[-1]):
+                return True
+            if method == "unflatten" and len(args) == 2 and isinstance(args[1], ast.Tuple) and args[1].elts:
+                return _head_size(args[1].elts[-1])
+            if method in ("chunk", "split", "unbind", "narrow") and dim_is_last(expr):
+                return self.per_head(base)
+            if method in ELEMENTWISE_METHODS or (method in MIXING_METHODS and dim_is_last(expr)):
+                return self.per_head(base)
+        if isinstance(expr, ast.Call) and resolve(expr.func, self.fn) is torch.cat and expr.args:
+            parts = expr.args[0].elts if isinstance(expr.args[0], (ast.List, ast.Tuple)) else []
+            return dim_is_last(expr) and bool(parts) and all(self.per_head(p) or self.clean(p) for p in parts)
+        if isinstance(expr, ast.BinOp):  # q * k.sigmoid(), q * 2
+            sides = (expr.left, expr.right)
+            return any(map(self.per_head, sides)) and all(self.per_head(e) or self.clean(e) for e in sides)
+        return False
+
+
+def _shape_but_last(expr: ast.expr) -> bool:
+    """``x.shape[:-1]`` or ``x.size()[:-1]``."""
+    if not (isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Slice)):
+        return False
+    sl, base = expr.slice, expr.value
+    shape = (isinstance(base, ast.Attribute) and base.attr == "shape") or (
+        isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) and base.func.attr == "size"
+    )
+    return shape and sl.lower is None and sl.step is None and sl.upper is not None and is_minus_one(sl.upper)
+
+
+def _assignment(node: ast.AST) -> tuple[list[ast.expr], ast.expr | None]:
+    if isinstance(node, ast.Assign):
+        return node.targets, node.value
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        return [node.target], None if isinstance(node, ast.AugAssign) else node.value
+    if isinstance(node, (ast.For, ast.comprehension)):
+        return [node.target], None
+    if isinstance(node, ast.NamedExpr):
+        return [node.target], node.value
+    return [], None
+
+
+def _head_size(expr: ast.expr) -> bool:
+    """``self.head_dim``, ``head_dim``, ``3 * self.head_dim``: a size of whole heads' features."""
+    names = {n.attr for n in ast.walk(expr) if isinstance(n, ast.Attribute)}
+    names |= {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
+    return bool(names & HEAD_SIZES) and not (names & GLOBAL_SIZES)
+
+
+def dim_is_last(call: ast.Call, position: int | None = None) -> bool:
+    """The call's ``dim`` (keyword, or positional: second for ``chunk``/``split``/``torch.cat``,
+    first for the others) is -1."""
+    if position is None:
+        method = call.func.attr if isinstance(call.func, ast.Attribute) else ""
+        position = 1 if method in ("chunk", "split", "tensor_split", "cat") else 0
+    dims = [k.value for k in call.keywords if k.arg == "dim"] or call.args[position : position + 1]
+    return bool(dims) and is_minus_one(dims[0])
+
+
+def _names_holding_minus_one(tree: ast.AST) -> dict[str, list[ast.expr]]:
+    """Local names assigned a tuple with a literal -1 (``hidden_shape = (*input_shape, -1, d)``),
+    with the tuple's sizes."""
+    names = {}
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Tuple)
+            and any(map(is_minus_one, node.value.elts))
+        ):
+            names.update((t.id, node.value.elts) for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+def _names_of_children(tree: ast.AST, children: set[str]) -> set[str]:
+    """Local names bound to a child or a safe function: ``for layer in self.layers[:n]``,
+    ``mask_function = create_causal_mask if ... else create_sliding_window_causal_mask``."""
+
+    def safe(expr: ast.AST) -> bool:
+        refs = [n for n in ast.walk(expr) if isinstance(n, (ast.Name, ast.Attribute))]
+        children_used = any(isinstance(n, ast.Attribute) and n.attr in children for n in refs)
+        names = {n.id for n in refs if isinstance(n, ast.Name)} - {"self"}
+        return children_used or (bool(names) and names <= SAFE_NAMES | {"config"})
+
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.For) and safe(node.iter):
+            names.update(n.id for n in ast.walk(node.target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.IfExp) and safe(node.value):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+def is_minus_one(node: ast.AST) -> bool:
+    return isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and getattr(node.operand, "value", None) == 1
+
+
+def resolve(func: ast.expr, fn, roots=(torch, F, nn)) -> object:
+    """``torch.tanh``, ``F.gelu``, ``nn.functional.silu`` → the object; anything else → None.
+    With ``roots=None`` any global name is followed (a decorator)."""
+    parts = []
+    node = func
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    root = fn.__globals__.get(node.id, getattr(builtins, node.id, UNKNOWN))
+    if roots is not None and root not in roots:
+        return None
+    obj = root
+    for part in reversed(parts):
+        obj = getattr(obj, part, UNKNOWN)
+    return obj
