@@ -160,11 +160,11 @@ def build_pipeline(serial: SerialGPT, cfg: Config, q: int, vocab: int) -> Pipeli
         blocks = range(c * cfg.n_layer // n_chunks, (c + 1) * cfg.n_layer // n_chunks)
         chunk = GPT2D(serial, pipe.mesh, blocks, first=c == 0, last=c == n_chunks - 1)
         out = (b, t, -(-vocab // q) * q) if chunk.last else (b, t, cfg.n_embd)  # logits: the padded vocabulary
-        # (the first chunk takes ids [b, t], not the [b, t, n_embd] given here: torch sends nothing to it)
-        shape = (b, t, cfg.n_embd)
-        stages.append(
-            pipeline_stage(chunk, pipe, microbatch_shape=shape, output_shape=out, stage_index=c, num_stages=n_chunks)
-        )
+        first = c == 0  # the first chunk takes token ids [b, t] (torch 2.11 checks the first stage's input too)
+        shape = (b, t) if first else (b, t, cfg.n_embd)
+        kw = {"output_shape": out, "stage_index": c, "num_stages": n_chunks, "token_ids": first}
+        stage = pipeline_stage(chunk, pipe, microbatch_shape=shape, **kw)
+        stages.append(stage)
         chunks.append(chunk)
     tokens = cfg.batch // cfg.dp * cfg.block_size  # one copy's share: the copies' mean is serial's
 

@@ -141,8 +141,9 @@ def _read_method(module: nn.Module, name: str, children: set[str], reading: Read
         if getattr(obj, "__name__", None) not in WRAPPERS or not _from_known_library(obj):
             line = where.format(first + deco.lineno - 1)
             reading.problems.append(f"{line}: is decorated by {ast.unparse(target)}, whose wrapper is not read")
-    env = Names(tree, module, fn)
-    for node in _live(tree.body, module, reading, name):
+    live = list(_live(tree.body, module, reading, name))
+    env = Names(tree, module, fn, live)
+    for node in live:
         line = where.format(first + getattr(node, "lineno", 1) - 1)
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
             if not (env.clean(node.left) and env.clean(node.right)):

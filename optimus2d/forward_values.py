@@ -33,6 +33,8 @@ ELEMENTWISE_METHODS = frozenset(
     "contiguous to float double half bfloat16 clone detach type_as mul add sub div neg exp tanh sigmoid relu pow "
     "sqrt rsqrt abs reciprocal clamp masked_fill".split()
 )
+# Helpers that rotate within each head's features: per-head inputs give per-head outputs.
+ROTARY = frozenset({"apply_rotary_pos_emb"})
 HEAD_SIZES = frozenset("head_dim attention_head_size head_size d_head kv_channels".split())
 # Inputs that never carry the hidden dim (Hugging Face's names for ids, masks and positions).
 NO_HIDDEN_INPUTS = frozenset(
@@ -130,19 +132,21 @@ class Names:
     self.layers``), no hidden dim (ids, masks and what is computed only from them), or whole heads
     on the last dim (a reshape into ``head_dim``)."""
 
-    def __init__(self, tree: ast.FunctionDef, module: nn.Module, fn) -> None:
+    def __init__(self, tree: ast.FunctionDef, module: nn.Module, fn, live: list[ast.AST]) -> None:
+        """``live``: the nodes that may run (dead branches left out): only their assignments count."""
         self.module, self.fn = module, fn
         params = {a.arg for a in [*tree.args.posonlyargs, *tree.args.args, *tree.args.kwonlyargs]}
         self.reshapes = _names_holding_minus_one(tree)
         self.children = _names_of_children(tree, set(module._modules))
         assigned: dict[str, list[ast.expr]] = {}
-        for node in ast.walk(tree):
+        for node in live:
             targets, value = _assignment(node)
             for target in targets:
-                for n in ast.walk(target):
-                    if isinstance(n, ast.Name):
-                        assigned.setdefault(n.id, []).append(value)
+                for name, part in _pairs(target, value):
+                    assigned.setdefault(name, []).append(part)
         self.assigned = assigned
+        sizes = _leading_size_names(live).items()
+        self.leading_sizes = {n: p for n, p in sizes if len(assigned.get(n, ())) == 1}
         candidates = {n for n in assigned if n not in params or n in NO_HIDDEN_INPUTS}
         self._clean = candidates | {p for p in params if p in NO_HIDDEN_INPUTS}
         self._heads = set(candidates)
@@ -159,16 +163,21 @@ class Names:
                     changed = True
 
     def leading(self, sizes: list[ast.expr]) -> bool:
-        """Do ``sizes``, before a final -1, keep every dim but the last apart? Two or more explicit
-        sizes (``view(b, s, -1)``), or a spread of a shape without its last size
-        (``reshape(*input_shape, -1)``, ``input_shape = hidden_states.shape[:-1]``)."""
-        if len(sizes) >= 2 and not any(isinstance(a, ast.Starred) for a in sizes):
-            return True
-        if len(sizes) != 1 or not isinstance(sizes[0], ast.Starred):
+        """Do ``sizes``, before a final -1, keep every dim but the last apart? They are a spread of a
+        shape without its last size (``reshape(*input_shape, -1)``, ``input_shape =
+        hidden_states.shape[:-1]``), or every target but the last of one unpacked shape, in order
+        (``bsz, q_len, _ = hidden_states.size()``, then ``view(bsz, q_len, -1)``). Anything else may
+        cut or merge the split dim (Moshi's ``view(b, s, 2, -1)`` of a fused gate/up projection;
+        ``reshape(x.shape[0], -1)``) and is refused."""
+        if len(sizes) == 1 and isinstance(sizes[0], ast.Starred):
+            spread = sizes[0].value
+            values = self.assigned.get(spread.id, []) if isinstance(spread, ast.Name) else [spread]
+            return bool(values) and all(v is not None and _shape_but_last(v) for v in values)
+        places = [self.leading_sizes.get(a.id) if isinstance(a, ast.Name) else None for a in sizes]
+        if not places or None in places:
             return False
-        spread = sizes[0].value
-        values = self.assigned.get(spread.id, []) if isinstance(spread, ast.Name) else [spread]
-        return bool(values) and all(v is not None and _shape_but_last(v) for v in values)
+        unpacks = {unpack for unpack, _, _ in places}
+        return len(unpacks) == 1 and [p for _, p, _ in places] == list(range(places[0][2] - 1))
 
     def clean(self, expr: ast.expr) -> bool:
         """Computed only from ids, masks, positions, constants and ``self``'s non-tensor attributes."""
@@ -200,6 +209,12 @@ class Names:
                 return self.per_head(base)
             if method in ELEMENTWISE_METHODS or (method in MIXING_METHODS and dim_is_last(expr)):
                 return self.per_head(base)
+            if method in ("transpose", "permute") and _keeps_last_of_4d(method, args):
+                return self.per_head(base)
+            if method == "update" and len(args) >= 2:  # a KV cache: keys and values, longer along the sequence
+                return all(self.per_head(a) for a in args[:2])
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id in ROTARY:
+            return len(expr.args) >= 2 and all(self.per_head(a) for a in expr.args[:2])
         if isinstance(expr, ast.Call) and resolve(expr.func, self.fn) is torch.cat and expr.args:
             parts = expr.args[0].elts if isinstance(expr.args[0], (ast.List, ast.Tuple)) else []
             return dim_is_last(expr) and bool(parts) and all(self.per_head(p) or self.clean(p) for p in parts)
@@ -207,6 +222,44 @@ class Names:
             sides = (expr.left, expr.right)
             return any(map(self.per_head, sides)) and all(self.per_head(e) or self.clean(e) for e in sides)
         return False
+
+
+def _keeps_last_of_4d(method: str, args: list[ast.expr]) -> bool:
+    """``transpose(1, 2)`` or ``permute(0, 2, 1, 3)`` of a ``[b, s, heads, head_dim]`` tensor (a
+    reshape into heads gives 4 dims) leaves ``head_dim`` last."""
+    ints = [a.value if isinstance(a, ast.Constant) else -a.operand.value if _negative(a) else None for a in args]
+    if None in ints or not all(isinstance(i, int) for i in ints):
+        return False
+    if method == "transpose":
+        return len(ints) == 2 and all(i % 4 != 3 for i in ints) and all(-4 <= i < 4 for i in ints)
+    return len(ints) == 4 and ints[-1] % 4 == 3 and sorted(i % 4 for i in ints) == [0, 1, 2, 3]
+
+
+def _negative(a: ast.expr) -> bool:
+    return isinstance(a, ast.UnaryOp) and isinstance(a.op, ast.USub) and isinstance(a.operand, ast.Constant)
+
+
+def _shape_of(expr: ast.expr) -> bool:
+    """``x.shape`` or ``x.size()``."""
+    return (isinstance(expr, ast.Attribute) and expr.attr == "shape") or (
+        isinstance(expr, ast.Call)
+        and isinstance(expr.func, ast.Attribute)
+        and expr.func.attr == "size"
+        and not expr.args
+    )
+
+
+def _leading_size_names(live: list[ast.AST]) -> dict[str, tuple[int, int, int]]:
+    """Names given the leading sizes of a tensor by ``b, s, _ = x.shape`` (or ``x.size()``): each
+    name's (unpacking, position, number of targets), the last target (the hidden size) left out."""
+    names = {}
+    for node in live:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and _shape_of(node.value):
+            target = node.targets[0]
+            if isinstance(target, ast.Tuple) and all(isinstance(t, ast.Name) for t in target.elts):
+                k = len(target.elts)
+                names.update((t.id, (id(node), i, k)) for i, t in enumerate(target.elts[:-1]))
+    return names
 
 
 def _shape_but_last(expr: ast.expr) -> bool:
@@ -218,6 +271,18 @@ def _shape_but_last(expr: ast.expr) -> bool:
         isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) and base.func.attr == "size"
     )
     return shape and sl.lower is None and sl.step is None and sl.upper is not None and is_minus_one(sl.upper)
+
+
+def _pairs(target: ast.expr, value: ast.expr | None):
+    """(name, the value it is given): ``a, b = (x, y)`` pairs a with x; ``a, b = f()`` gives both f()."""
+    if isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List)):
+        if len(target.elts) == len(value.elts) and not any(isinstance(e, ast.Starred) for e in value.elts):
+            for t, v in zip(target.elts, value.elts, strict=True):
+                yield from _pairs(t, v)
+            return
+    for n in ast.walk(target):
+        if isinstance(n, ast.Name):
+            yield n.id, value
 
 
 def _assignment(node: ast.AST) -> tuple[list[ast.expr], ast.expr | None]:

@@ -60,7 +60,7 @@ from torch.distributed import pipelining
 from optimus2d.comm import replicas, watch
 from optimus2d.comm.functional import activation_sharding, all_reduce, batch_sharding
 from optimus2d.comm.mesh import Mesh
-from optimus2d.pipeline_data_parallel import DataParallelStage, pipeline_groups
+from optimus2d.pipeline_data_parallel import DataParallelStage, LaneStage, pipeline_groups
 from optimus2d.pipeline_layouts import ToNextStage, scatter_microbatches, stage_shapes
 from optimus2d.training import clip_over
 
@@ -229,7 +229,6 @@ def pipeline_stage(
     ``DataParallelStage``, which averages the gradients over ``pipe.dp_group`` at the step's last
     backward (``pipeline_data_parallel``).
     """
-    from torch.distributed.pipelining import PipelineStage
 
     mesh = pipe.mesh
     stage_index = pipe.stage if stage_index is None else stage_index
@@ -289,7 +288,7 @@ def pipeline_stage(
     kwargs = {"input_args": blocks[0], "output_args": blocks[1], "group": pipe.lane}
     if pipe.dp_group is not None:  # data-parallel copies: gradients averaged over them
         return DataParallelStage(*args, **kwargs, dp_group=pipe.dp_group, mesh=mesh)
-    return PipelineStage(*args, **kwargs)
+    return LaneStage(*args, **kwargs)
 
 
 def mesh_sum(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:

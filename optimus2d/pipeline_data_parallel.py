@@ -31,10 +31,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from optimus2d.comm import compat
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
 
-__all__ = ["DataParallelStage", "pipeline_groups"]
+__all__ = ["DataParallelStage", "LaneStage", "pipeline_groups"]
 
 
 def pipeline_groups(
@@ -52,10 +53,13 @@ def pipeline_groups(
     dp_ranks = tuple(replicas[stage * dp + r][position] for r in range(dp))
 
     def groups(count: int, members, mine: tuple[int, int]) -> dist.ProcessGroup:
+        if not compat.KEEPS_ORDER:  # torch 2.11 sorts a group's ranks: stage (copy) order must be rank order
+            if any(list(members(a, n)) != sorted(members(a, n)) for a in range(count) for n in range(size)):
+                compat.require("pipeline groups out of rank order")
         found = None
         for a in range(count):  # every group on every rank: creating one is collective
             for n in range(size):
-                group = dist.new_group(members(a, n), sort_ranks=False)
+                group = compat.new_group(members(a, n))
                 found = group if (a, n) == mine else found
         return found
 
@@ -67,7 +71,39 @@ def pipeline_groups(
     return lane, lane_ranks, dp_group, dp_ranks
 
 
-class DataParallelStage(PipelineStage):
+class LaneStage(PipelineStage):
+    """torch's ``PipelineStage``; on torch 2.11 (``compat.OLD_PIPELINES``), with two of its gaps closed.
+
+    * Its multi-stage schedules open the lane with one ``batch_isend_irecv`` of a dummy tensor to and
+      from each stage's neighbours (``_get_init_p2p_neighbors_ops``), including a neighbour stage on
+      this same rank (the turn of a V-shaped schedule, ``ZBVZeroBubble``, ``DualPipeV``; an encoder
+      stage beside an LLM stage, ``pipeline_bubbles``), which gloo cannot send ("Pair is not
+      connected"). The schedules pass a same-rank neighbour's tensors locally (``set_local_fwd_input``),
+      so the warm-up leaves out the messages to this rank itself.
+    * A schedule's first ``eval()`` makes the receive buffers without ``requires_grad`` and a later
+      ``step()`` keeps them, so no gradient leaves the stage ("has gradients None and is expecting to
+      send gradients"): preparing the backward marks them as a first ``step()`` would have.
+
+    torch 2.13 warms the lane up by a vote per stage and re-prepares the stage on a switch between
+    ``eval`` and ``step``; there the stage is torch's own.
+    """
+
+    if compat.OLD_PIPELINES:
+
+        def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+            me = dist.get_rank(self.group)
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != me]
+
+        def _prepare_backward_infra(self, num_microbatches: int):
+            for infos in self.args_recv_info.values():  # as _prepare_forward_infra does for a backward
+                for info in infos:
+                    buffer = getattr(info, "buffer", None)  # a _RecvInfo (not a first stage's placeholder)
+                    if isinstance(buffer, torch.Tensor) and buffer.is_floating_point():
+                        buffer.requires_grad_(True)
+            return super()._prepare_backward_infra(num_microbatches)
+
+
+class DataParallelStage(LaneStage):
     """torch's ``PipelineStage`` of one data-parallel copy: ``PipelineStage``'s arguments, then
     ``dp_group`` (the ranks at this place in every copy) and ``mesh`` (the stage's, for the waits).
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from optimus2d.comm import compat
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers import Embedding2D
@@ -45,6 +46,7 @@ from optimus2d.layers.base import mark_block
 from optimus2d.layers.embedding import TiedHead2D
 from optimus2d.parallelize import keep, register_converter
 from optimus2d.pipeline import StageMesh
+from optimus2d.pipeline_models import causal_mask
 
 __all__ = ["GPT2Stage", "TiedPair", "gpt2_stages", "shared_copies", "sum_tied_grads", "tied_pair"]
 
@@ -75,16 +77,12 @@ class GPT2Stage(nn.Module):
         self.lm_head = lm.lm_head if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
         t = self.transformer
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # [1, s]
         hidden = x
         if t.wte is not None:  # as GPT2Model: token + position embeddings, then dropout
             hidden = t.drop(t.wte(x) + t.wpe(positions))
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
-        )
+        mask = causal_mask(self.config, hidden, positions)
         for block in t.h.values():
             hidden = block(hidden, attention_mask=mask, position_ids=positions)
         if t.ln_f is not None:
@@ -174,7 +172,7 @@ def tied_pair(pipe: StageMesh, *, last: int | None = None) -> TiedPair:
     if last != 0:
         for r in range(pipe.dp):  # every pair of every data-parallel copy on every rank: creating a group is collective
             for n in range(mesh.size):
-                made = dist.new_group([pipe.stage_ranks(0, r)[n], pipe.stage_ranks(last, r)[n]], sort_ranks=False)
+                made = compat.new_group([pipe.stage_ranks(0, r)[n], pipe.stage_ranks(last, r)[n]])
                 if (r, n) == (pipe.dp_rank, position) and pipe.stage in (0, last):
                     group = made
     return TiedPair(mesh, ranks, group)

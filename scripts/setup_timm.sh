@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Creates .venv-timm (once): optimus2d with torch 2.14.1 + torchvision 0.29.1 + timm, to test the
-# timm converters (about 1.5 min and 5.5 GB; see constraints-timm.txt for why a second environment).
+# Creates .venv-timm (once): optimus2d with torch 2.14.1 + torchvision 0.29.1 + timm + transformers
+# 5.24.0, to test the timm converters and the high end of the torch range (about 1.5 min and 5.5 GB;
+# see constraints-timm.txt for why a second environment).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv-timm/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv-timm
 fi
-if ! .venv-timm/bin/python -c "import optimus2d, timm, mpi4py, pytest_mpi, pytest_timeout" 2>/dev/null \
+if ! .venv-timm/bin/python -c "import optimus2d, timm, transformers, mpi4py, pytest_mpi, pytest_timeout" 2>/dev/null \
    || [ ! -x .venv-timm/bin/mpiexec ]; then
   echo "setting up .venv-timm (torch 2.14.1 + torchvision + timm, about 1.5 minutes)..."
   .venv-timm/bin/pip install -q --disable-pip-version-check -c constraints-timm.txt \
-    torch torchvision timm -e '.[test,mpi]' 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+    torch torchvision timm transformers -e '.[test,mpi,families]' 2>&1 \
+    | grep -v "is ignored: it is neither a file nor a directory" || true
 fi
 .venv-timm/bin/python -c "import optimus2d, timm"

@@ -1,11 +1,23 @@
 #!/usr/bin/env bash
-# The whole test suite: serial tests, then the MPI tests under mpiexec at 1, 4 and 9 ranks (meshes
-# 1, 2×2 and 1×1×4, 3×3 and 1×1×9; MPI carries the meshes), the model families and replicas at 8
-# (2×2×2), pipelines of 2 stages × 2×2×2 at 16 and × 3×3 at 18, the tests again at 4 with gloo
-# carrying the meshes (OPTIMUS2D_TRANSPORT=torch), then timm's ViT in a second environment
-# (scripts/setup_timm.sh). Extra arguments go to every pytest of the main runs.
+# The whole test suite, at both ends of the torch and transformers ranges that setup.py declares:
+# - .venv (torch 2.13.0, transformers 5.24.0; constraints.txt): serial tests, then the MPI tests
+#   under mpiexec at 1, 4 and 9 ranks (meshes 1, 2×2 and 1×1×4, 3×3 and 1×1×9; MPI carries the
+#   meshes), the model families and replicas at 8 (2×2×2), pipelines of 2 stages × 2×2×2 at 16 and
+#   × 3×3 at 18;
+# - .venv-torch211 (torch 2.11.0, transformers 5.23.0; the low ends): the core and the families at 4;
+# - .venv-timm (torch 2.14.1, transformers 5.24.0; the high end of torch): timm's ViT, then the core
+#   at 4 with gloo carrying the meshes (OPTIMUS2D_TRANSPORT=torch) and the families at 4.
+# Extra arguments go to every pytest of the .venv runs.
+#
+#   bash scripts/test.sh --newest   # the newest torch and transformers pip finds, in .venv-newest:
+#                                   # the families and pipeline tests at 4 ranks (run it before
+#                                   # raising setup.py's upper bounds)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--newest" ]; then
+  shift
+  exec bash scripts/test_newest.sh "$@"
+fi
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1
 start=$SECONDS
@@ -30,21 +42,27 @@ for n in 16 18; do  # pipelines of 2 stages × 2×2×2, × 3×3: every schedule,
   echo "== mpiexec -n $n: pipelines of 2 stages, every schedule"
   mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider tests/test_pipeline_mpi.py -k "sum or refuses or lanes" "$@"
 done
-for n in 4; do  # the same tests with torch.distributed (gloo) carrying the meshes, not MPI
-  echo "== mpiexec -n $n, OPTIMUS2D_TRANSPORT=torch (model families: over MPI only)"
-  OPTIMUS2D_TRANSPORT=torch mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider -m "not families" "$@"
+# The low ends of both ranges: torch 2.11.0 with transformers 5.23.0 (what needs a newer torch is skipped
+# there, and a test proves it is refused with the version it needs)
+echo "== torch 2.11.0 + transformers 5.23.0: mpiexec -n 4 (core, then model families)"
+bash scripts/setup_torch211.sh
+for marks in "not families" families; do
+  env PATH="$PWD/.venv-torch211/bin:$PATH" .venv-torch211/bin/mpiexec -n 4 .venv-torch211/bin/python -m pytest -q \
+    --only-mpi -p no:cacheprovider -m "$marks"
 done
 # timm needs torchvision, which needs another torch: a second environment, when the disk allows it
 free_gb=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
 if [ "${OPTIMUS2D_SKIP_TIMM:-0}" = "1" ]; then
   echo "== timm tests skipped: OPTIMUS2D_SKIP_TIMM=1"
 elif [ "$free_gb" -lt 12 ] && [ ! -x .venv-timm/bin/python ]; then
-  echo "== timm tests skipped: ${free_gb} GB free, .venv-timm needs about 6"
+  echo "== timm and torch 2.14.1 tests skipped: ${free_gb} GB free, .venv-timm needs about 6"
 else
   bash scripts/setup_timm.sh
-  for n in 4; do
-    echo "== mpiexec -n $n (torch 2.14.1 + timm)"
-    .venv-timm/bin/mpiexec -n "$n" .venv-timm/bin/python -m pytest -q --only-mpi -p no:cacheprovider tests/test_timm_mpi.py
-  done
+  run=(env PATH="$PWD/.venv-timm/bin:$PATH" .venv-timm/bin/mpiexec -n 4 .venv-timm/bin/python -m pytest -q --only-mpi
+    -p no:cacheprovider)
+  echo "== torch 2.14.1 + transformers 5.24.0 + timm: mpiexec -n 4 (timm; core over gloo; model families)"
+  "${run[@]}" tests/test_timm_mpi.py
+  "${run[@]:0:2}" OPTIMUS2D_TRANSPORT=torch "${run[@]:2}" -m "not families"
+  "${run[@]}" -m families
 fi
 echo "whole suite: $((SECONDS - start)) s"

@@ -18,8 +18,10 @@ from torch import nn
 
 import optimus2d
 from optimus2d import parallelize, scatter, scatter_batch
+from optimus2d.comm import compat
 
-pytestmark = pytest.mark.mpi
+ONE_GRAPH = compat.missing("one-graph torch.compile")
+pytestmark = [pytest.mark.mpi, pytest.mark.skipif(ONE_GRAPH is not None, reason=str(ONE_GRAPH))]
 
 
 @pytest.fixture(autouse=True)

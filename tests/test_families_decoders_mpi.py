@@ -102,7 +102,9 @@ def test_a_llama_shaped_family_converts_exactly(mesh, family):
         assert_close(state[key], value, 1e-4, f"{family} {key} after AdamW")
 
 
-# Families named nowhere in optimus2d, nor above: each must be exact or refused (never wrong).
+# Families named nowhere in optimus2d, nor above: each must be exact or refused (never wrong); those in
+# _CONVERTED must convert (the reader vouches for them: dropout, partial rotary, fused per-head qkv).
+_CONVERTED = {"cohere", "nemotron", "smollm3", "starcoder2", "gpt_neox", "phi", "exaone4"}
 _UNSEEN = {
     "cohere": ("CohereConfig", {}, "CohereForCausalLM"),  # LayerNorm without bias, tied head
     "nemotron": ("NemotronConfig", {"head_dim": 12, "partial_rotary_factor": 1.0}, "NemotronForCausalLM"),
@@ -129,6 +131,7 @@ def test_an_unseen_family_is_exact_or_refused(mesh, family):
         parallel = parallelize(copy.deepcopy(serial), mesh)
     except TypeError as err:  # refused on every rank, before any collective, naming the modules
         assert "cannot be converted" in str(err) and "(" in str(err), str(err)
+        assert family not in _CONVERTED, str(err)
         return
     torch.manual_seed(1)
     ids = torch.randint(0, 96, (2 * mesh.depth * mesh.q, 7))
@@ -139,25 +142,29 @@ def test_an_unseen_family_is_exact_or_refused(mesh, family):
 
 
 def test_a_refused_family_taught_in_one_line_converts_exactly(mesh):
-    """GPT-NeoX's attention chunks q, k, v out of each head's fused features: the reader of forwards
-    cannot tell that the chunk is per head, so it refuses; its author declares it, and it is exact."""
-    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
+    """Ministral-3's attention scales its queries by ``get_llama_4_attn_scale(positions, ...)``, a
+    function of positions the reader does not know, so it refuses; its author declares it, and it is
+    exact."""
+    from transformers.models.ministral3.modeling_ministral3 import Ministral3Attention
 
     from optimus2d.parallelize import _CONVERTERS
 
-    config = transformers.GPTNeoXConfig(**_COMMON, num_attention_heads=_heads(mesh)[0], attn_implementation="eager")
+    heads, kv_heads = _heads(mesh)
+    config = transformers.Ministral3Config(
+        **_COMMON, num_attention_heads=heads, num_key_value_heads=kv_heads, attn_implementation="eager"
+    )
     torch.manual_seed(0)
-    serial = transformers.GPTNeoXForCausalLM(config)
-    with pytest.raises(TypeError, match=r"attention \(GPTNeoXAttention\): its forward .*chunk"):
+    serial = transformers.Ministral3ForCausalLM(config)
+    with pytest.raises(TypeError, match=r"self_attn \(Ministral3Attention\): its forward .*get_llama_4_attn_scale"):
         parallelize(copy.deepcopy(serial), mesh)
-    optimus2d.register_converter(GPTNeoXAttention, keep=True)  # the one line (README)
+    optimus2d.register_converter(Ministral3Attention, keep=True)  # the one line (README)
     try:
         parallel = parallelize(copy.deepcopy(serial), mesh)
     finally:
-        _CONVERTERS.pop(GPTNeoXAttention)
+        _CONVERTERS.pop(Ministral3Attention)
     torch.manual_seed(1)
     ids = torch.randint(0, 96, (2 * mesh.depth * mesh.q, 7))
-    assert_close(_step(parallel, ids, mesh)[..., :96], _step(serial, ids), 1e-4, "gpt_neox logits")
+    assert_close(_step(parallel, ids, mesh)[..., :96], _step(serial, ids), 1e-4, "ministral3 logits")
     state = serial_state_dict(parallel)
     for key, value in serial.state_dict().items():
         assert_close(state[key], value, 1e-4, f"gpt_neox {key} after AdamW")

@@ -97,7 +97,7 @@ class FusedHeads(nn.Module):  # GPT-NeoX's habits: qkv fused per head, partial r
         self.qkv, self.out = nn.Linear(E, 3 * E), nn.Linear(E, E)
 
     def forward(self, x):
-        b, s = x.shape[:2]
+        b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, -1, 3 * self.head_dim)
         q, k, v = qkv.chunk(3, dim=-1)
         q = torch.cat([q[..., : self.rot] * 2, q[..., self.rot :]], dim=-1)
@@ -188,6 +188,12 @@ def _merging_view(self, x):
     return y.reshape(y.shape[0], -1).view_as(y)
 
 
+def _parts_view(self, x):  # Moshi's gate/up MLP: a literal size cuts the split dim into parts
+    b, s, _ = x.shape
+    y = self.proj(x).view(b, s, 2, -1)
+    return (y[..., 0, :] * y[..., 1, :]).repeat(1, 1, 2)
+
+
 def _flattened(self, x):
     return self.proj(x).flatten(1).view_as(x)
 
@@ -211,11 +217,12 @@ def _live_branch(self, x):
         (_mean_function, "calls torch.mean"),
         (_helper, "calls centre(), not known to act on blocks"),
         (_merging_view, "may merge the split last dim with another"),
+        (_parts_view, "may merge the split last dim with another"),
         (_flattened, "flattens the split last dim with another"),
         (_indexed, "slices the last dim"),
         (_live_branch, "calls F.normalize"),
     ],
-    ids=["method", "function", "helper", "view", "flatten", "index", "live-branch"],
+    ids=["method", "function", "helper", "view", "parts-view", "flatten", "index", "live-branch"],
 )
 def test_a_forward_that_mixes_the_split_dim_is_refused_however_written(mesh, forward, named):
     model = nn.Sequential(nn.Linear(E, E), _module(forward))

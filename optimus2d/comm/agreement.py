@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from optimus2d.comm import compiled, watch
+from optimus2d.comm import compat, compiled, watch
 from optimus2d.comm.counter import record_check
 
 LEVELS = ("off", "entry", "every")
@@ -204,7 +204,7 @@ def check_call(mesh, what: str, args: tuple, kwargs: dict) -> tuple[Pending | No
     process on a message of another size, and NCCL may hang or corrupt.
     """
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    known = bool(tensors) and all(getattr(t, "_optimus2d_agreed", None) == layout(mesh) for t in tensors)
+    known = len(tensors) > 0 and all(getattr(t, "_optimus2d_agreed", None) == layout(mesh) for t in tensors)
     if mesh.check == "off" or mesh.size == 1 or known:
         _refuse_input(what, tensors, mesh)
         return None, known or mesh.size == 1
@@ -322,11 +322,14 @@ def _gather(mesh, axis: str, t: torch.Tensor) -> torch.Tensor:
         device, group = torch.device("cpu"), mesh.check_group
     t = t.to(device)
     out = t.new_empty((n, t.numel()))
-    work = dist.all_gather_single(out.view(-1), t, group=group, async_op=True)
+    work = compat.all_gather_single(out.view(-1), t, group=group, async_op=True)
     if device.type == "cpu":
         watch.Watched(work, mesh, f"agreement of {axis}", mesh.timeout).wait()
     else:
         work.wait()
+    order = mesh.group_order(axis)  # row g is group rank g's: member order[g] (the check group's is the mesh's)
+    if order is not None:
+        out = out[[order.index(m) for m in range(n)]]
     return out.cpu()
 
 
@@ -335,7 +338,7 @@ def gather_world(t: torch.Tensor, timeout: float) -> torch.Tensor:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     src = t.to(device) if device is not None else t
     out = src.new_empty((dist.get_world_size(), t.numel()))
-    work = dist.all_gather_single(out.view(-1), src, async_op=True)
+    work = compat.all_gather_single(out.view(-1), src, async_op=True)
     if device is None:
         watch.wait(work.is_completed, None, "Mesh agreement over the default group", timeout)
     work.wait()

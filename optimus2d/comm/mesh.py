@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from optimus2d.comm import agreement, replicas, watch
+from optimus2d.comm import agreement, compat, replicas, watch
 
 AXES = ("row", "col", "depth")
 TRANSPORTS = ("auto", "torch", "mpi")
@@ -137,6 +137,7 @@ class Mesh:
         self._device_mesh = device_mesh
         self._groups: dict[str, dist.ProcessGroup | None] = {}
         self._members: dict[str, tuple[int, ...]] = {}
+        self._order: dict[str, tuple[int, ...]] = {}  # see group_order
         self.coord: tuple[int, int, int] | None = None
         if rank in self.ranks:
             n = self.ranks.index(rank)
@@ -189,10 +190,17 @@ class Mesh:
 
     def global_rank(self, axis: str, index: int) -> int:
         """Global rank of member ``index`` of this rank's ``axis`` group (a broadcast root)."""
-        group = self.group(axis)
-        if group is None:
+        if self.group(axis) is None:
             return self.rank
-        return dist.get_global_rank(group, index)
+        return self._members[_axis(axis)][index]
+
+    def group_order(self, axis: str) -> tuple[int, ...] | None:
+        """The member index of each group rank of this rank's ``axis`` group (the order in which
+        torch's all-gathers deliver and reduce-scatters split), or None where it is the mesh order:
+        always on torch >= 2.13, whose groups keep the mesh's order; on torch 2.11, which sorts a
+        group's ranks, wherever the mesh's ranks ascend along ``axis`` (``Mesh(q, d)``)."""
+        self._coord()
+        return self._order.get(_axis(axis))
 
     def _build_groups(self, transport: str, world: int) -> None:
         q, d = self.q, self.depth
@@ -216,15 +224,19 @@ class Mesh:
                 if len(members) == 1 or axis in given:
                     continue
                 # collective: every rank creates every group, in the same order; group ranks follow
-                # mesh order (not sorted), so roots and gathers follow the mesh. Never the default
-                # group: an operation abandoned on a failed mesh must not poison the world's.
-                group = dist.new_group(members, sort_ranks=False)
+                # mesh order where torch can (compat.new_group), and roots, gathers and scatters
+                # follow the mesh regardless (global_rank, group_order). Never the default group: an
+                # operation abandoned on a failed mesh must not poison the world's.
+                group = compat.new_group(members)
                 if self.rank in members:
                     self._groups[axis] = group
+        for axis, group in self._groups.items():
+            if group is not None and compat.group_ranks(group) != self._members[axis]:
+                self._order[axis] = tuple(self._members[axis].index(r) for r in compat.group_ranks(group))
         self.check_group = None  # NCCL meshes: a gloo group of the mesh for agreement's host words
         if self.backend == "nccl" and self.size > 1:  # (comm/agreement.py: no device sync to check shapes)
             for members in layouts["mesh"]:
-                group = dist.new_group(members, backend="gloo", sort_ranks=False)
+                group = compat.new_group(members, backend="gloo")
                 self.check_group = group if self.rank in members else self.check_group
         if transport != "torch" and self.size > 1:
             from optimus2d.comm import mpi
@@ -243,7 +255,8 @@ class Mesh:
                 self.mpi = mpi.MpiTransport(layouts, self, self.timeout)
 
     def members(self, axis: str) -> tuple[int, ...]:
-        """Global ranks of this rank's ``axis`` group, in group order."""
+        """Global ranks of this rank's ``axis`` group, in mesh order (member m has index m; on torch 2.11
+        its process group may order them otherwise, ``group_order``)."""
         self._coord()
         return self._members[_axis(axis)]
 

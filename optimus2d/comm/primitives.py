@@ -2,10 +2,11 @@
 
 A group of one rank sends nothing: the helpers return at once (async ones return a finished
 handle), so a 1-rank mesh is plain torch. Roots are given as an index within the axis group and
-turned into a global rank by the group itself (``Mesh.global_rank``). On a mesh whose transport
-is MPI (``comm/mpi.py``) the same calls go through its communicators; a reduction MPI cannot
-make (bf16, fp16, an op other than SUM and MAX) and a tensor not in CPU memory go through torch,
-the same choice on every rank.
+turned into a global rank by the mesh (``Mesh.global_rank``); gathers and scatters run in member
+order whatever order torch gave the group's ranks (``Mesh.group_order``, ``comm/compat.py``). On a
+mesh whose transport is MPI (``comm/mpi.py``) the same calls go through its communicators; a
+reduction MPI cannot make (bf16, fp16, an op other than SUM and MAX) and a tensor not in CPU
+memory go through torch, the same choice on every rank.
 
 Every wait on CPU is watched (``comm/watch.py``): bounded by the mesh's timeout, and ended at once
 by a peer's reported failure. On a mesh built with ``check="every"`` each collective first checks
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from optimus2d.comm import agreement, compiled, watch
+from optimus2d.comm import agreement, compat, compiled, watch
 from optimus2d.comm.counter import record
 from optimus2d.comm.mesh import Mesh
 
@@ -170,7 +171,7 @@ def all_gather(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor
         chunks[mesh.index(axis)].copy_(t)
         _exchange(mesh, axis, [t] * n, chunks)
     else:
-        _watched(dist.all_gather_single(out, t, group=group, async_op=True), mesh, f"all-gather over {axis}")
+        out = _gather_single(t, mesh, axis)
     return out.movedim(0, dim)
 
 
@@ -193,9 +194,7 @@ def reduce_scatter(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Te
             if member != me:
                 out += received[member]
     else:
-        out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
-        work = dist.reduce_scatter_single(out, t, group=group, async_op=True)
-        _watched(work, mesh, f"reduce-scatter over {axis}")
+        out = _scatter_single(t, mesh, axis)
     return out.movedim(0, dim)
 
 
@@ -311,10 +310,7 @@ class PartialSums:
         if not _direct(self.mesh):  # NCCL: one reduce-scatter of the partials in member order
             self.partials[self.me] = own
             stacked = torch.cat([self.partials[m] for m in range(self.mesh.axis_size(self.axis))])
-            out = torch.empty_like(own)
-            work = dist.reduce_scatter_single(out, stacked, group=self.group, async_op=True)
-            _watched(work, self.mesh, f"reduce-scatter over {self.axis}")
-            return out
+            return _scatter_single(stacked, self.mesh, self.axis).view_as(own)
         for handle in self._handles:
             handle.wait()
         for member in sorted(self.partials):
@@ -323,14 +319,34 @@ class PartialSums:
 
 
 def _gather_single(t: torch.Tensor, mesh: Mesh, axis: str) -> torch.Tensor:
+    """Every member's ``t`` (contiguous), concatenated along dim 0 in member order: one all-gather."""
     out = t.new_empty((mesh.axis_size(axis) * t.shape[0], *t.shape[1:]))
-    _watched(dist.all_gather_single(out, t, group=mesh.group(axis), async_op=True), mesh, f"all-gather over {axis}")
+    work = compat.all_gather_single(out, t, group=mesh.group(axis), async_op=True)
+    _watched(work, mesh, f"all-gather over {axis}")
+    order = mesh.group_order(axis)  # chunk g is group rank g's: member order[g]
+    if order is None:
+        return out
+    chunks = out.chunk(len(order))
+    return torch.cat([chunks[order.index(m)] for m in range(len(order))])
+
+
+def _scatter_single(t: torch.Tensor, mesh: Mesh, axis: str) -> torch.Tensor:
+    """The sum over the members of chunk ``mesh.index(axis)`` (along dim 0; chunks in member order)
+    of everyone's ``t`` (contiguous): one reduce-scatter."""
+    n, order = mesh.axis_size(axis), mesh.group_order(axis)
+    if order is not None:  # the collective splits in group rank order
+        chunks = t.chunk(n)
+        t = torch.cat([chunks[m] for m in order])
+    out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
+    work = compat.reduce_scatter_single(out, t, group=mesh.group(axis), async_op=True)
+    _watched(work, mesh, f"reduce-scatter over {axis}", pollable=False)  # gloo's, in torch 2.11, completes in wait()
     return out
 
 
 def _direct(mesh: Mesh) -> bool:
-    """Gloo's all_gather_single and reduce_scatter_single are slower than direct sends on CPU
-    (2 ranks, 4M B chunks: 7.4 ms and 41 ms against 3.3 ms for one exchange); NCCL's are not."""
+    """Gloo's all-gather and reduce-scatter (``compat.all_gather_single``, ...) are slower than
+    direct sends on CPU (2 ranks, 4M B chunks: 7.4 ms and 41 ms against 3.3 ms for one exchange);
+    NCCL's are not."""
     return mesh.backend == "gloo"
 
 
