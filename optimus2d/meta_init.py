@@ -76,6 +76,7 @@ class _Recorder(TorchFunctionMode):
         self.views: dict[int, tuple[str, object]] = {}  # id(view) → (key, its index in dim 0 or None)
         self.alive: list[torch.Tensor] = []
         self.depth = 0  # > 0 inside a call already noted: what it calls is not noted again
+        self.inits: set[tuple[int, str]] = set()  # the nn.init calls already noted
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -92,6 +93,17 @@ class _Recorder(TorchFunctionMode):
             if calls:
                 self.ops[key].extend((op, index, call) for op, call in calls)
             return func(*args, **kwargs)
+        writes = name.endswith("_") and not name.startswith("_")
+        frame = _init_frame() if writes else None  # a write inside torch.nn.init that did not dispatch
+        if frame is not None and (id(frame), key) not in self.inits:  # torch 2.11's orthogonal_: ops in nn.init
+            self.inits.add((id(frame), key))  # noted once, as the call it is (ids: a frame holds the tensor)
+            self.ops[key].extend((op, index, call) for op, call in _skipped_init_call(target, frame))
+        if frame is not None:
+            self.depth += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.depth -= 1
         if func is torch.Tensor.__getitem__ or name in ("detach", "__get__"):  # weight[i], weight.data
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and (index is None or name != "__getitem__"):
@@ -117,14 +129,22 @@ class _Recorder(TorchFunctionMode):
 _IS_META = torch.Tensor.is_meta  # the descriptor whose __get__ a meta check calls
 
 
-def _skipped_init_call(tensor: torch.Tensor) -> list[tuple[str, tuple]]:
-    """The ``torch.nn.init`` function (``trunc_normal_``, ``orthogonal_``, ...) that just asked whether
-    ``tensor`` is meta, to skip it: its call, read from its frame."""
+def _init_frame():
+    """The frame of the outermost ``torch.nn.init`` function running now (``trunc_normal_``, not
+    ``_no_grad_trunc_normal_``), or None."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__") != "torch.nn.init":
         frame = frame.f_back
     while frame is not None and frame.f_back is not None and frame.f_back.f_globals.get("__name__") == "torch.nn.init":
-        frame = frame.f_back  # the outermost: trunc_normal_, not _no_grad_trunc_normal_
+        frame = frame.f_back
+    return frame
+
+
+def _skipped_init_call(tensor: torch.Tensor, frame=None) -> list[tuple[str, tuple]]:
+    """The ``torch.nn.init`` function (``trunc_normal_``, ``orthogonal_``, ...) that just asked whether
+    ``tensor`` is meta, to skip it, or (torch 2.11) runs ops on it without dispatching as a whole:
+    its call, read from its frame."""
+    frame = frame or _init_frame()
     if frame is None:
         return []
     func = getattr(nn.init, frame.f_code.co_name, None)
