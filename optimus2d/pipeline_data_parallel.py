@@ -84,6 +84,10 @@ class LaneStage(PipelineStage):
       ``step()`` keeps them, so no gradient leaves the stage ("has gradients None and is expecting to
       send gradients"): preparing the backward marks them as a first ``step()`` would have.
 
+    And one gap stays: torch 2.11 sends back the gradient of every input a stage received, whether or
+    not it needs one (``_create_grad_send_info``), so a frozen stage's neighbour still sends its
+    features' gradient. The numbers are the same; the bytes a frozen encoder saves on 2.13 are sent.
+
     torch 2.13 warms the lane up by a vote per stage and re-prepares the stage on a switch between
     ``eval`` and ``step``; there the stage is torch's own.
     """
