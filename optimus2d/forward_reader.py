@@ -53,7 +53,9 @@ from optimus2d.forward_values import (
     Names,
     dim_is_last,
     is_minus_one,
+    last_dim_index,
     resolve,
+    shape_of,
     static_value,
     truth,
 )
@@ -94,6 +96,11 @@ def check_guards(module: nn.Module, args, kwargs=None) -> None:
                 f"{now if now is not UNKNOWN else 'unknown'}, so a branch nobody read would run. Set it before "
                 f"parallelize, or convert the model again"
             )
+
+
+def check_guards_after(module: nn.Module, args, output) -> None:
+    """A forward hook: the same, after the call (a child that changed a shared config's flag)."""
+    check_guards(module, args)
 
 
 def draw_per_shard(module: nn.Module, mesh) -> None:
@@ -142,12 +149,22 @@ def _read_method(module: nn.Module, name: str, children: set[str], reading: Read
             line = where.format(first + deco.lineno - 1)
             reading.problems.append(f"{line}: is decorated by {ast.unparse(target)}, whose wrapper is not read")
     live = list(_live(tree.body, module, reading, name))
-    env = Names(tree, module, fn, live)
+    env = Names(tree, module, fn, live, entry=name == "forward")
+    for size in _sizes_used_as_numbers(tree, env):
+        line = where.format(first + getattr(size, "lineno", 1) - 1)
+        reading.problems.append(f"{line}: uses the local size {size.id} as a number (its dim is split over the mesh)")
     for node in live:
         line = where.format(first + getattr(node, "lineno", 1) - 1)
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
             if not (env.clean(node.left) and env.clean(node.right)):
                 reading.problems.append(f"{line}: multiplies matrices (@)")
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            reading.problems.append(f"{line}: assigns {ast.unparse(node)} (state the reader does not follow)")
+        elif isinstance(node, ast.Attribute) and node.attr in ("T", "mT", "H", "mH") and not env.clean(node.value):
+            if not env.per_head(node.value):
+                reading.problems.append(f"{line}: moves the split last dim ({ast.unparse(node)[:60]})")
+        elif isinstance(node, ast.Assign) and _unpacks_last_size(node, env):
+            reading.problems.append(f"{line}: reads the split dim's size ({ast.unparse(node)[:60]})")
         elif isinstance(node, ast.Subscript):
             problem = _subscript_problem(node, env)
             if problem:
@@ -185,18 +202,86 @@ def _live(body: list[ast.stmt], module: nn.Module, reading: Reading, method: str
 
 
 def _subscript_problem(node: ast.Subscript, env: Names) -> str | None:
-    if env.clean(node.value) or env.per_head(node.value):
+    if env.clean(node.value):
         return None
+    if env.per_head(node.value):
+        return (
+            None if last_dim_index(node) else f"indexes a per-head tensor off its last dim ({ast.unparse(node)[:60]})"
+        )
     index = node.slice
     last = index.elts[-1] if isinstance(index, ast.Tuple) and index.elts else index
-    if isinstance(node.value, ast.Attribute) and node.value.attr == "shape" and is_minus_one(last):
-        return "reads the size of the last dim (.shape[-1])"
+    if shape_of(node.value):  # x.shape[k], x.size()[k]: only the batch and sequence sizes, or all but the last
+        return None if _leading_index(index) else f"reads a size that may be the split dim's ({ast.unparse(node)[:60]})"
+    if _rooted_at_self(node.value):  # self.layers[:n]: a child's slice, a config's entry
+        return None
+    if isinstance(node.value, ast.Name) and node.value.id in env.containers():  # causal_mask_mapping[kind]
+        return None
+    if isinstance(node.value, ast.Subscript) or (not isinstance(index, ast.Tuple) and not _plain_item(index)):
+        return f"indexes rows, which are split over the mesh ({ast.unparse(node)[:60]})"
     if isinstance(index, ast.Tuple) and isinstance(last, ast.Slice) and (last.lower or last.upper or last.step):
         return f"slices the last dim ({ast.unparse(node)})"
     whole = isinstance(last, ast.Slice) or (isinstance(last, ast.Constant) and last.value in (None, Ellipsis))
     if isinstance(index, ast.Tuple) and not whole:
         return f"indexes the last dim ({ast.unparse(node)[:60]})"
     return None
+
+
+def _unpacks_last_size(node: ast.Assign, env: Names) -> bool:
+    """``b, s, h = x.shape`` with ``h`` used: the split dim's local size taken for the whole."""
+    target, value = node.targets[0], node.value
+    if len(node.targets) != 1 or not isinstance(target, ast.Tuple) or not shape_of(value) or not target.elts:
+        return False
+    last = target.elts[-1]
+    base = value.value if isinstance(value, ast.Attribute) else value.func.value
+    if not isinstance(last, ast.Name) or last.id == "_" or env.clean(base) or env.per_head(base):
+        return False
+    return last.id in env.loaded
+
+
+@functools.cache
+def _own_methods(cls: type) -> frozenset[str]:
+    """Methods defined by ``cls`` and its bases up to ``nn.Module`` (not torch's own)."""
+    names = set()
+    for base in cls.__mro__:
+        if base in (nn.Module, object) or base.__module__.startswith("torch."):
+            continue
+        names.update(n for n, v in vars(base).items() if callable(v) and not n.startswith("__"))
+    return frozenset(names)
+
+
+def _not_over_rows(call: ast.Call, position: int = 0) -> bool:
+    """A reduction given an explicit dim (keyword ``dim`` or positional) that is not 0, the batch."""
+    dims = [k.value for k in call.keywords if k.arg == "dim"] or call.args[position : position + 1]
+    if not dims:
+        return False
+    value = _literal(dims[0])
+    return value is not None and value != 0
+
+
+def _attention_kernel(value: ast.expr | None) -> bool:
+    """``ALL_ATTENTION_FUNCTIONS.get_interface(...)``: Hugging Face's registry of attention kernels."""
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "get_interface"
+
+
+def _rooted_at_self(node: ast.expr) -> bool:
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _leading_index(index: ast.expr) -> bool:
+    """``[0]``, ``[1]``, ``[:-1]``, ``[:1]``, ``[:2]``: sizes before the last (of a 3-D activation)."""
+    if isinstance(index, ast.Constant):
+        return index.value in (0, 1)
+    if isinstance(index, ast.Slice) and index.lower is None and index.step is None:
+        upper = index.upper
+        return is_minus_one(upper) or (isinstance(upper, ast.Constant) and upper.value in (1, 2))
+    return False
+
+
+def _plain_item(index: ast.expr) -> bool:
+    """``out[0]``, ``outputs["logits"]``: an item of a tuple or dict (a literal key), not a slice."""
+    return isinstance(index, ast.Constant) and isinstance(index.value, (int, str))
 
 
 def _call_problem(node, module, children, fn, env: Names, reading: Reading, seen) -> str | None:
@@ -213,15 +298,24 @@ def _call_problem(node, module, children, fn, env: Names, reading: Reading, seen
                 _read_method(module, func.attr, children, reading, seen)
                 return None
             return f"calls self.{func.attr}(), which is neither a child nor a method"
+        if func.attr in _own_methods(cls):  # me = self; me.helper(x), type(self).helper(self, x): not read
+            return f"calls {ast.unparse(func)}(), a method of {cls.__name__} not called through self"
         resolved = resolve(func, fn)
         if resolved is not None and resolved is not UNKNOWN:
             return _function_problem(node, resolved, module, env, reading)
         if func.attr in MIXING_METHODS:
-            if env.clean(base) or (env.per_head(base) and dim_is_last(node)):
+            if env.clean(base) and (func.attr in ("any", "all") or _not_over_rows(node)):
+                return None  # a mask's own dims, not its rows (split over the mesh): cumsum(dim=1), sum(-1)
+            if env.per_head(base) and dim_is_last(node):
                 return None
             return f"calls .{func.attr}() ({ast.unparse(node)[:60]})"
-        if func.attr == "size" and node.args and is_minus_one(node.args[0]):
-            return None if env.clean(base) or env.per_head(base) else "reads the size of the last dim (.size(-1))"
+        if func.attr in ("size", "numel") and not (env.clean(base) or env.per_head(base)):
+            if func.attr == "size" and (not node.args or _leading_index(node.args[0])):
+                return None  # x.size() (its items are judged as x.shape's), x.size(0), x.size(1)
+            return f"reads a size that may be the split dim's ({ast.unparse(node)[:60]})"
+        if func.attr in ("transpose", "permute", "swapaxes", "movedim", "mT", "T") and not env.clean(base):
+            if not env.per_head(base):
+                return f"moves the split last dim ({ast.unparse(node)[:60]})"
         if func.attr in ("view", "reshape", "expand", "repeat", "new_empty", "new_zeros", "view_as"):
             return None if env.clean(base) else _reshape_problem(node, env)
         if func.attr == "flatten" and not env.clean(base):
@@ -232,8 +326,18 @@ def _call_problem(node, module, children, fn, env: Names, reading: Reading, seen
             return None
         return f"calls .{func.attr}(), not known to act on blocks ({ast.unparse(node)[:60]})"
     if isinstance(func, ast.Name):
-        if func.id in SAFE_NAMES or func.id in children:
+        if func.id in children:
             return None
+        if func.id in SAFE_NAMES and func.id not in env.bound:  # and what the name is: transformers' or a builtin
+            known = fn.__globals__.get(func.id, getattr(builtins, func.id, None))
+            if str(getattr(known, "__module__", "")).split(".")[0] in ("transformers", "builtins"):
+                return None
+        if (
+            func.id in SAFE_NAMES
+            and env.assigned.get(func.id)
+            and all(_attention_kernel(v) for v in env.assigned[func.id])
+        ):
+            return None  # attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(...): HF's kernels
         resolved = fn.__globals__.get(func.id, getattr(builtins, func.id, UNKNOWN))
         if resolved in SAFE_TORCH or resolved in DROPOUTS or resolved in TENSOR_FUNCTIONS:
             return _function_problem(node, resolved, module, env, reading)
@@ -254,9 +358,12 @@ def _function_problem(node: ast.Call, resolved, module, env: Names, reading: Rea
         p = [k.value for k in node.keywords if k.arg == "p"] or node.args[1:2]
         if not p or static_value(p[0], module) != 0:
             reading.draws = True
+        elif not isinstance(p[0], ast.Constant):  # 0 now: a guard, as a later non-zero p must draw per shard
+            zero = ast.Compare(p[0], [ast.Eq()], [ast.Constant(0)])
+            reading.guards.append((ast.unparse(zero), zero, True))
         return None
     tensors = [a for a in node.args if not isinstance(a, ast.Constant)]
-    if resolved in TENSOR_FUNCTIONS and tensors and env.clean(tensors[0]):
+    if resolved in TENSOR_FUNCTIONS and tensors and env.clean(tensors[0]) and _not_over_rows(node, 1):
         return None
     if resolved is torch.cat and node.args and isinstance(node.args[0], (ast.List, ast.Tuple)):
         parts = node.args[0].elts
@@ -265,12 +372,43 @@ def _function_problem(node: ast.Call, resolved, module, env: Names, reading: Rea
     return f"calls {ast.unparse(node.func)}"
 
 
+_SHAPED = frozenset("view reshape expand repeat unflatten new_empty new_zeros new_ones new_full".split())
+
+
+def _sizes_used_as_numbers(tree: ast.AST, env: Names) -> list[ast.Name]:
+    """Loads of ``b, s, _ = x.shape``'s names anywhere but as sizes of a reshape (``view(b, s, -1)``,
+    ``hidden_shape = (b, s, -1, d)``): ``y / b`` divides by this rank's share of the batch."""
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in env.leading_sizes):
+            continue
+        up = parents.get(node)
+        while isinstance(up, (ast.BinOp, ast.Tuple, ast.List, ast.Starred)):
+            up = parents.get(up)
+        call_ok = isinstance(up, ast.Call) and isinstance(up.func, ast.Attribute) and up.func.attr in _SHAPED
+        shape_ok = isinstance(up, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id in env.reshapes for t in up.targets
+        )
+        if not (call_ok or shape_ok):
+            found.append(node)
+    return found
+
+
+def _literal(node: ast.expr):
+    try:
+        value = ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError):
+        value = None  # ~0 is not a literal: unknown
+    return value if isinstance(value, int) else None
+
+
 def _flatten_problem(node: ast.Call, per_head: bool) -> str | None:
     """``flatten(start, end)`` keeps the split last dim apart unless its range reaches it (the end
     defaults to -1); ``flatten(-2)`` of a per-head tensor merges the local heads with their features."""
     args = {**dict(zip(("start_dim", "end_dim"), node.args, strict=False)), **{k.arg: k.value for k in node.keywords}}
     start, end = args.get("start_dim"), args.get("end_dim")
-    ends_early = end is not None and not is_minus_one(end) and isinstance(end, ast.UnaryOp)
+    ends_early = end is not None and _literal(end) not in (None, -1) and _literal(end) < 0
     heads = per_head and isinstance(start, ast.UnaryOp) and getattr(start.operand, "value", None) == 2
     if ends_early or heads or (start is not None and is_minus_one(start)):
         return None

@@ -33,6 +33,11 @@ ELEMENTWISE_METHODS = frozenset(
     "contiguous to float double half bfloat16 clone detach type_as mul add sub div neg exp tanh sigmoid relu pow "
     "sqrt rsqrt abs reciprocal clamp masked_fill".split()
 )
+SIZE_KEEPING = frozenset("softmax log_softmax cumsum cumprod flip".split())  # keep the dim's size
+SPLITTING = frozenset("chunk split unbind narrow".split())
+# Where a method's dim argument sits, when not first (``dims`` for roll and flip).
+DIM_POSITIONS = {"chunk": 1, "split": 1, "tensor_split": 1, "cat": 1, "roll": 1, "topk": 1, "take_along_dim": 1,
+                 "renorm": 1, "diff": 1, "unfold": 0}  # fmt: skip
 # Helpers that rotate within each head's features: per-head inputs give per-head outputs.
 ROTARY = frozenset({"apply_rotary_pos_emb"})
 HEAD_SIZES = frozenset("head_dim attention_head_size head_size d_head kv_channels".split())
@@ -132,23 +137,44 @@ class Names:
     self.layers``), no hidden dim (ids, masks and what is computed only from them), or whole heads
     on the last dim (a reshape into ``head_dim``)."""
 
-    def __init__(self, tree: ast.FunctionDef, module: nn.Module, fn, live: list[ast.AST]) -> None:
+    def __init__(self, tree: ast.FunctionDef, module: nn.Module, fn, live: list[ast.AST], entry: bool = True) -> None:
         """``live``: the nodes that may run (dead branches left out): only their assignments count."""
         self.module, self.fn = module, fn
+        # every name the code binds (a parameter, a local of any kind): never taken for a builtin
+        self._bound = {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)}
+        self._bound |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        self._unknown = set()  # bound to values the reader does not follow: match captures, nested defs' arguments
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.MatchAs, ast.MatchStar)) and n.name:
+                self._bound.add(n.name)
+                self._unknown.add(n.name)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and n is not tree:
+                self._unknown |= {a.arg for a in ast.walk(n.args) if isinstance(a, ast.arg)}
+        self.bound = self._bound
+
+        self.loaded = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        self.stored = {  # self.<attr> the forward assigns: what they hold is not followed
+            n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+        }
         params = {a.arg for a in [*tree.args.posonlyargs, *tree.args.args, *tree.args.kwonlyargs]}
         self.reshapes = _names_holding_minus_one(tree)
         self.children = _names_of_children(tree, set(module._modules))
         assigned: dict[str, list[ast.expr]] = {}
+        self.direct: dict[str, list[ast.expr]] = {}  # the same, without item assignments (name[key] = v)
         for node in live:
             targets, value = _assignment(node)
             for target in targets:
                 for name, part in _pairs(target, value):
                     assigned.setdefault(name, []).append(part)
+                    if not isinstance(target, ast.Subscript):  # mapping[key] = v fills a container
+                        self.direct.setdefault(name, []).append(part)
         self.assigned = assigned
         sizes = _leading_size_names(live).items()
         self.leading_sizes = {n: p for n, p in sizes if len(assigned.get(n, ())) == 1}
-        candidates = {n for n in assigned if n not in params or n in NO_HIDDEN_INPUTS}
-        self._clean = candidates | {p for p in params if p in NO_HIDDEN_INPUTS}
+        # the inputs' names are trusted in forward alone: a helper method is passed whatever its caller has
+        trusted = {p for p in params if p in NO_HIDDEN_INPUTS} if entry else set()
+        candidates = {n for n in assigned if n not in params or n in trusted}
+        self._clean = candidates | trusted
         self._heads = set(candidates)
         changed = True
         while changed:  # the greatest fixed point: a name is clean (or per head) when every value it is given is
@@ -161,6 +187,15 @@ class Names:
                 if name in self._heads and not all(v is not None and self.per_head(v) for v in values):
                     self._heads.discard(name)
                     changed = True
+
+    def containers(self) -> set[str]:
+        """Names given only dict, list or tuple displays (or clean values): their items, not rows."""
+        displays = (ast.Dict, ast.List, ast.Tuple, ast.DictComp, ast.ListComp)
+        return {
+            n
+            for n, vs in self.direct.items()
+            if vs and all(v is not None and (isinstance(v, displays) or self.clean(v)) for v in vs)
+        }
 
     def leading(self, sizes: list[ast.expr]) -> bool:
         """Do ``sizes``, before a final -1, keep every dim but the last apart? They are a spread of a
@@ -182,30 +217,35 @@ class Names:
     def clean(self, expr: ast.expr) -> bool:
         """Computed only from ids, masks, positions, constants and ``self``'s non-tensor attributes."""
         for node in ast.walk(expr):
+            if isinstance(node, ast.Name) and (node.id in self._unknown or node.id in self.stored):
+                return False
             if isinstance(node, ast.Name) and node.id not in self._clean and node.id != "self":
-                if node.id not in ("torch", "F", "nn", "math") and not hasattr(builtins, node.id):
+                free = node.id not in self._bound  # `input`, `max` as parameters or locals are not builtins
+                if not (free and (node.id in ("torch", "F", "nn", "math") or hasattr(builtins, node.id))):
                     return False
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
-                if node.attr in self.module._modules:
+                if node.attr in self.module._modules or node.attr in self.stored:
                     return False
         return True
 
     def per_head(self, expr: ast.expr) -> bool:
         """A tensor whose last dim holds one head's features, whole on every rank."""
         if isinstance(expr, ast.Name):
-            return expr.id in self._heads
+            return expr.id in self._heads and expr.id not in self._unknown
         if isinstance(expr, ast.Subscript):  # q[..., :rot], or one part of a per-head split
-            return self.per_head(expr.value)
+            return last_dim_index(expr) and self.per_head(expr.value)
         if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
             method, base, args = expr.func.attr, expr.func.value, expr.args
             if method in ("view", "reshape") and len(args) == 1 and isinstance(args[0], (ast.Name, ast.Starred)):
                 spread = args[0].value if isinstance(args[0], ast.Starred) else args[0]
                 args = self.reshapes.get(getattr(spread, "id", None), args)  # view(hidden_shape), view(*shape)
-            if method in ("view", "reshape") and args and _head_size(args[-1]):
-                return True
+            if method in ("view", "reshape") and args and _head_size(args[-1]):  # (*leading, -1, head_dim)
+                return len(args) >= 2 and is_minus_one(args[-2]) and self.leading(list(args[:-2]))
+            if method in MIXING_METHODS and method not in SIZE_KEEPING and method not in SPLITTING:
+                return False  # a reduction over head_dim leaves the heads on the last dim
             if method == "unflatten" and len(args) == 2 and isinstance(args[1], ast.Tuple) and args[1].elts:
                 return _head_size(args[1].elts[-1])
-            if method in ("chunk", "split", "unbind", "narrow") and dim_is_last(expr):
+            if method in SPLITTING and dim_is_last(expr):
                 return self.per_head(base)
             if method in ELEMENTWISE_METHODS or (method in MIXING_METHODS and dim_is_last(expr)):
                 return self.per_head(base)
@@ -213,6 +253,11 @@ class Names:
                 return self.per_head(base)
             if method == "update" and len(args) >= 2:  # a KV cache: keys and values, longer along the sequence
                 return all(self.per_head(a) for a in args[:2])
+        if _self_child(expr, self.module) is not None and expr.args and self.per_head(expr.args[0]):
+            child = _self_child(expr, self.module)  # Qwen3's q_norm: a norm over one head's features
+            weight = getattr(child, "weight", None)
+            head_dim = getattr(self.module, "head_dim", None)
+            return not list(child.children()) and weight is not None and tuple(weight.shape) == (head_dim,)
         if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id in ROTARY:
             return len(expr.args) >= 2 and all(self.per_head(a) for a in expr.args[:2])
         if isinstance(expr, ast.Call) and resolve(expr.func, self.fn) is torch.cat and expr.args:
@@ -239,7 +284,7 @@ def _negative(a: ast.expr) -> bool:
     return isinstance(a, ast.UnaryOp) and isinstance(a.op, ast.USub) and isinstance(a.operand, ast.Constant)
 
 
-def _shape_of(expr: ast.expr) -> bool:
+def shape_of(expr: ast.expr) -> bool:
     """``x.shape`` or ``x.size()``."""
     return (isinstance(expr, ast.Attribute) and expr.attr == "shape") or (
         isinstance(expr, ast.Call)
@@ -254,7 +299,7 @@ def _leading_size_names(live: list[ast.AST]) -> dict[str, tuple[int, int, int]]:
     name's (unpacking, position, number of targets), the last target (the hidden size) left out."""
     names = {}
     for node in live:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and _shape_of(node.value):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and shape_of(node.value):
             target = node.targets[0]
             if isinstance(target, ast.Tuple) and all(isinstance(t, ast.Name) for t in target.elts):
                 k = len(target.elts)
@@ -271,6 +316,23 @@ def _shape_but_last(expr: ast.expr) -> bool:
         isinstance(base, ast.Call) and isinstance(base.func, ast.Attribute) and base.func.attr == "size"
     )
     return shape and sl.lower is None and sl.step is None and sl.upper is not None and is_minus_one(sl.upper)
+
+
+def _self_child(expr: ast.expr, module: nn.Module):
+    """The child ``self.<name>(...)`` calls, or None."""
+    if not (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute)):
+        return None
+    base = expr.func.value
+    if isinstance(base, ast.Name) and base.id == "self":
+        return module._modules.get(expr.func.attr)
+    return None
+
+
+def last_dim_index(node: ast.Subscript) -> bool:
+    """``t[..., i]`` or ``t[..., a:b]``: an index of the last dim alone (HF's ``q[..., :rot]``)."""
+    index = node.slice
+    elts = index.elts if isinstance(index, ast.Tuple) else [index]
+    return len(elts) == 2 and isinstance(elts[0], ast.Constant) and elts[0].value is Ellipsis
 
 
 def _pairs(target: ast.expr, value: ast.expr | None):
@@ -305,12 +367,13 @@ def _head_size(expr: ast.expr) -> bool:
 
 
 def dim_is_last(call: ast.Call, position: int | None = None) -> bool:
-    """The call's ``dim`` (keyword, or positional: second for ``chunk``/``split``/``torch.cat``,
-    first for the others) is -1."""
+    """The call's ``dim`` (keyword ``dim``/``dims``/``dimension``, or positional: see
+    ``DIM_POSITIONS``, first for the others) is -1."""
+    method = call.func.attr if isinstance(call.func, ast.Attribute) else ""
     if position is None:
-        method = call.func.attr if isinstance(call.func, ast.Attribute) else ""
-        position = 1 if method in ("chunk", "split", "tensor_split", "cat") else 0
-    dims = [k.value for k in call.keywords if k.arg == "dim"] or call.args[position : position + 1]
+        position = DIM_POSITIONS.get(method, 0)
+    names = ("dim", "dims", "dimension")
+    dims = [k.value for k in call.keywords if k.arg in names] or call.args[position : position + 1]
     return bool(dims) and is_minus_one(dims[0])
 
 
@@ -330,19 +393,33 @@ def _names_holding_minus_one(tree: ast.AST) -> dict[str, list[ast.expr]]:
 
 def _names_of_children(tree: ast.AST, children: set[str]) -> set[str]:
     """Local names bound to a child or a safe function: ``for layer in self.layers[:n]``,
-    ``mask_function = create_causal_mask if ... else create_sliding_window_causal_mask``."""
+    ``mask_function = create_causal_mask if ... else create_sliding_window_causal_mask``. Every
+    candidate must be one (``for f in (self.proj, centre)`` binds no child)."""
 
-    def safe(expr: ast.AST) -> bool:
-        refs = [n for n in ast.walk(expr) if isinstance(n, (ast.Name, ast.Attribute))]
-        children_used = any(isinstance(n, ast.Attribute) and n.attr in children for n in refs)
-        names = {n.id for n in refs if isinstance(n, ast.Name)} - {"self"}
-        return children_used or (bool(names) and names <= SAFE_NAMES | {"config"})
+    def child(expr: ast.AST) -> bool:  # self.layers, self.layers[:n], self.layers.values(), enumerate(...)
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "enumerate":
+            expr = expr.args[0] if len(expr.args) == 1 else None
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and expr.func.attr in ("values",):
+            expr = expr.func.value
+        while isinstance(expr, ast.Subscript):
+            expr = expr.value
+        return (
+            isinstance(expr, ast.Attribute)
+            and isinstance(expr.value, ast.Name)
+            and expr.value.id == "self"
+            and (expr.attr in children)
+        )
+
+    def function(expr: ast.AST) -> bool:
+        if isinstance(expr, ast.IfExp):
+            return function(expr.body) and function(expr.orelse)
+        return (isinstance(expr, ast.Name) and expr.id in SAFE_NAMES) or child(expr)
 
     names = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.For) and safe(node.iter):
+        if isinstance(node, ast.For) and child(node.iter):
             names.update(n.id for n in ast.walk(node.target) if isinstance(n, ast.Name))
-        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.IfExp) and safe(node.value):
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.IfExp) and function(node.value):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
     return names
 

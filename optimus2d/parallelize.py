@@ -443,6 +443,7 @@ class _KeepAsRead:
         if self.reading.guards:
             module._optimus2d_guards = self.reading.guards
             module.register_forward_pre_hook(forward_reader.check_guards)
+            module.register_forward_hook(forward_reader.check_guards_after)  # a flag the forward itself changed
         if self.reading.draws:
             forward_reader.draw_per_shard(module, mesh)
         return module

@@ -158,8 +158,8 @@ def test_dropout_that_may_draw_draws_a_mask_per_shard(mesh):
 
 
 def _module(forward):
-    """A container with one Linear child whose forward is ``forward(self, x)``."""
-    cls = type(forward.__name__.title(), (nn.Module,), {"forward": forward})
+    """A container with one Linear child whose forward is ``forward(self, x)``, and a ``helper``."""
+    cls = type(forward.__name__.title(), (nn.Module,), {"forward": forward, "helper": lambda self, y: centre(y)})
     module = cls()
     module.proj = nn.Linear(E, E)
     return module
@@ -194,6 +194,65 @@ def _parts_view(self, x):  # Moshi's gate/up MLP: a literal size cuts the split 
     return (y[..., 0, :] * y[..., 1, :]).repeat(1, 1, 2)
 
 
+def _input_named_like_a_builtin(self, input):  # `input` is a parameter here, not the builtin
+    return self.proj(input - input.mean(-1, keepdim=True))
+
+
+def _unpacked_hidden_size(self, x):
+    _b, _s, h = x.shape
+    return self.proj(x) / h
+
+
+def _size_of_dim_two(self, x):
+    return self.proj(x) * x.size(2)
+
+
+def _numel(self, x):
+    y = self.proj(x)
+    return y / y.numel()
+
+
+def _batch_row(self, x):  # rows are split over the mesh too
+    y = self.proj(x)
+    return y + y[:1]
+
+
+def _batch_as_number(self, x):
+    b, _s, _ = x.shape
+    return self.proj(x) / b
+
+
+def _stashed_on_self(self, x):
+    self.cache = self.proj(x)
+    return self.cache.softmax(-1)
+
+
+def _transposed_reshape(self, x):
+    b, s, _ = x.shape
+    return self.proj(x).transpose(1, 2).reshape(b, s, -1)
+
+
+def _loop_over_functions(self, x):
+    for f in (self.proj, centre):
+        x = f(x)
+    return x
+
+
+def _method_through_an_alias(self, x):
+    me = self
+    return me.helper(self.proj(x))
+
+
+def _reduced_head(self, x):
+    b, s, _ = x.shape
+    q = self.proj(x).view(b, s, -1, 2)
+    return q * q.mean(-1).softmax(-1).unsqueeze(-1)
+
+
+def _mask_total(self, x, attention_mask=None):
+    return self.proj(x) / attention_mask.sum()
+
+
 def _flattened(self, x):
     return self.proj(x).flatten(1).view_as(x)
 
@@ -221,8 +280,41 @@ def _live_branch(self, x):
         (_flattened, "flattens the split last dim with another"),
         (_indexed, "slices the last dim"),
         (_live_branch, "calls F.normalize"),
+        (_input_named_like_a_builtin, ".mean()"),
+        (_unpacked_hidden_size, "reads the split dim's size"),
+        (_size_of_dim_two, "reads a size that may be the split dim's"),
+        (_numel, "reads a size that may be the split dim's"),
+        (_batch_row, "indexes rows"),
+        (_batch_as_number, "uses the local size b as a number"),
+        (_stashed_on_self, "assigns self.cache"),
+        (_transposed_reshape, "moves the split last dim"),
+        (_loop_over_functions, "calls f(), not known to act on blocks"),
+        (_method_through_an_alias, "not called through self"),
+        (_reduced_head, ".softmax()"),
+        (_mask_total, ".sum()"),
     ],
-    ids=["method", "function", "helper", "view", "parts-view", "flatten", "index", "live-branch"],
+    ids=[
+        "method",
+        "function",
+        "helper",
+        "view",
+        "parts-view",
+        "flatten",
+        "index",
+        "live-branch",
+        "builtin-name",
+        "unpacked-size",
+        "size-2",
+        "numel",
+        "batch-row",
+        "batch-number",
+        "stash",
+        "transpose",
+        "loop",
+        "alias",
+        "reduced-head",
+        "mask-total",
+    ],
 )
 def test_a_forward_that_mixes_the_split_dim_is_refused_however_written(mesh, forward, named):
     model = nn.Sequential(nn.Linear(E, E), _module(forward))
