@@ -29,7 +29,7 @@ def shared(world):
 
 
 def _gpt2(meta: bool = False):
-    config = transformers.GPT2Config(vocab_size=97, n_positions=16, n_embd=24, n_layer=1, n_head=2)
+    config = transformers.GPT2Config(vocab_size=97, n_positions=16, n_embd=24, n_layer=1, n_head=6)  # q = 1, 2, 3
     torch.manual_seed(0)
     with torch.device("meta" if meta else "cpu"):
         return transformers.GPT2LMHeadModel(config)
