@@ -84,6 +84,10 @@ class LaneStage(PipelineStage):
       ``step()`` keeps them, so no gradient leaves the stage ("has gradients None and is expecting to
       send gradients"): preparing the backward marks them as a first ``step()`` would have.
 
+    * torch 2.11 checks a stage's outputs against the strides of the shapes it declared: a block
+      sliced or redistributed on its way out (LLaVA's features without the class token) is made
+      contiguous, as it would be to be sent.
+
     And one gap stays: torch 2.11 sends back the gradient of every input a stage received, whether or
     not it needs one (``_create_grad_send_info``), so a frozen stage's neighbour still sends its
     features' gradient. The numbers are the same; the bytes a frozen encoder saves on 2.13 are sent.
@@ -93,6 +97,12 @@ class LaneStage(PipelineStage):
     """
 
     if compat.OLD_PIPELINES:
+
+        def forward_maybe_with_nosync(self, *args, **kwargs):
+            out = super().forward_maybe_with_nosync(*args, **kwargs)  # 2.11 checks the declared strides
+            if isinstance(out, torch.Tensor):
+                return _dense(out)
+            return type(out)(_dense(o) if isinstance(o, torch.Tensor) else o for o in out)
 
         def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
             me = dist.get_rank(self.group)
@@ -105,6 +115,13 @@ class LaneStage(PipelineStage):
                     if isinstance(buffer, torch.Tensor) and buffer.is_floating_point():
                         buffer.requires_grad_(True)
             return super()._prepare_backward_infra(num_microbatches)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the strides of a new tensor of its shape (``contiguous()`` keeps a slice's strides
+    where a dim has size 1, and torch 2.11 compares them)."""
+    dense = torch.empty(t.shape, device="meta").stride()
+    return t if t.stride() == dense else t.clone(memory_format=torch.contiguous_format)
 
 
 class DataParallelStage(LaneStage):

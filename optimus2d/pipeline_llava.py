@@ -66,8 +66,7 @@ class LlavaEncoderStage(nn.Module):
             x = tower.pre_layrnorm(tower.embeddings(x))
         for layer in tower.encoder.layers.values():
             x = layer(x, None)
-        # contiguous: torch 2.11's stages check an output's strides against the shape they declared
-        return x[:, 1:].contiguous() if self.drop_class_token else x
+        return x[:, 1:] if self.drop_class_token else x
 
 
 class LlavaTextStage(nn.Module):
