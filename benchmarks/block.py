@@ -5,7 +5,7 @@
 The same measurements as ``mlp``. The 1D peers run ``tp_block.TPBlock`` (the same weights with
 q, k, v as separate Linears, which DTensor's plans can split by heads) under Megatron's plan, with
 and without sequence parallelism; elements sent are checked against
-``optimus2d.plan.transformer_layer_elements``.
+``optimus2d.cost.planner.transformer_layer_elements``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from torch import nn
 import optimus2d
 from benchmarks import compare, peers
 from benchmarks.tp_block import TPBlock, block_plan
-from optimus2d.memory import saved_activation_bytes
-from optimus2d.plan import Layer, transformer_layer_elements
+from optimus2d.cost.memory import saved_activation_bytes
+from optimus2d.cost.planner import Layer, transformer_layer_elements
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

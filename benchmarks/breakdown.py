@@ -87,9 +87,9 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     x_2d, grad_2d = optimus2d.scatter(x, mesh), optimus2d.scatter(grad, mesh)
 
     def optimus_step(on: optimus2d.Mesh, recompute: bool = True):
-        model = optimus2d.MLP2D.from_serial(copy.deepcopy(serial), mesh, recompute_activation=recompute)
+        model = optimus2d.layers.MLP2D.from_serial(copy.deepcopy(serial), mesh, recompute_activation=recompute)
         for layer in model.modules():
-            if isinstance(layer, optimus2d.Linear2D):
+            if isinstance(layer, optimus2d.layers.Linear2D):
                 layer.algorithm, layer.mesh = "summa", on
         return lambda: model(x_2d).backward(grad_2d)
 

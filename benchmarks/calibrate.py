@@ -6,7 +6,7 @@
    in the figures): the compute rate of one rank on its share of the MLP, the bandwidth of an
    exchange of 4 MiB with another rank, and the latency of a wait for a partner between two
    pieces of work (what a sync point costs when ranks share cores).
-2. Builds ``optimus2d.plan.Hardware`` from them and predicts the fwd+bwd time of MLPs under
+2. Builds ``optimus2d.cost.planner.Hardware`` from them and predicts the fwd+bwd time of MLPs under
    optimus2d (as it chooses, and SUMMA only) and Megatron 1D (compute + communication, no overlap).
 3. Measures the same MLPs (``benchmarks.compare``, interleaved rounds) and prints predicted against
    measured; the issue asks for |predicted / measured − 1| ≤ 25 %.
@@ -24,7 +24,7 @@ from torch import nn
 
 import optimus2d
 from benchmarks import compare, peers
-from optimus2d.plan import Hardware, comm_time, mlp_comm, mlp_flops
+from optimus2d.cost.planner import Hardware, comm_time, mlp_comm, mlp_flops
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -53,7 +53,7 @@ def _llama_peer(level: str, serial: nn.Module, mesh: optimus2d.Mesh, ids: torch.
 
 def _peer(level: str, serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: torch.Tensor) -> Peer:
     checked = optimus2d.Mesh(mesh.q, mesh.depth, transport=mesh.transport, check=level)
-    model = optimus2d.MLP2D.from_serial(copy.deepcopy(serial), checked)
+    model = optimus2d.layers.MLP2D.from_serial(copy.deepcopy(serial), checked)
     grad_local = optimus2d.scatter(grad, checked, check=False)
     return Peer(
         f"check={level}",

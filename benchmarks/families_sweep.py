@@ -25,7 +25,7 @@ Its category:
 
 Every decision is taken on all ranks alike: after each step the ranks agree on a flag (a
 non-blocking MPI allreduce, polled); a rank that failed while its peers may wait in a mesh
-collective reports the failure on the mesh (``optimus2d.report_failure``), so they raise instead
+collective reports the failure on the mesh (``optimus2d.faults.report_failure``), so they raise instead
 of hanging, and the next family gets a fresh mesh.
 """
 
@@ -260,7 +260,7 @@ class Agreement:
             if failed and not reported and waited > grace and mesh is not None:
                 import optimus2d
 
-                optimus2d.report_failure(error or "failed")  # the peers' mesh waits raise PeerFailedError
+                optimus2d.faults.report_failure(error or "failed")  # the peers' mesh waits raise PeerFailedError
                 reported = True
             if waited > limit:
                 raise SystemExit(f"rank {self.comm.Get_rank()}: the ranks did not agree within {limit} s")
@@ -300,7 +300,7 @@ _REFUSED_LINE = re.compile(r"^\s+(.+?) \(([\w.]+)\): (.*)$")
 
 def refusal_info(message: str, serial) -> tuple[list[str], list[str], list[str]]:
     """(module classes named, paths, every problem pattern) of a parallelize refusal. The patterns
-    come from ``optimus2d.forward_problems`` of each named module (not only the 4 the message shows)."""
+    come from ``optimus2d.convert.forward_problems`` of each named module (not only the 4 the message shows)."""
     import optimus2d
 
     classes, paths, patterns = [], [], []
@@ -316,7 +316,7 @@ def refusal_info(message: str, serial) -> tuple[list[str], list[str], list[str]]
         if why.startswith("its forward"):
             try:
                 module = serial if path == "the model itself" else serial.get_submodule(path)
-                problems = list(optimus2d.forward_problems(module))
+                problems = list(optimus2d.convert.forward_problems(module))
             except Exception:
                 problems = []
             if not problems:

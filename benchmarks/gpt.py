@@ -72,7 +72,7 @@ def step_flops(args: argparse.Namespace) -> float:
     """Matmul flops of a training step's fwd+bwd: every layer (``Layer.flops``, with LLaMA's third
     feed-forward matrix, the gate), then the head over the vocabulary; attention counted whole,
     as MFU figures count it, though a causal kernel skips half."""
-    from optimus2d.plan import Layer
+    from optimus2d.cost.planner import Layer
 
     rows, h = args.batch * args.seq, args.hidden
     gate = 6.0 * rows * h * 4 * h if args.model == "llama" else 0.0

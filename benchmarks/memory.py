@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import optimus2d
-from optimus2d.memory import saved_activation_bytes
+from optimus2d.cost.memory import saved_activation_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,10 +29,13 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         h, args.heads, 4 * h, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
     )
     models = {  # name: (serial, its optimus2d twin)
-        "linear h→4h": (nn.Linear(h, 4 * h), optimus2d.Linear2D.from_serial),
-        "mlp h→4h→h": (mlp, optimus2d.MLP2D.from_serial),
-        "mlp, act. kept": (mlp, lambda m, mesh: optimus2d.MLP2D.from_serial(m, mesh, recompute_activation=False)),
-        "transformer block": (block, optimus2d.TransformerBlock2D.from_serial),
+        "linear h→4h": (nn.Linear(h, 4 * h), optimus2d.layers.Linear2D.from_serial),
+        "mlp h→4h→h": (mlp, optimus2d.layers.MLP2D.from_serial),
+        "mlp, act. kept": (
+            mlp,
+            lambda m, mesh: optimus2d.layers.MLP2D.from_serial(m, mesh, recompute_activation=False),
+        ),
+        "transformer block": (block, optimus2d.layers.TransformerBlock2D.from_serial),
     }
     x = torch.randn(args.batch, args.seq, h, device=mesh.device, requires_grad=True)
     rows = []

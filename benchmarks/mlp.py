@@ -19,7 +19,7 @@ from torch import nn
 import optimus2d
 from benchmarks import compare, external, peers
 from optimus2d.cost import mlp_1d_elements, mlp_2d_elements
-from optimus2d.memory import saved_activation_bytes
+from optimus2d.cost.memory import saved_activation_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     with torch.no_grad():
         reference = serial(x)
     grad = torch.randn_like(reference)
-    build = optimus2d.parallelize if args.linear else optimus2d.MLP2D.from_serial  # the layer an MLP user takes
+    build = optimus2d.parallelize if args.linear else optimus2d.layers.MLP2D.from_serial  # the layer an MLP user takes
     group = peers.optimus_twins(serial, mesh, x, grad, build)
     ours = group[0]
     if p > 1:

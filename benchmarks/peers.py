@@ -39,7 +39,7 @@ def optimus_twins(
     if mesh.q > 1:
         summa = build(copy.deepcopy(serial), mesh)
         for layer in summa.modules():
-            if isinstance(layer, optimus2d.Linear2D):
+            if isinstance(layer, optimus2d.layers.Linear2D):
                 layer.algorithm = "summa"
         peers.append(optimus(f"{name} SUMMA", summa, mesh, x, grad))
     other = other_transport(mesh)

@@ -13,7 +13,7 @@ and the measured makespan and bubble fraction (1 − Σ busy / (ranks × makespa
 
 The model is a frozen encoder of 6 layers (forward, input and weight gradient ``--enc-ms`` each)
 then a trained LM of 8 layers (``--lm-ms`` each), cut into stages by equal layer counts (naive)
-and by ``optimus2d.pipeline_partition.partition`` (frozen-aware: a frozen prefix costs its forward
+and by ``optimus2d.pipeline.partition.partition`` (frozen-aware: a frozen prefix costs its forward
 alone): per stage, the predicted and the measured seconds, and the step they make. First, the
 encoder in the LLM's bubbles (``optimus2d.pipeline_bubbles``): the LLM under 1F1B and
 Interleaved1F1B, the encoder's split over the ranks and its lead chosen by ``plan_bubbles`` from
@@ -33,9 +33,9 @@ from torch.distributed import pipelining as pp
 
 import optimus2d
 from optimus2d.pipeline import pipeline_stage, stage_meshes
-from optimus2d.pipeline_bubbles import LLM_SCHEDULES, ScheduleEncoderInBubbles, encoder_stage, llm_stages, plan_bubbles
-from optimus2d.pipeline_partition import LayerCost, equal_layers, partition, stage_costs
-from optimus2d.pipeline_simulator import schedule_order, simulate, stage_to_rank
+from optimus2d.pipeline.bubbles import LLM_SCHEDULES, ScheduleEncoderInBubbles, encoder_stage, llm_stages, plan_bubbles
+from optimus2d.pipeline.partition import LayerCost, equal_layers, partition, stage_costs
+from optimus2d.pipeline.simulator import schedule_order, simulate, stage_to_rank
 
 SCHEDULES = {"GPipe": (pp.ScheduleGPipe, 1), "1F1B": (pp.Schedule1F1B, 1)}
 SCHEDULES.update({"Interleaved1F1B": (pp.ScheduleInterleaved1F1B, 2), "LoopedBFS": (pp.ScheduleLoopedBFS, 2)})

@@ -1,4 +1,4 @@
-"""Projection from the cost model (optimus2d.plan): which layout wins as devices grow.
+"""Projection from the cost model (optimus2d.cost.planner): which layout wins as devices grow.
 
     python -m benchmarks plan               # a model, not a measurement; runs in one process
 
@@ -14,7 +14,7 @@ import argparse
 import math
 
 import optimus2d
-from optimus2d.plan import Hardware, Layer, efficiency, isoefficiency_hidden, step_time
+from optimus2d.cost.planner import Hardware, Layer, efficiency, isoefficiency_hidden, step_time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

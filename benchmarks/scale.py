@@ -3,7 +3,7 @@
     python -m benchmarks scale                    # GPT-3 175B and LLaMA 70B on 64, 512, 4096 devices
     python -m benchmarks scale --inter-gbps 50    # faster links between nodes
 
-For each model and device count: the fastest layout of ``optimus2d.plan.scale`` that fits the
+For each model and device count: the fastest layout of ``optimus2d.cost.scale`` that fits the
 device memory, the fastest Megatron-style TP8 (1D+SP) × PP × DP, their ratio, and the fastest of
 each tensor-parallel kind, with the pipeline bubble (1F1B) and the memory per device.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 import optimus2d
-from optimus2d.plan.scale import GPT3_175B, LLAMA_70B, Cluster, best, layouts, step
+from optimus2d.cost.scale import GPT3_175B, LLAMA_70B, Cluster, best, layouts, step
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ timed in interleaved rounds (``benchmarks/compare.py``).
 
 Reported per peer: the median fwd+bwd step (and its ratio to the first peer), the bytes a rank
 sends in one step (``count_comm``), the bytes autograd keeps and the parameter bytes; and
-``optimus2d.plan.propose_layouts``'s predicted step time for the same layouts on hardware
+``optimus2d.cost.planner.propose_layouts``'s predicted step time for the same layouts on hardware
 calibrated in this run (``benchmarks/calibrate.py``), its pick under ``--cap-mib`` and whether the
 measured best agrees. Parameters, their gradients and two AdamW moments of the trained modules
 count against the cap (16 bytes a trained parameter, 4 a frozen one, plus what autograd keeps).
@@ -34,7 +34,7 @@ from torch import nn
 import optimus2d
 from benchmarks import calibrate, compare
 from benchmarks.compare import Peer
-from optimus2d.plan import Layer, Part, propose_layouts
+from optimus2d.cost.planner import Layer, Part, propose_layouts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

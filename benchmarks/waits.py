@@ -66,9 +66,9 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     x_2d, grad_2d = optimus2d.scatter(x, mesh), optimus2d.scatter(torch.randn_like(x), mesh)
 
     def step(algorithm: str):
-        model = optimus2d.MLP2D.from_serial(copy.deepcopy(serial), mesh)
+        model = optimus2d.layers.MLP2D.from_serial(copy.deepcopy(serial), mesh)
         for layer in model.modules():
-            if isinstance(layer, optimus2d.Linear2D):
+            if isinstance(layer, optimus2d.layers.Linear2D):
                 layer.algorithm = algorithm
         return lambda: model(x_2d).backward(grad_2d)
 

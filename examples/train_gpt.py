@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed import pipelining as pp
 
 import optimus2d
-from optimus2d import Embedding2D, LayerNorm2D, TransformerBlock2D
+from optimus2d.layers import Embedding2D, LayerNorm2D, TransformerBlock2D
 from optimus2d.pipeline import SCHEDULES, StageMesh, pipeline_stage, stage_meshes
 
 

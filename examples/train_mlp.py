@@ -41,7 +41,9 @@ def serial_mlp(cfg: Config) -> nn.Sequential:
 
 
 def parallel_mlp(serial: nn.Sequential, mesh: optimus2d.Mesh) -> nn.Sequential:
-    return nn.Sequential(*(optimus2d.Linear2D.from_serial(m, mesh) if isinstance(m, nn.Linear) else m for m in serial))
+    return nn.Sequential(
+        *(optimus2d.layers.Linear2D.from_serial(m, mesh) if isinstance(m, nn.Linear) else m for m in serial)
+    )
 
 
 def main() -> None:

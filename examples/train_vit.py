@@ -21,9 +21,8 @@ from einops import rearrange
 from torch import nn
 
 import optimus2d
-from optimus2d import LayerNorm2D, Linear2D, TransformerBlock2D
 from optimus2d.comm import Sharding, reduce_grad
-from optimus2d.layers import ShardedModule, fill_from_serial
+from optimus2d.layers import LayerNorm2D, Linear2D, ShardedModule, TransformerBlock2D, fill_from_serial
 
 
 @dataclass

@@ -1,66 +1,54 @@
 """optimus2d: 2D (Optimus) and 2.5D (Tesseract) tensor parallelism for PyTorch.
 
 Parameters *and* activations are split over a q×q mesh of ranks (``depth`` of them stacked for
-2.5D); matrix products run as SUMMA. See docs/DESIGN.md for which block every rank holds.
+2.5D); matrix products run as SUMMA. See docs/DESIGN.md for which block every rank holds, and
+docs/ARCHITECTURE.md for where each part lives:
+
+    comm/        the Mesh, collectives, SUMMA, redistribution, agreement between ranks
+    layers/      the sharded modules (Linear2D, Embedding2D, norms, attention, the loss)
+    convert/     parallelize, the converter registry, the forward judge, per-module layouts
+    families/    converters for Hugging Face and timm models
+    checkpoint/  save/load on any mesh, the serial view, Hugging Face safetensors
+    pipeline/    stages, torch's schedules, data-parallel copies, bubbles, stage models
+    cost/        the cost model: bytes, memory, step time, layout proposals
+
+The top holds what a training script writes; converter authors use ``optimus2d.convert``; fault
+handling is ``optimus2d.faults``.
 """
 
-from optimus2d import blockwise, checkpoint
-from optimus2d.blockwise import as_norm, forward_problems
+from optimus2d import _deprecated, checkpoint, comm, convert, cost, families, faults, layers, pipeline
+from optimus2d.checkpoint import load_pretrained, load_serial_state_dict, save_pretrained, serial_state_dict
 from optimus2d.comm import Mesh, count_comm, gather, redistribute, scatter, scatter_batch
-from optimus2d.comm.watch import PeerFailedError
-from optimus2d.launch import World, init, report_failure, shutdown
-from optimus2d.layers import (
-    MLP2D,
-    Dropout2D,
-    Embedding2D,
-    LayerNorm2D,
-    Linear2D,
-    MultiheadAttention2D,
-    RMSNorm2D,
-    TransformerBlock2D,
-    cross_entropy,
-)
-from optimus2d.meta_init import materialize
-from optimus2d.parallelize import convert_children, keep, parallelize, register_converter, register_recogniser
-from optimus2d.pretrained import load_pretrained, save_pretrained
-from optimus2d.random import shard_rng
-from optimus2d.serial import load_serial_state_dict, serial_state_dict
+from optimus2d.comm.rng import shard_rng
+from optimus2d.convert import materialize, parallelize
+from optimus2d.launch import World, init, shutdown
+from optimus2d.layers import cross_entropy
 from optimus2d.training import clip_grad_norm_
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "MLP2D",
-    "Dropout2D",
-    "Embedding2D",
-    "LayerNorm2D",
-    "Linear2D",
     "Mesh",
-    "MultiheadAttention2D",
-    "PeerFailedError",
-    "RMSNorm2D",
-    "TransformerBlock2D",
     "World",
     "__version__",
-    "as_norm",
-    "blockwise",
     "checkpoint",
     "clip_grad_norm_",
-    "convert_children",
+    "comm",
+    "convert",
+    "cost",
     "count_comm",
     "cross_entropy",
-    "forward_problems",
+    "families",
+    "faults",
     "gather",
     "init",
-    "keep",
+    "layers",
     "load_pretrained",
     "load_serial_state_dict",
     "materialize",
     "parallelize",
+    "pipeline",
     "redistribute",
-    "register_converter",
-    "register_recogniser",
-    "report_failure",
     "save_pretrained",
     "scatter",
     "scatter_batch",
@@ -68,3 +56,9 @@ __all__ = [
     "shard_rng",
     "shutdown",
 ]
+
+_deprecated.install()
+
+
+def __getattr__(name: str):  # the names of release 0.1 that left the top: optimus2d.Linear2D, ...
+    return _deprecated.top_attribute(name)

@@ -14,7 +14,7 @@ Backend NCCL when CUDA is available (device set from the local rank), gloo other
 collective gets a finite timeout, so a lost peer raises an error instead of hanging.
 
 Errors end the job. An exception that ends a process is reported to its peers
-(``report_failure``, through the store: ``comm/watch.py``), whose waits then raise
+(``optimus2d.faults.report_failure``, through the store: ``comm/watch.py``), whose waits then raise
 ``PeerFailedError`` naming this rank and its error within a fraction of a second instead of
 waiting out the timeout; and such a process exits at once with status 1, without waiting for
 peers at exit or tearing down operations that will never finish (``os._exit``).
@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from optimus2d import faults
+from optimus2d._deprecated import moved_attribute
 from optimus2d.comm import watch
 
 DEFAULT_TIMEOUT_S = watch.DEFAULT_TIMEOUT_S
@@ -95,22 +97,6 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         _note_crashes()
     _owned = True
     return _world(rank, size, local, backend, launcher)
-
-
-def collective_timeout() -> float:
-    """Seconds a collective may wait on a peer: what ``init()`` gave the process group, else
-    ``$OPTIMUS2D_TIMEOUT`` or 300 s (the clock of every watched wait, ``comm/watch.py``)."""
-    return watch.collective_timeout()
-
-
-def report_failure(error: BaseException | str) -> None:
-    """Tell this rank's peers that it failed: those waiting on it in any mesh's collective raise
-    ``PeerFailedError`` naming this rank and ``error`` within a fraction of a second.
-
-    ``init()`` calls it for any exception that ends the process; call it yourself where you catch
-    one (a test harness, a training loop that logs and exits). It does not end this process.
-    """
-    watch.report(error)
 
 
 def shutdown() -> None:
@@ -226,3 +212,7 @@ def first_host(nodelist: str) -> str:
         raise ValueError(f"cannot read the SLURM node list {nodelist!r}")
     prefix, ranges = m.group(1), m.group(2)
     return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def __getattr__(name: str):  # optimus2d.launch.report_failure and collective_timeout: now in optimus2d.faults
+    return moved_attribute(__name__, name, faults, ("collective_timeout", "report_failure"))

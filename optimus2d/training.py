@@ -1,16 +1,30 @@
-"""Training utilities that need the whole mesh's view: the true global gradient norm."""
+"""Training utilities that need the whole mesh's view: the true global gradient norm.
+
+One ``clip_grad_norm_`` for a model on one mesh, on the meshes found from its parameters, or cut
+into pipeline stages (a ``pipeline.StageMesh``, read by its fields ``mesh`` and ``lane`` only:
+``pipeline/`` sits above this module).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from optimus2d.comm import all_reduce
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers.base import param_sharding
+
+
+class StageMesh(Protocol):
+    """What clipping reads of ``optimus2d.pipeline.StageMesh``: the stage's mesh and the lane."""
+
+    mesh: Mesh
+    lane: dist.ProcessGroup | None
 
 
 def _mesh_of(params: list[torch.Tensor]) -> Mesh | None:
@@ -35,25 +49,42 @@ def _replicas(param: torch.Tensor, mesh: Mesh) -> int:
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor,
     max_norm: float,
-    mesh: Mesh | None = None,
+    mesh: Mesh | StageMesh | None = None,
     norm_type: float = 2.0,
+    *,
+    pipe: StageMesh | None = None,
+    copies: Mapping[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a model on the mesh: the norm of the serial gradient.
 
-    Each block of a sharded parameter counts once; a parameter replicated over some axes (a bias
-    over col and depth, a plain torch parameter everywhere) counts once, not once per replica.
-    One all-reduce over the mesh (a max for ``norm_type=inf``). Returns the total norm, the same
-    on every rank. ``mesh``: found from the parameters when not given (``parallelize`` and every
-    layer mark theirs); parameters of no mesh at all are clipped as torch does.
+    ``parameters``: a model (its parameters), or parameters, or one tensor. Each block of a sharded
+    parameter counts once; a parameter replicated over some axes (a bias over col and depth, a
+    plain torch parameter everywhere) counts once, not once per replica. One all-reduce over the
+    mesh (a max for ``norm_type=inf``). Returns the total norm, the same on every rank.
+
+    ``mesh``: found from the parameters when not given (``parallelize`` and every layer mark
+    theirs); parameters of no mesh at all are clipped as torch does. A pipelined model: pass this
+    rank's ``StageMesh`` (as ``mesh`` or ``pipe=``) and the parameters of all its chunks; the norm
+    is then the whole serial model's, over every stage (one more all-reduce of one float, over the
+    lane). ``copies``: parameters whose gradient other stages hold too, with how many copies the
+    pipeline holds (GPT-2's tied table after ``sum_tied_grads``: ``shared_copies``), counted once.
     """
+    if isinstance(parameters, nn.Module):
+        parameters = parameters.parameters()
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if pipe is None and mesh is not None and not isinstance(mesh, Mesh):
+        pipe, mesh = mesh, None  # a StageMesh given where the mesh goes
+    if pipe is not None:
+        if mesh is not None and mesh is not pipe.mesh:
+            raise ValueError(f"clip_grad_norm_: mesh={mesh} is not the stage's mesh {pipe.mesh}; give one of them")
+        return clip_over(params, max_norm, pipe.mesh, norm_type, pipe.lane, copies)
     if mesh is None:
         mesh = _mesh_of(params)
         if mesh is None:  # plain torch parameters only: nothing is split
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-    return clip_over(params, max_norm, mesh, norm_type)
+    return clip_over(params, max_norm, mesh, norm_type, None, copies)
 
 
 def clip_over(

@@ -150,7 +150,7 @@ def causal_lm_schedule_step(pipe, cut, name, ids, n, hidden, logits):
     the micro-batches', on the ranks of the last chunk; else None)."""
     import optimus2d
     from optimus2d.pipeline import SCHEDULES, pipeline_stage
-    from optimus2d.pipeline_models import causal_lm_loss, causal_lm_targets
+    from optimus2d.pipeline.models.llama import causal_lm_loss, causal_lm_targets
 
     cls, indices = SCHEDULES[name]
     stage_ids = indices(pipe.stage, pipe.stages)
@@ -203,7 +203,7 @@ def check_stage_checkpoints(pipe, chunks, opt, whole, fresh, ref_state, ref_opti
     alone. Weights within ``adam_tol``, moments within ``tol``. Returns the fresh stage's optimizer."""
 
     import optimus2d
-    from optimus2d.pipeline_models import load_stages, save_stages
+    from optimus2d.checkpoint.stages import load_stages, save_stages
 
     base = shared_tmp(tmp_path_factory, "stages")
     stages_path, whole_path = f"{base}/stages", f"{base}/whole"

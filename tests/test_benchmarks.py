@@ -14,7 +14,7 @@ import pytest
 from test_launch import BIN, _clean_env
 
 from benchmarks.calibrate import usable_cores
-from optimus2d.plan import Hardware, comm_time, mlp_comm
+from optimus2d.cost.planner import Hardware, comm_time, mlp_comm
 
 ROOT = Path(__file__).parent.parent
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from torch import nn
 
 import optimus2d
 from optimus2d import parallelize
-from optimus2d.parallelize import _CONVERTERS
+from optimus2d.convert.parallelizer import _CONVERTERS
 
 pytestmark = pytest.mark.mpi
 E, FF = 12, 24
@@ -84,8 +84,8 @@ def test_probed_norms_and_activations_and_a_read_container_convert_exactly(mesh,
     torch.manual_seed(0)
     serial = nn.Sequential(nn.Linear(E, E), MyRMSNorm(E, offset=offset), GatedMLP(), Square())
     parallel = parallelize(copy.deepcopy(serial), mesh)
-    assert isinstance(parallel[1], optimus2d.RMSNorm2D) and parallel[1].weight_offset == offset
-    assert type(parallel[2]) is GatedMLP and isinstance(parallel[2].gate, optimus2d.Linear2D)
+    assert isinstance(parallel[1], optimus2d.layers.RMSNorm2D) and parallel[1].weight_offset == offset
+    assert type(parallel[2]) is GatedMLP and isinstance(parallel[2].gate, optimus2d.layers.Linear2D)
     check_against_serial(serial, parallel, _x(mesh), mesh)
 
 
@@ -119,14 +119,14 @@ def test_keep_true_declares_a_forward_the_reader_refuses(mesh):
     model = nn.Sequential(nn.Linear(E, E), Halves())
     with pytest.raises(TypeError, match=r"1 \(Halves\): its forward"):
         parallelize(copy.deepcopy(model), mesh)
-    optimus2d.register_converter(Halves, keep=True)
+    optimus2d.convert.register_converter(Halves, keep=True)
     try:
         parallel = parallelize(copy.deepcopy(model), mesh)
         assert type(parallel[1]) is Halves
     finally:
         _CONVERTERS.pop(Halves)
     with pytest.raises(TypeError, match="not both"):
-        optimus2d.register_converter(Halves, lambda m, mesh: m, keep=True)
+        optimus2d.convert.register_converter(Halves, lambda m, mesh: m, keep=True)
 
 
 def test_a_norm_over_one_heads_features_is_kept_whole_and_its_gradient_summed(mesh):

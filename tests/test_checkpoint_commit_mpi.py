@@ -14,7 +14,7 @@ from torch import nn
 
 import optimus2d
 from optimus2d import checkpoint, serial_state_dict
-from optimus2d.checkpoint_files import MANIFEST, PREVIOUS, SAVING
+from optimus2d.checkpoint.files import MANIFEST, PREVIOUS, SAVING
 
 pytestmark = pytest.mark.mpi
 
@@ -71,13 +71,13 @@ def test_save_over_a_checkpoint_commits_atomically(world, monkeypatch):
         model_b, opt_b = _model(1, mesh)
         state_b = serial_state_dict(model_b)
         seen = []
-        real_save = checkpoint.dcp.save
+        real_save = checkpoint.sharded.dcp.save
 
         def save_then_look(state, *, checkpoint_id, **kwargs):
             real_save(state, checkpoint_id=checkpoint_id, **kwargs)  # every rank has written B
             seen.append((checkpoint_id, sorted(os.listdir(checkpoint_id)), checkpoint.read(path)["model"]))
 
-        monkeypatch.setattr(checkpoint.dcp, "save", save_then_look)
+        monkeypatch.setattr(checkpoint.sharded.dcp, "save", save_then_look)
         checkpoint.save(path, model_b, opt_b)
         monkeypatch.undo()
         # this rank returned: the commit is done, whichever rank made it

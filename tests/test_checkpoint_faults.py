@@ -18,7 +18,7 @@ from torch import nn
 
 import optimus2d.launch as launch
 from optimus2d import checkpoint
-from optimus2d.checkpoint_files import PREVIOUS, SAVING
+from optimus2d.checkpoint.files import PREVIOUS, SAVING
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "save_kill.py")
 BIN = Path(sys.executable).parent

@@ -35,9 +35,9 @@ class Tiny(nn.Module):
 def _parallel(seed: int, mesh):
     serial = Tiny(seed)
     model = nn.Module()
-    model.emb = optimus2d.Embedding2D.from_serial(serial.emb, mesh)
-    model.block = optimus2d.TransformerBlock2D.from_serial(serial.block, mesh)
-    model.norm = optimus2d.LayerNorm2D.from_serial(serial.norm, mesh)
+    model.emb = optimus2d.layers.Embedding2D.from_serial(serial.emb, mesh)
+    model.block = optimus2d.layers.TransformerBlock2D.from_serial(serial.block, mesh)
+    model.norm = optimus2d.layers.LayerNorm2D.from_serial(serial.norm, mesh)
     return model
 
 
@@ -151,7 +151,7 @@ def test_a_checkpoint_that_does_not_fit_changes_nothing(world):
 
     other = _parallel(5, mesh)
     before = [p.clone() for p in other.parameters()]
-    other.extra = optimus2d.Linear2D(E, E, mesh=mesh)  # another architecture
+    other.extra = optimus2d.layers.Linear2D(E, E, mesh=mesh)  # another architecture
     with pytest.raises(
         ValueError, match=r"does not fit this model: missing \['model/extra.bias', 'model/extra.weight'\]"
     ):

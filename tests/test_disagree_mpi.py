@@ -73,7 +73,7 @@ def test_a_mesh_one_rank_cannot_build_is_refused_on_every_rank(world):
 def _block_linear(mesh, rows=2):
     torch.manual_seed(0)
     serial = nn.Linear(4 * mesh.q, 6 * mesh.q)
-    layer = optimus2d.Linear2D.from_serial(serial, mesh)
+    layer = optimus2d.layers.Linear2D.from_serial(serial, mesh)
     return layer, torch.randn(rows, 3, 4)
 
 
@@ -95,13 +95,13 @@ def test_a_dtype_that_differs_on_one_rank(world, world_mesh):
 
 
 def test_token_ids_of_another_length_on_one_rank(world, world_mesh):
-    embedding = optimus2d.Embedding2D(10, 4 * world_mesh.q, mesh=world_mesh)
+    embedding = optimus2d.layers.Embedding2D(10, 4 * world_mesh.q, mesh=world_mesh)
     ids = torch.zeros(2, 5 if _last(world) else 4, dtype=torch.long)
     _raises_fast(ValueError, r"Embedding2D on Mesh.*int64\[2, 5\]", lambda: embedding(ids))
 
 
 def test_token_ids_out_of_range_on_one_rank(world, world_mesh):
-    embedding = optimus2d.Embedding2D(10, 4 * world_mesh.q, mesh=world_mesh)
+    embedding = optimus2d.layers.Embedding2D(10, 4 * world_mesh.q, mesh=world_mesh)
     ids = torch.full((2, 4), 10 if _last(world) else 1, dtype=torch.long)
     _raises_fast(ValueError, r"token ids outside \[0, 10\)", lambda: embedding(ids))
 
@@ -174,7 +174,7 @@ def test_empty_inputs_are_refused_on_every_rank(world, world_mesh):
 
 def test_a_rank_on_another_code_path_is_caught(world, world_mesh):
     layer, x = _block_linear(world_mesh)
-    norm = optimus2d.LayerNorm2D(4 * world_mesh.q, mesh=world_mesh)
+    norm = optimus2d.layers.LayerNorm2D(4 * world_mesh.q, mesh=world_mesh)
     call = (lambda: norm(x)) if _last(world) else (lambda: layer(x))
     message = _raises_fast(ValueError, r"the ranks disagree", call)
     assert "LayerNorm2D of float32[2, 3, 4]" in message and "Linear2D of float32[2, 3, 4]" in message
@@ -214,7 +214,7 @@ def test_one_ranks_error_reaches_its_peers_at_once(world, world_mesh):
     else:
         start = time.monotonic()
         with pytest.raises(
-            optimus2d.PeerFailedError, match=rf"rank {world.size - 1}: RuntimeError: the data loader ran dry"
+            optimus2d.faults.PeerFailedError, match=rf"rank {world.size - 1}: RuntimeError: the data loader ran dry"
         ):
             optimus2d.gather(layer(x), world_mesh)
     assert time.monotonic() - start < _FAST_S
@@ -229,7 +229,7 @@ def test_a_rank_that_skips_a_collective_is_a_timeout_on_the_others(world, world_
     layer, x = _block_linear(world_mesh)
     if not _last(world):  # the last rank never joins: its peers wait for it, not forever
         start = time.monotonic()
-        with pytest.raises((TimeoutError, optimus2d.PeerFailedError), match=r"did not complete within 1 s"):
+        with pytest.raises((TimeoutError, optimus2d.faults.PeerFailedError), match=r"did not complete within 1 s"):
             layer(x)
         assert time.monotonic() - start < _FAST_S  # the message names the 1 s wait; this bounds the hang
     dist.barrier()

@@ -147,7 +147,7 @@ def test_a_refused_family_taught_in_one_line_converts_exactly(mesh):
     exact."""
     from transformers.models.ministral3.modeling_ministral3 import Ministral3Attention
 
-    from optimus2d.parallelize import _CONVERTERS
+    from optimus2d.convert.parallelizer import _CONVERTERS
 
     heads, kv_heads = _heads(mesh)
     config = transformers.Ministral3Config(
@@ -157,7 +157,7 @@ def test_a_refused_family_taught_in_one_line_converts_exactly(mesh):
     serial = transformers.Ministral3ForCausalLM(config)
     with pytest.raises(TypeError, match=r"self_attn \(Ministral3Attention\): its forward .*get_llama_4_attn_scale"):
         parallelize(copy.deepcopy(serial), mesh)
-    optimus2d.register_converter(Ministral3Attention, keep=True)  # the one line (README)
+    optimus2d.convert.register_converter(Ministral3Attention, keep=True)  # the one line (README)
     try:
         parallel = parallelize(copy.deepcopy(serial), mesh)
     finally:

@@ -306,7 +306,7 @@ class _TwoTables(nn.Module):
 
 
 def test_shared_tables_and_biases(mesh):
-    optimus2d.register_converter(_TwoTables, keep=True)
+    optimus2d.convert.register_converter(_TwoTables, keep=True)
     torch.manual_seed(0)
     serial = _perturbed(_TwoTables())
     parallel = parallelize(copy.deepcopy(serial), mesh)

@@ -35,8 +35,8 @@ def _tiny_llama(mesh):
 def test_llama_logits_and_one_training_step(mesh):
     serial = _tiny_llama(mesh)
     parallel = parallelize(copy.deepcopy(serial), mesh)
-    assert isinstance(parallel.model.layers[0].self_attn.q_proj, optimus2d.Linear2D)
-    assert isinstance(parallel.model.norm, optimus2d.RMSNorm2D)
+    assert isinstance(parallel.model.layers[0].self_attn.q_proj, optimus2d.layers.Linear2D)
+    assert isinstance(parallel.model.norm, optimus2d.layers.RMSNorm2D)
     torch.manual_seed(1)
     ids = torch.randint(0, 96, (2 * mesh.depth * mesh.q, 9))
 

@@ -73,7 +73,7 @@ def test_image_classification(mesh, family):
         serial = _vit()
         parallel = parallelize(copy.deepcopy(serial), mesh)
         assert isinstance(parallel.vit.embeddings.patch_embeddings.projection, PatchConv2D)
-        assert isinstance(parallel.vit.layers[0].attention.q_proj, optimus2d.Linear2D)
+        assert isinstance(parallel.vit.layers[0].attention.q_proj, optimus2d.layers.Linear2D)
         assert parallel.vit.layers[0].attention.num_attention_heads == 6 // mesh.q
     else:
         config = transformers.CLIPConfig(text_config=CLIP_TEXT, vision_config=CLIP_VISION, num_labels=12)

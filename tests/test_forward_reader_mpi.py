@@ -114,7 +114,7 @@ def test_wrapping_decorators_dead_branches_and_per_head_ops_convert_exactly(mesh
     serial = nn.Sequential(Decorated(), MaybeNormalised(False), FusedHeads(_heads(mesh)), Dropping(0.0))
     parallel = parallelize(copy.deepcopy(serial), mesh)
     assert [type(m) for m in parallel] == [type(m) for m in serial]  # each kept, its children converted
-    assert isinstance(parallel[2].qkv, optimus2d.Linear2D)
+    assert isinstance(parallel[2].qkv, optimus2d.layers.Linear2D)
     serial.train(), parallel.train()  # dropout with p = 0 draws nothing
     check_against_serial(serial, parallel, _x(mesh), mesh)
 

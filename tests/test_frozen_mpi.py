@@ -13,7 +13,8 @@ from torch import nn
 
 import optimus2d.comm.stationary as stationary
 import optimus2d.comm.summa as summa
-from optimus2d import Linear2D, Mesh, count_comm, parallelize, scatter
+from optimus2d import Mesh, count_comm, parallelize, scatter
+from optimus2d.layers import Linear2D
 
 pytestmark = pytest.mark.mpi
 

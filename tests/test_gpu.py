@@ -49,7 +49,7 @@ def test_layers_on_one_gpu_match_torch_in_fp32_and_bf16():
         """
         torch.manual_seed(0)
         serial = nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True, norm_first=True).cuda()
-        block = optimus2d.TransformerBlock2D.from_serial(serial, mesh)
+        block = optimus2d.layers.TransformerBlock2D.from_serial(serial, mesh)
         x = torch.randn(4, 16, 64, device="cuda")
         err = ((block(optimus2d.scatter(x, mesh)) - serial(x)).abs().max() / serial(x).abs().max()).item()
         assert err < 1e-5, err
@@ -103,8 +103,8 @@ def test_bf16_layers_on_one_gpu_match_torch_in_bf16():
         torch.manual_seed(0)
         mlp = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).cuda().bfloat16()
         norm = nn.LayerNorm(256).cuda().bfloat16()
-        for serial, parallel in ((mlp, optimus2d.MLP2D.from_serial(mlp, mesh)),
-                                 (norm, optimus2d.LayerNorm2D.from_serial(norm, mesh))):
+        for serial, parallel in ((mlp, optimus2d.layers.MLP2D.from_serial(mlp, mesh)),
+                                 (norm, optimus2d.layers.LayerNorm2D.from_serial(norm, mesh))):
             assert all(p.dtype == torch.bfloat16 and p.is_cuda for p in parallel.parameters())
             x = torch.randn(4, 32, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             x2 = x.detach().clone().requires_grad_()
@@ -126,7 +126,7 @@ def test_checkpoint_on_one_gpu_resumes_exactly_and_loads_in_one_process(tmp_path
         f"""
         torch.manual_seed(0)
         serial = nn.TransformerEncoderLayer(64, 4, 256, 0.0, batch_first=True, norm_first=True).cuda()
-        models = [optimus2d.TransformerBlock2D.from_serial(copy.deepcopy(serial), mesh) for _ in range(2)]
+        models = [optimus2d.layers.TransformerBlock2D.from_serial(copy.deepcopy(serial), mesh) for _ in range(2)]
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
         x = optimus2d.scatter(torch.randn(4, 16, 64, device="cuda"), mesh)
         def step(model, opt):

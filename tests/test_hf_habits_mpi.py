@@ -181,10 +181,10 @@ def test_serial_answers(mesh, family):
     for kwargs in ({}, {"only_trainable": True}, {"exclude_embeddings": True}):
         assert parallel.num_parameters(**kwargs) == serial.num_parameters(**kwargs), kwargs
     emb, emb_ref = parallel.get_input_embeddings(), serial.get_input_embeddings()
-    assert isinstance(emb, optimus2d.Embedding2D)
+    assert isinstance(emb, optimus2d.layers.Embedding2D)
     assert (emb.num_embeddings, emb.embedding_dim) == (emb_ref.num_embeddings, emb_ref.embedding_dim)
     head, head_ref = parallel.get_output_embeddings(), serial.get_output_embeddings()
-    if isinstance(head, optimus2d.Linear2D):
+    if isinstance(head, optimus2d.layers.Linear2D):
         assert (head.in_features, head.out_features) == (head_ref.in_features, head_ref.out_features)
     else:  # GPT-2's tied head
         assert head.weight is emb.weight and head.num_embeddings == head_ref.out_features

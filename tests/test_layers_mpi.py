@@ -9,20 +9,8 @@ from helpers import assert_close, check_against_serial, step_both
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from optimus2d import (
-    MLP2D,
-    Embedding2D,
-    LayerNorm2D,
-    MultiheadAttention2D,
-    RMSNorm2D,
-    TransformerBlock2D,
-    count_comm,
-    cross_entropy,
-    gather,
-    scatter,
-    scatter_batch,
-    serial_state_dict,
-)
+from optimus2d import count_comm, cross_entropy, gather, scatter, scatter_batch, serial_state_dict
+from optimus2d.layers import MLP2D, Embedding2D, LayerNorm2D, MultiheadAttention2D, RMSNorm2D, TransformerBlock2D
 
 pytestmark = pytest.mark.mpi
 

@@ -9,9 +9,9 @@ from helpers import assert_close, assert_state_close, step_both
 from torch import nn
 
 import optimus2d
-from optimus2d import Linear2D, count_comm, gather, scatter, serial_state_dict
+from optimus2d import count_comm, gather, scatter, serial_state_dict
 from optimus2d.cost import linear_2d_elements
-from optimus2d.layers import TransposedLinear2D, linear_2d
+from optimus2d.layers import Linear2D, TransposedLinear2D, linear_2d
 
 pytestmark = pytest.mark.mpi
 

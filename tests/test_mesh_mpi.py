@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 from helpers import assert_close
 
-from optimus2d import Linear2D, Mesh, count_comm, gather, scatter, scatter_batch, serial_state_dict
+from optimus2d import Mesh, count_comm, gather, scatter, scatter_batch, serial_state_dict
 from optimus2d.comm import stationary_ab, stationary_abt, summa_ab, summa_abt, summa_atb
+from optimus2d.layers import Linear2D
 
 pytestmark = pytest.mark.mpi
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import optimus2d
 from optimus2d import gather, parallelize, scatter, serial_state_dict
-from optimus2d.parallelize import _CONVERTERS
+from optimus2d.convert.parallelizer import _CONVERTERS
 
 pytestmark = pytest.mark.mpi
 
@@ -43,7 +43,7 @@ def _x(mesh, features, seed=1):
 def test_transformer_encoder_stack_matches_serial(mesh, norm_first):
     serial = UserModel(norm_first)
     parallel = parallelize(copy.deepcopy(serial), mesh)
-    assert isinstance(parallel.encoder.layers[0].self_attn, optimus2d.MultiheadAttention2D)
+    assert isinstance(parallel.encoder.layers[0].self_attn, optimus2d.layers.MultiheadAttention2D)
     assert list(serial_state_dict(parallel)) == list(serial.state_dict())
     check_against_serial(serial, parallel, _x(mesh, 6), mesh)
 
@@ -87,11 +87,11 @@ def test_a_module_without_converter_is_refused_by_path(mesh):
 
 
 def test_register_converter_for_a_user_module(mesh):
-    @optimus2d.register_converter(ScaleNorm)
+    @optimus2d.convert.register_converter(ScaleNorm)
     def _(norm, mesh):
         rms = nn.RMSNorm(norm.weight.shape[0], eps=1e-6)
         rms.weight = norm.weight
-        parallel = optimus2d.RMSNorm2D.from_serial(rms, mesh)
+        parallel = optimus2d.layers.RMSNorm2D.from_serial(rms, mesh)
         return parallel
 
     try:

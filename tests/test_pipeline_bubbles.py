@@ -8,16 +8,9 @@ from __future__ import annotations
 import pytest
 import torch.distributed.pipelining.schedules as S
 
-from optimus2d.pipeline_bubbles import (
-    LLM_SCHEDULES,
-    bubble_order,
-    encoder_stage,
-    llm_stages,
-    plan_bubbles,
-    stage_rank,
-)
-from optimus2d.pipeline_partition import LayerCost, partition, stage_costs
-from optimus2d.pipeline_simulator import schedule_order, simulate, stage_to_rank
+from optimus2d.pipeline.bubbles import LLM_SCHEDULES, bubble_order, encoder_stage, llm_stages, plan_bubbles, stage_rank
+from optimus2d.pipeline.partition import LayerCost, partition, stage_costs
+from optimus2d.pipeline.simulator import schedule_order, simulate, stage_to_rank
 
 ENC = [LayerCost(0.5, 0.5, 0.5, frozen=True)] * 6  # an encoder layer costs half an LLM layer
 LLM = [LayerCost(1.0, 1.0, 1.0)] * 8

@@ -15,7 +15,7 @@ from torch import nn
 
 import optimus2d
 from optimus2d.pipeline import mesh_sum, pipeline_stage
-from optimus2d.pipeline_bubbles import (
+from optimus2d.pipeline.bubbles import (
     LLM_SCHEDULES,
     ScheduleEncoderInBubbles,
     bubble_order,

@@ -23,9 +23,9 @@ from helpers import (
 from torch import nn
 
 import optimus2d
+from optimus2d.checkpoint.stages import save_stages
 from optimus2d.pipeline import SCHEDULES, lanes, mesh_sum, pipeline_stage, stage_meshes
-from optimus2d.pipeline_data_parallel import DataParallelStage
-from optimus2d.pipeline_models import save_stages
+from optimus2d.pipeline.data_parallel import DataParallelStage
 
 pytestmark = pytest.mark.mpi
 
@@ -87,7 +87,7 @@ def _step(pipe, serial, name, x, probe):
     target = optimus2d.scatter(probe[share], pipe.mesh) if last else None
     schedule.step(*args, target=target, losses=losses if last else None)
     params = [p for c in chunks for p in c.parameters()]
-    norm = optimus2d.pipeline.clip_grad_norm_(params, MAX_NORM, pipe)
+    norm = optimus2d.clip_grad_norm_(params, MAX_NORM, pipe)
     grads = [as_serial(c) for c in chunks]
     opt = torch.optim.AdamW(params, lr=1e-2)
     opt.step()

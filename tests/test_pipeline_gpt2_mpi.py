@@ -22,7 +22,7 @@ from helpers import (
 )
 
 import optimus2d
-from optimus2d.pipeline_gpt2 import TiedPair, gpt2_stages, shared_copies, sum_tied_grads, tied_pair
+from optimus2d.pipeline.models.gpt2 import TiedPair, gpt2_stages, shared_copies, sum_tied_grads, tied_pair
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.mpi
@@ -159,9 +159,9 @@ def test_clip_grad_norm_counts_the_tied_table_once(world, name):
     unique = {k: g for k, g in grads_ref.items() if k != "lm_head.weight"}  # one tensor under two names
     norm_ref = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in unique.values()]))
     params = [p for c in chunks for p in c.parameters()]
-    norm = optimus2d.pipeline.clip_grad_norm_(params, 1e9, pipe, copies=shared_copies(chunks))
+    norm = optimus2d.clip_grad_norm_(params, 1e9, pipe, copies=shared_copies(chunks))
     assert_close(norm.double(), norm_ref, 1e-5, "norm")
-    twice = optimus2d.pipeline.clip_grad_norm_(params, 1e9, pipe)  # without copies= the table counts twice
+    twice = optimus2d.clip_grad_norm_(params, 1e9, pipe)  # without copies= the table counts twice
     assert twice > norm * (1 + 1e-4)
 
 

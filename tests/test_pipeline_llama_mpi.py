@@ -23,7 +23,8 @@ from torch import nn
 
 import optimus2d
 import optimus2d.pipeline
-from optimus2d.pipeline_models import llama_stages, load_stages, save_stages
+from optimus2d.checkpoint.stages import load_stages, save_stages
+from optimus2d.pipeline.models.llama import llama_stages
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.mpi
@@ -115,12 +116,12 @@ def test_clip_grad_norm_over_the_stages_is_the_serial_models(world, name):
     chunks, _, _, _ = _pipeline_step(pipe, serial, ids, name)
     norm_ref = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads_ref.values()]))
     max_norm = 0.5 * norm_ref.item()
-    norm = optimus2d.pipeline.clip_grad_norm_([p for c in chunks for p in c.parameters()], max_norm, pipe)
+    norm = optimus2d.clip_grad_norm_([p for c in chunks for p in c.parameters()], max_norm, pipe)
     assert_close(norm.double(), norm_ref, 1e-6, "norm")
     clipped = as_serial(chunks, lambda p: p.grad)
     for key, g in clipped.items():
         assert_close(g, grads_ref[key] * (max_norm / (norm_ref + 1e-6)), 1e-6, f"clipped {key}")
-    inf = optimus2d.pipeline.clip_grad_norm_([p for c in chunks for p in c.parameters()], 1e9, pipe, float("inf"))
+    inf = optimus2d.clip_grad_norm_([p for c in chunks for p in c.parameters()], 1e9, pipe, float("inf"))
     largest = max(g.abs().max() for g in grads_ref.values()) * (max_norm / (norm_ref + 1e-6))
     assert_close(inf.double(), largest, 1e-6, "inf norm of the clipped gradients")
 

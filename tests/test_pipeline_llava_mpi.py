@@ -15,10 +15,10 @@ import optimus2d
 from optimus2d.comm import compat, unshard
 from optimus2d.layers.base import param_sharding
 from optimus2d.pipeline import pipeline_stage, stage_meshes
-from optimus2d.pipeline_bubbles import LLM_SCHEDULES, ScheduleEncoderInBubbles, bubble_order, encoder_stage, stage_rank
-from optimus2d.pipeline_bubbles import llm_stages as llm_stage_ids
-from optimus2d.pipeline_llava import llava_stages
-from optimus2d.pipeline_models import causal_lm_loss, causal_lm_targets
+from optimus2d.pipeline.bubbles import LLM_SCHEDULES, ScheduleEncoderInBubbles, bubble_order, encoder_stage, stage_rank
+from optimus2d.pipeline.bubbles import llm_stages as llm_stage_ids
+from optimus2d.pipeline.models.llama import causal_lm_loss, causal_lm_targets
+from optimus2d.pipeline.models.llava import llava_stages
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.mpi, pytest.mark.families]

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from optimus2d.pipeline_partition import LayerCost, effective, equal_layers, partition, stage_costs
+from optimus2d.pipeline.partition import LayerCost, effective, equal_layers, partition, stage_costs
 
 
 def test_what_a_layer_costs_depends_on_what_trains():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed.pipelining.schedules as S
 
-from optimus2d.pipeline_simulator import schedule_order, simulate, stage_to_rank
+from optimus2d.pipeline.simulator import schedule_order, simulate, stage_to_rank
 
 COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from optimus2d import TransformerBlock2D, count_comm, scatter
+from optimus2d import count_comm, scatter
 from optimus2d.cost import linear_2d_algorithm
-from optimus2d.memory import saved_activation_bytes
-from optimus2d.plan import (
+from optimus2d.cost.memory import saved_activation_bytes
+from optimus2d.cost.planner import (
     Hardware,
     Layer,
     activation_elements,
@@ -21,6 +21,7 @@ from optimus2d.plan import (
     step_time,
     transformer_layer_elements,
 )
+from optimus2d.layers import TransformerBlock2D
 
 
 @pytest.mark.mpi
@@ -81,7 +82,7 @@ def test_projection_orders_layouts_as_the_formulas_say():
 def test_time_model_prices_the_elements_the_cost_formulas_count(q, depth, batch):
     """plan.mlp_comm (what the time model prices) moves exactly mlp_2d_elements (what count_comm checks)."""
     from optimus2d.cost import linear_2d_algorithm, mlp_2d_elements
-    from optimus2d.plan import mlp_comm
+    from optimus2d.cost.planner import mlp_comm
 
     rows, h, f = batch * 36, 72, 288
     scheme = "2d" if depth == 1 else f"2.5d:{depth}"
@@ -93,7 +94,7 @@ def test_time_model_prices_the_elements_the_cost_formulas_count(q, depth, batch)
 
 def test_calibrated_model_predicts_from_measured_rates():
     """compute + comm with the calibrated Hardware; more latency or less bandwidth never speeds it up."""
-    from optimus2d.plan import comm_time, mlp_comm, mlp_flops
+    from optimus2d.cost.planner import comm_time, mlp_comm, mlp_flops
 
     hw = Hardware(flops=30e9, bandwidth=1e9, latency=1e-3, bytes_per_element=4)
     comm = mlp_comm(1024, 1024, 4096, "2d", 4)
@@ -106,7 +107,7 @@ def test_calibrated_model_predicts_from_measured_rates():
 def test_a_sync_stage_costs_more_after_more_work_where_ranks_share_cores():
     """``latency_work``: the latency was measured after that much work; a stage after w seconds
     costs latency·√(w / latency_work). Without it (devices of their own) a stage costs latency."""
-    from optimus2d.plan import comm_time, mlp_comm
+    from optimus2d.cost.planner import comm_time, mlp_comm
 
     fixed = Hardware(flops=30e9, bandwidth=1e9, latency=1e-3, bytes_per_element=4)
     shared = Hardware(flops=30e9, bandwidth=1e9, latency=1e-3, bytes_per_element=4, latency_work=0.01)

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch.distributed.pipelining.schedules as S
 
-from optimus2d.pipeline_simulator import schedule_order, simulate
-from optimus2d.plan.scale import GPT3_175B, LLAMA_70B, Cluster, Layout, best, pipeline_steps, stage_step, step
+from optimus2d.cost.scale import GPT3_175B, LLAMA_70B, Cluster, Layout, best, pipeline_steps, stage_step, step
+from optimus2d.pipeline.simulator import schedule_order, simulate
 
 
 @pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (8, 24), (16, 96)])

@@ -19,10 +19,10 @@ from torch import nn
 
 import optimus2d
 from optimus2d import gather, load_pretrained, parallelize, save_pretrained, scatter_batch, serial_state_dict
-from optimus2d import pretrained as P
+from optimus2d.checkpoint import pretrained as P
+from optimus2d.checkpoint.serial import _owners
 from optimus2d.comm.sharding import shard
 from optimus2d.layers.base import param_sharding, sharding_of
-from optimus2d.serial import _owners
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.mpi, pytest.mark.families]
@@ -282,7 +282,7 @@ class _Scaled(nn.Module):
 
 
 def test_saved_buffers_round_trip(mesh, shared):
-    optimus2d.register_converter(_Scaled, keep=True)
+    optimus2d.convert.register_converter(_Scaled, keep=True)
     torch.manual_seed(0)
     serial = _Scaled()
     serial.scale.fill_(0.5)

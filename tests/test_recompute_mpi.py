@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from helpers import assert_close, assert_state_close, step_both
 from torch import nn
 
-from optimus2d import MLP2D, Linear2D, count_comm, scatter, serial_state_dict
-from optimus2d.memory import saved_activation_bytes
+from optimus2d import count_comm, scatter, serial_state_dict
+from optimus2d.cost.memory import saved_activation_bytes
+from optimus2d.layers import MLP2D, Linear2D
 
 pytestmark = pytest.mark.mpi
 

@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from optimus2d import Linear2D, Mesh, count_comm, gather, scatter, serial_state_dict
+from optimus2d import Mesh, count_comm, gather, scatter, serial_state_dict
 from optimus2d.comm import Sharding, shard, unshard
+from optimus2d.layers import Linear2D
 
 
 @pytest.fixture(autouse=True)
@@ -107,7 +108,7 @@ class _SquaredReLU(nn.ReLU):  # a subclass computing something else: must not ta
 def test_recomputed_activation_gives_autograds_gradient_and_frees_its_value_first(activation, frees):
     import weakref
 
-    from optimus2d.recompute import Recomputed
+    from optimus2d.comm.recompute import Recomputed
 
     torch.manual_seed(0)
     pre = torch.randn(64, 32)

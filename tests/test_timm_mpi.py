@@ -29,7 +29,7 @@ def test_vit_logits_and_one_training_step(mesh):
         serial.cls_token.normal_()
         serial.pos_embed.normal_()
     parallel = parallelize(copy.deepcopy(serial), mesh)
-    assert isinstance(parallel.blocks[0].attn.qkv, optimus2d.Linear2D)
+    assert isinstance(parallel.blocks[0].attn.qkv, optimus2d.layers.Linear2D)
     torch.manual_seed(1)
     b = 2 * mesh.depth * mesh.q
     images, labels = torch.randn(b, 3, 16, 16), torch.randint(0, 12, (b,))

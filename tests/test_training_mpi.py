@@ -8,8 +8,9 @@ from helpers import assert_close, assert_state_close
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from optimus2d import Dropout2D, TransformerBlock2D, clip_grad_norm_, gather, scatter, serial_state_dict
-from optimus2d.memory import saved_activation_bytes
+from optimus2d import clip_grad_norm_, gather, scatter, serial_state_dict
+from optimus2d.cost.memory import saved_activation_bytes
+from optimus2d.layers import Dropout2D, TransformerBlock2D
 
 pytestmark = pytest.mark.mpi
 

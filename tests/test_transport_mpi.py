@@ -11,9 +11,10 @@ import torch.distributed as dist
 from helpers import assert_close
 from torch import nn
 
-from optimus2d import MLP2D, Mesh, gather, scatter
+from optimus2d import Mesh, gather, scatter
 from optimus2d.comm import mpi
 from optimus2d.comm import primitives as P
+from optimus2d.layers import MLP2D
 
 pytestmark = pytest.mark.mpi
 

@@ -1,5 +1,13 @@
-"""Communication on the mesh: the Mesh, collectives, SUMMA, scatter/gather and their accounting."""
+"""Communication on the mesh: the Mesh, collectives, SUMMA, scatter/gather and their accounting.
 
+The modules import each other one way, lowest first: ``compat``, ``counter``, ``watch`` <
+``traced`` (the operators' calls while dynamo traces) < ``agreement`` < ``replicas`` < ``mesh``
+(``mpi`` when a mesh uses it) < ``primitives`` < ``compiled`` (the ``optimus2d::`` operators,
+imported here so they exist before any compile) and ``sharding`` < ``functional``,
+``redistribution``, ``stationary``, ``summa``.
+"""
+
+from optimus2d.comm import compiled  # noqa: F401  (registers the optimus2d:: operators)
 from optimus2d.comm.counter import CommCounter, CommRecord, count_comm
 from optimus2d.comm.functional import (
     all_gather,

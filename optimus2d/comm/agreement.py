@@ -19,9 +19,14 @@ the inputs of every outermost optimus2d module call; "every" also checks before 
 (a debugging level, like ``TORCH_DISTRIBUTED_DEBUG=DETAIL``). The exchanges are counted apart, in
 ``CommCounter.checks``: they are not the algorithm's traffic.
 
-Under ``torch.compile`` the same checks are steps of the compiled graph (``comm/compiled.py``):
-the descriptions (dtypes and shapes, fixed in a graph) are made while tracing, the exchange and
-the verdict run with the graph, every call, before the module's own collectives.
+Under ``torch.compile`` the same checks are steps of the compiled graph: while tracing, the
+descriptions (dtypes and shapes, fixed in a graph) are made here and handed to the operator
+``optimus2d::agree`` (``comm/traced.py``; defined in ``comm/compiled.py``, which calls back into
+this module), whose exchange and verdict run with the graph, every call, before the module's own
+collectives.
+
+``signature``, ``verdict``, ``exchange_texts`` and ``gather_world`` also serve the agreements over
+the default group of ``comm/replicas.py`` (``Mesh``, ``stage_meshes``), which has no mesh yet.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from optimus2d.comm import compat, compiled, watch
+from optimus2d.comm import compat, traced, watch
 from optimus2d.comm.counter import record_check
 
 LEVELS = ("off", "entry", "every")
@@ -103,7 +108,7 @@ def agree(
             raise error
         return
     if torch.compiler.is_compiling() and not content:
-        compiled.agree(mesh, what, axis, description, None, error)
+        traced.agree(mesh, what, axis, description, None, error)
         return
     where = f"{what} over {axis} of {mesh}" if axis != "mesh" else f"{what} on {mesh}"
     ident = f"{what} over {axis} of mesh #{mesh.uid}"  # where, without this rank's coordinates
@@ -123,24 +128,25 @@ def decide(
 ) -> None:
     """``agree``'s logic over any all-gather (a mesh axis, or the default group for ``Mesh``);
     ``ident`` (default ``where``) names the operation alike on every rank."""
-    table = gather(torch.tensor(_words(ident or where, description, content, error), dtype=torch.int64))
-    _verdict(table, gather, ranks, where, description, error, mesh)
+    table = gather(torch.tensor(signature(ident or where, description, content, error), dtype=torch.int64))
+    verdict(table, gather, ranks, where, description, error, mesh)
 
 
-def _words(ident: str, description: str, content: tuple[int, ...], error: BaseException | None) -> list[int]:
+def signature(ident: str, description: str, content: tuple[int, ...], error: BaseException | None) -> list[int]:
+    """This rank's row of the table: ``[crc32(ident), crc32(description), error flag, content₁, content₂]``."""
     return [_crc(ident), _crc(description), int(error is not None), *content, *[0] * (2 - len(content))]
 
 
-def _verdict(table, gather, ranks, where: str, description: str, error, mesh) -> None:
-    """Return if every row of ``table`` is the same and this rank has no ``error``; else raise, on
-    every rank alike (after one more all-gather, of each rank's text)."""
+def verdict(table, gather, ranks, where: str, description: str, error, mesh) -> None:
+    """Return if every row of ``table`` (the members' ``signature``s) is the same and this rank has no
+    ``error``; else raise, on every rank alike (after one more all-gather, of each rank's text)."""
     record_check(where, table)
     if bool((table == table[0]).all()):
         if error is not None:
             raise error
         return
     text = f"{type(error).__name__}: {error}" if error is not None else description
-    texts = _texts(gather, text)
+    texts = exchange_texts(gather, text)
     me = dist.get_rank() if dist.is_initialized() else 0
     failing = [n for n in range(len(ranks)) if table[n, 2]]
     if failing:
@@ -176,7 +182,7 @@ class Pending:
     def __init__(self, mesh, what: str, description: str, error: BaseException | None) -> None:
         self.mesh, self.error = mesh, error
         self.where, self.description = f"{what} on {mesh}", f"{what} of {description}"
-        words = torch.tensor(_words(f"{what} of mesh #{mesh.uid}", self.description, (), error), dtype=torch.int64)
+        words = torch.tensor(signature(f"{what} of mesh #{mesh.uid}", self.description, (), error), dtype=torch.int64)
         self.table = words.new_empty((mesh.size, words.numel()))
         self._handle = mesh.mpi.all_gather(words, self.table, "mesh")
         self.ready = self._handle.test
@@ -188,7 +194,7 @@ class Pending:
             self.mesh.pending = None
         self._handle.wait()
         gather = lambda t: _gather(self.mesh, "mesh", t)  # noqa: E731
-        _verdict(self.table, gather, self.mesh.members("mesh"), self.where, self.description, self.error, self.mesh)
+        verdict(self.table, gather, self.mesh.members("mesh"), self.where, self.description, self.error, self.mesh)
 
 
 def check_call(mesh, what: str, args: tuple, kwargs: dict) -> tuple[Pending | None, bool]:
@@ -211,7 +217,7 @@ def check_call(mesh, what: str, args: tuple, kwargs: dict) -> tuple[Pending | No
     refusal = _refusal(what, tensors, mesh)
     error = ValueError(refusal) if refusal is not None else None
     if torch.compiler.is_compiling():  # a step of the graph, settled before the module's collectives
-        compiled.agree(mesh, what, "mesh", describe_call(args, kwargs), None, error)
+        traced.agree(mesh, what, "mesh", describe_call(args, kwargs), None, error)
         return None, True
     if mesh.mpi is None:  # gloo aborts the process, NCCL may hang, on blocks of other sizes: check first
         agree(mesh, what, description=describe_call(args, kwargs), error=error)
@@ -246,7 +252,7 @@ def check_replicated(mesh, what: str, t: torch.Tensor, validate: Callable[[], No
     except (ValueError, TypeError) as err:
         error = err
     if torch.compiler.is_compiling():  # the checksum is taken when the graph runs
-        compiled.agree(mesh, what, "mesh", describe(t), t if error is None else None, error)
+        traced.agree(mesh, what, "mesh", describe(t), t if error is None else None, error)
         return
     content = fingerprint(t) if error is None else ()
     agree(mesh, what, description=describe(t), content=content, error=error)
@@ -302,7 +308,8 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _texts(gather: Callable[[torch.Tensor], torch.Tensor], text: str) -> list[str]:
+def exchange_texts(gather: Callable[[torch.Tensor], torch.Tensor], text: str) -> list[str]:
+    """Every member's ``text`` (cut to 1 KiB), in member order: one all-gather through ``gather``."""
     raw = text.encode()[: _TEXT_BYTES - 1]
     buf = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
     buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[:0]

@@ -239,7 +239,7 @@ class Mesh:
                 group = compat.new_group(members, backend="gloo")
                 self.check_group = group if self.rank in members else self.check_group
         if transport != "torch" and self.size > 1:
-            from optimus2d.comm import mpi
+            from optimus2d.comm import mpi  # not a cycle (mpi imports watch): importing it loads torch._dynamo
 
             usable = self.backend == "gloo" and mpi.available(world, self.rank)
             if self.backend == "gloo":  # every rank, or none, splits COMM_WORLD

@@ -12,8 +12,9 @@ Every wait on CPU is watched (``comm/watch.py``): bounded by the mesh's timeout,
 by a peer's reported failure. On a mesh built with ``check="every"`` each collective first checks
 that the group's members agree on it (``comm/agreement.py``).
 
-Under ``torch.compile`` each helper calls its operator in ``comm/compiled.py`` instead: the
-compiled graph runs these same helpers, synchronously, in the order the eager code calls them.
+Under ``torch.compile`` each helper calls its operator instead (``comm/traced.py``, through
+``torch.ops.optimus2d``): the operators, defined in ``comm/compiled.py`` above this module, run
+these same helpers in the compiled graph, synchronously, in the order the eager code calls them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from optimus2d.comm import agreement, compat, compiled, watch
+from optimus2d.comm import agreement, compat, traced, watch
 from optimus2d.comm.counter import record
 from optimus2d.comm.mesh import Mesh
 
@@ -44,7 +45,7 @@ def _mpi_reduces(mesh: Mesh, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.
 
 
 def _compiling() -> bool:
-    """While dynamo traces: call the operators of ``comm/compiled.py``, never a transport."""
+    """While dynamo traces: call the operators (``comm/traced.py``), never a transport."""
     return torch.compiler.is_compiling()
 
 
@@ -75,7 +76,7 @@ def broadcast(t: torch.Tensor, mesh: Mesh, axis: str, root: int, async_op: bool 
     if group is None:
         return Done() if async_op else None
     if _compiling():
-        compiled.broadcast(t, mesh, axis, root)
+        traced.broadcast(t, mesh, axis, root)
         return Done() if async_op else None
     _check(mesh, "broadcast", axis, t, f" from member {root}")
     record("broadcast", axis, t)
@@ -91,7 +92,7 @@ def reduce(t: torch.Tensor, mesh: Mesh, axis: str, root: int, async_op: bool = F
     if group is None:
         return Done() if async_op else None
     if _compiling():
-        compiled.reduce(t, mesh, axis, root)
+        traced.reduce(t, mesh, axis, root)
         return Done() if async_op else None
     _check(mesh, "reduce", axis, t, f" to member {root}")
     record("reduce", axis, t)
@@ -107,7 +108,7 @@ def all_reduce(t: torch.Tensor, mesh: Mesh, axis: str, op: dist.ReduceOp = dist.
     if group is None:
         return Done() if async_op else None
     if _compiling():
-        compiled.all_reduce(t, mesh, axis, op)
+        traced.all_reduce(t, mesh, axis, op)
         return Done() if async_op else None
     _check(mesh, "all_reduce", axis, t, f" {op}")
     record("all_reduce", axis, t)
@@ -147,7 +148,7 @@ def summed_copy(t: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Ten
     """A contiguous copy of ``t`` summed over each of ``axes`` (``t`` itself is left alone: autograd
     may hand one gradient tensor to two branches)."""
     if _compiling():
-        return compiled.summed(t, mesh, axes)
+        return traced.summed(t, mesh, axes)
     out = t.clone(memory_format=torch.contiguous_format)
     for axis in axes:
         all_reduce(out, mesh, axis)
@@ -160,7 +161,7 @@ def all_gather(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor
     if group is None:
         return t
     if _compiling():
-        return compiled.all_gather(t, mesh, axis, dim)
+        return traced.all_gather(t, mesh, axis, dim)
     n = mesh.axis_size(axis)
     t = t.movedim(dim, 0).contiguous()
     out = t.new_empty((n * t.shape[0], *t.shape[1:]))
@@ -181,7 +182,7 @@ def reduce_scatter(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Te
     if group is None:
         return t
     if _compiling():
-        return compiled.reduce_scatter(t, mesh, axis, dim)
+        return traced.reduce_scatter(t, mesh, axis, dim)
     n, me = mesh.axis_size(axis), mesh.index(axis)
     t = t.movedim(dim, 0).contiguous()
     _check(mesh, "reduce_scatter", axis, t, f" along dim {dim}")
@@ -205,7 +206,7 @@ def transpose(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """
     k, i, j = mesh.k, mesh.i, mesh.j
     if _compiling() and (i != j or mesh.check == "every"):
-        return compiled.transpose(t, mesh)
+        return traced.transpose(t, mesh)
     _check(mesh, "transpose", "mesh", t)
     if i == j:
         return t
@@ -239,7 +240,7 @@ class Blocks:
         if self.group is None:
             return
         if _compiling():  # one operator: every block at once
-            self.blocks = dict(enumerate(compiled.blocks(t, mesh, axis).unbind(0)))
+            self.blocks = dict(enumerate(traced.blocks(t, mesh, axis).unbind(0)))
             return
         t = t.contiguous()
         _check(mesh, "all_gather (blocks)", axis, t)
@@ -303,7 +304,7 @@ class PartialSums:
     def result(self) -> torch.Tensor:
         if self._traced:
             stacked = torch.stack([self.partials[m] for m in range(self.mesh.axis_size(self.axis))])
-            return compiled.partial_sums(stacked, self.mesh, self.axis)
+            return traced.partial_sums(stacked, self.mesh, self.axis)
         own = self.partials.pop(-1)
         if self.group is None:
             return own

@@ -5,7 +5,8 @@ once, e.g. on 8 ranks two 2×2 meshes, {0, 1, 2, 3} and {4, 5, 6, 7}. Every rank
 its own replica's mesh, at the same point of the program: ``Mesh(q, depth, ranks=<its replica's
 ranks>)`` or ``Mesh.from_device_mesh(dm["depth", "row", "col"])``. ``agree`` checks that over the
 default group, in one all-gather of 8 words per rank: the shape and options every rank asked for
-(as before, else every rank raises "the ranks disagree"), and a hash of the ranks it asked for
+(``agreement.signature``, judged by ``agreement.verdict``: else every rank raises "the ranks
+disagree"), and a hash of the ranks it asked for
 with its own position in them. Either every rank asked for the same ranks (one mesh, maybe over a
 subset of the world: the ranks outside it hold no block), or the rank sets partition the world:
 every rank is in the mesh it asks for, and the ranks of a mesh all ask for it with the same ranks
@@ -37,12 +38,12 @@ _WORDS = 8  # per rank: agreement's 5 words, the 2 hashes of the ranks asked for
 
 
 def _world_table(ident: str, description: str, error, extra: tuple[int, int, int], timeout: float):
-    words = agreement._words(ident, description, (), error) + list(extra)
+    words = agreement.signature(ident, description, (), error) + list(extra)
     return agreement.gather_world(torch.tensor(words, dtype=torch.int64), timeout)
 
 
 def _texts(text: str, timeout: float) -> list[str]:
-    return agreement._texts(lambda t: agreement.gather_world(t, timeout), text)
+    return agreement.exchange_texts(lambda t: agreement.gather_world(t, timeout), text)
 
 
 def agree(
@@ -61,7 +62,7 @@ def agree(
     extra = (zlib.crc32(text.encode()), zlib.adler32(text.encode()), position)
     table = _world_table(ident, description, error, extra, timeout)
     gather = lambda t: agreement.gather_world(t, timeout)  # noqa: E731
-    agreement._verdict(table[:, :5], gather, tuple(range(world)), "Mesh", asked, error, None)
+    agreement.verdict(table[:, :5], gather, tuple(range(world)), "Mesh", asked, error, None)
     asking: dict[tuple[int, int], list[int]] = {}
     for r, (crc, adler, _) in enumerate(table[:, 5:].tolist()):
         asking.setdefault((crc, adler), []).append(r)
@@ -102,7 +103,7 @@ def agree_world(what: str, description: str, error, timeout: float) -> None:
     table = _world_table(what, description, error, (0, 0, 0), timeout)
     gather = lambda t: agreement.gather_world(t, timeout)  # noqa: E731
     world = tuple(range(dist.get_world_size()))
-    agreement._verdict(table[:, :5], gather, world, what, description, error, None)
+    agreement.verdict(table[:, :5], gather, world, what, description, error, None)
 
 
 def _list(ranks: list[int]) -> str:
@@ -195,7 +196,7 @@ def build_device_mesh(mesh):
         table = _world_table(what, what, None, (0, 0, 0), mesh.timeout)
         gather = lambda t: agreement.gather_world(t, mesh.timeout)  # noqa: E731
         world = tuple(range(dist.get_world_size()))
-        agreement._verdict(table[:, :5], gather, world, "Mesh.device_mesh", f"{what} (every rank asks)", None, None)
+        agreement.verdict(table[:, :5], gather, world, "Mesh.device_mesh", f"{what} (every rank asks)", None, None)
     table = torch.tensor(mesh.replicas, dtype=torch.int64).view(-1, mesh.depth, mesh.q, mesh.q)
     if table.shape[0] == 1:
         return DeviceMesh(mesh.device.type, table[0], mesh_dim_names=DIMS)

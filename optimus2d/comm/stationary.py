@@ -38,7 +38,7 @@ from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
-from optimus2d.recompute import Activation, Recomputed, activated, kept_for_backward
+from optimus2d.comm.recompute import Activation, Recomputed, activated, kept_for_backward
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 

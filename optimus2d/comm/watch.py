@@ -2,7 +2,7 @@
 
 Every wait of a mesh collective (MPI requests, torch.distributed works on CPU) polls its operation
 and, every ``_LISTEN_S``, the job's **failure channel**: a key per mesh in torch.distributed's
-store. A rank that fails (an uncaught exception, ``optimus2d.report_failure``, a timeout of its
+store. A rank that fails (an uncaught exception, ``optimus2d.faults.report_failure``, a timeout of its
 own) writes ``"rank r: Type: message"`` under the key of every mesh it built; its peers, waiting in that
 mesh's collectives, read it within ``_LISTEN_S`` and raise ``PeerFailedError`` naming the rank and its
 error, instead of waiting out the timeout. A wait longer than the collective timeout raises
@@ -51,6 +51,11 @@ class PeerFailedError(RuntimeError):
 def register(mesh) -> None:
     """Make ``mesh``'s failures reportable (``Mesh`` calls this once its uid is agreed)."""
     _meshes[mesh.uid] = mesh
+
+
+def registered(uid: int):
+    """The mesh of this ``uid`` built on this rank (``register``), or None once it is gone."""
+    return _meshes.get(uid)
 
 
 def _store():

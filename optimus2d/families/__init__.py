@@ -1,7 +1,9 @@
 """Converters for model families from other libraries, registered when a model from them is met.
 
-``hf``: Hugging Face ``transformers`` (LLaMA and the decoders shaped like it, GPT-2); ``timm``:
-timm's ``VisionTransformer``. Each file's ``register()`` teaches ``parallelize`` its classes.
+``hf``: Hugging Face ``transformers`` (LLaMA and the decoders shaped like it, GPT-2, BERT, T5/BART,
+ViT/CLIP, LLaVA); ``timm``: timm's ``VisionTransformer``. Importing this package registers each
+library with ``convert.register_library``: the files of a library are imported, and their
+``register()`` run, only when ``parallelize`` first meets a module of that library.
 """
 
 from __future__ import annotations
@@ -10,29 +12,31 @@ import importlib
 
 from torch import nn
 
-_registered: set[str] = set()
+from optimus2d.comm.mesh import Mesh
+from optimus2d.convert.parallelizer import register_library
+
 # library → the files that register its classes
 _FILES = {"transformers": ("hf", "hf_causal_lm", "hf_vision", "hf_bert", "hf_seq2seq", "hf_llava"), "timm": ("timm",)}
 
 
-def register_for(module: nn.Module) -> bool:
-    """Register the converters of the library ``module`` comes from; True if there were any."""
-    library = type(module).__module__.split(".")[0]
-    if library not in _FILES or library in _registered:
-        return False
-    _registered.add(library)
+def _each(library: str, what: str):
     for name in _FILES[library]:
-        register = getattr(importlib.import_module(f"optimus2d.families.{name}"), "register", None)
-        if register is not None:
-            register()
-    return True
+        fn = getattr(importlib.import_module(f"optimus2d.families.{name}"), what, None)
+        if fn is not None:
+            yield fn
 
 
-def finish(root: nn.Module, mesh) -> None:
-    """After ``parallelize`` converted ``root``: each registered file's ``finish(root, mesh)``, if it
-    has one (e.g. Hugging Face's ``labels=`` and ``generate()`` on the converted model)."""
-    for library in sorted(_registered):
-        for name in _FILES[library]:
-            fn = getattr(importlib.import_module(f"optimus2d.families.{name}"), "finish", None)
-            if fn is not None:
-                fn(root, mesh)
+def _library(library: str) -> None:
+    def register() -> None:
+        for fn in _each(library, "register"):
+            fn()
+
+    def finish(root: nn.Module, mesh: Mesh) -> None:
+        for fn in _each(library, "finish"):
+            fn(root, mesh)
+
+    register_library(library, register, finish)
+
+
+for _name in _FILES:
+    _library(_name)

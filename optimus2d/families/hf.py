@@ -24,12 +24,12 @@ import textwrap
 import torch
 from torch import nn
 
-from optimus2d.blockwise import forward_problems
 from optimus2d.comm.mesh import Mesh
+from optimus2d.convert.blockwise import forward_problems
+from optimus2d.convert.parallelizer import Converter, keep, register_converter, register_recogniser
 from optimus2d.layers import Embedding2D, Linear2D
+from optimus2d.layers.dropout import Dropout2D
 from optimus2d.layers.linear import TransposedLinear2D
-from optimus2d.parallelize import Converter, keep
-from optimus2d.random import Dropout2D
 
 _HF_ELEMENTWISE = (
     "SiLUActivation",
@@ -171,7 +171,6 @@ def _fused_qkv_attention(module: nn.Module) -> Converter | None:
 
 def register() -> None:
     """Register the Hugging Face converters (needs ``transformers``)."""
-    from optimus2d.parallelize import register_converter, register_recogniser
 
     activations = importlib.import_module("transformers.activations")
     for name in _HF_ELEMENTWISE:

@@ -37,10 +37,11 @@ import torch
 from torch import nn
 
 from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.rng import shard_rng
 from optimus2d.comm.sharding import Sharding
+from optimus2d.convert.parallelizer import convert_children, register_converter
 from optimus2d.layers.base import replace_by_block
 from optimus2d.layers.loss import cross_entropy
-from optimus2d.random import shard_rng
 
 # Forwards read: element-wise on the hidden dim, or on whole heads, once the children are converted.
 _KEEP = (
@@ -63,7 +64,6 @@ _WITH_ACTIVATION = {  # dense → act (→ LayerNorm): kept if the activation is
 
 
 def _convert_children(module: nn.Module, mesh: Mesh) -> None:
-    from optimus2d.parallelize import convert_children
 
     convert_children(module, mesh)
 
@@ -209,7 +209,6 @@ def _masked_lm(model: nn.Module, mesh: Mesh) -> nn.Module:
 
 def register() -> None:
     """Register the BERT converters (needs ``transformers``)."""
-    from optimus2d.parallelize import register_converter
 
     bert = importlib.import_module("transformers.models.bert.modeling_bert")
     for name in _KEEP:

@@ -76,7 +76,7 @@ def _install(lm: nn.Module) -> None:
         serial_is_causal = current is LOSS_MAPPING.get("ForCausalLM")
         lm.loss_function = types.MethodType(_causal_lm_loss if serial_is_causal else _refused_loss, lm)
     for name, fn in (
-        ("generate", _generate),
+        ("generate", generate),
         ("num_parameters", _num_parameters),
         ("resize_token_embeddings", _refused_resize),
     ):
@@ -154,7 +154,7 @@ def _refused_loss(self: nn.Module, *args, **kwargs) -> torch.Tensor:
 
 
 # ---- generate() ----------------------------------------------------------------------------------
-def _generate(self: nn.Module, *args, **kwargs):
+def generate(self: nn.Module, *args, **kwargs):
     """``GenerationMixin.generate`` on full inputs (the same on every rank): the serial tokens on every rank."""
     if getattr(self, "_optimus2d_generating", False):  # nested (token healing): the hooks are in place
         return type(self).generate(self, *args, **kwargs)

@@ -53,6 +53,8 @@ from torch import nn
 
 from optimus2d.comm.agreement import agree
 from optimus2d.comm.mesh import Mesh
+from optimus2d.convert.parallelizer import convert_children, register_converter
+from optimus2d.families.hf_causal_lm import generate as generate_text
 from optimus2d.families.vision import with_forward
 
 _SUFFIX = "OnMesh"
@@ -146,7 +148,6 @@ def _agree_placeholders(model: nn.Module, mesh: Mesh, where: str, input_ids, ima
 
 
 def _llava_model(model: nn.Module, mesh: Mesh) -> nn.Module:
-    from optimus2d.parallelize import convert_children
 
     if getattr(model, "_optimus2d_mesh", None) is not None:
         return model
@@ -164,8 +165,6 @@ def _llava_model(model: nn.Module, mesh: Mesh) -> nn.Module:
 
 def _generate(self, *args, **kwargs):
     """``generate`` (``hf_causal_lm.py``: full inputs, serial tokens) for text; images refused."""
-    from optimus2d.families.hf_causal_lm import _generate as generate_text
-
     given = [name for name in ("pixel_values", "mm_encoder_outputs", "image_sizes") if kwargs.get(name) is not None]
     if given:
         raise ValueError(
@@ -185,7 +184,6 @@ def finish(root: nn.Module, mesh: Mesh) -> None:
 
 def register() -> None:
     """Register the converter of transformers' ``LlavaModel``."""
-    from optimus2d.parallelize import register_converter
 
     llava = importlib.import_module("transformers.models.llava.modeling_llava")
     register_converter(llava.LlavaModel, _llava_model, converts_children=True)

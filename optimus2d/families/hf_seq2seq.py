@@ -42,6 +42,7 @@ from torch import nn
 from optimus2d.comm import reduce_grad
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
+from optimus2d.convert.parallelizer import convert_children, register_converter
 from optimus2d.families.hf_bert import in_shard_rng, refuse_unsplittable, with_vocab_loss
 from optimus2d.layers import RMSNorm2D, ShardedModule
 from optimus2d.layers.base import fill_from_serial, replace_by_block
@@ -114,7 +115,6 @@ class HeadTable2D(ShardedModule):
 
 
 def _convert_children(module: nn.Module, mesh: Mesh) -> None:
-    from optimus2d.parallelize import convert_children
 
     convert_children(module, mesh)
 
@@ -260,7 +260,6 @@ _T5_KEEP = (  # forwards read: element-wise on the hidden dim, or whole heads
 
 def register() -> None:
     """Register the BART and T5 converters (needs ``transformers``)."""
-    from optimus2d.parallelize import register_converter
 
     bart = _bart()
     register_converter(bart.BartScaledWordEmbedding, ScaledEmbedding2D.from_serial)

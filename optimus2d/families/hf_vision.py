@@ -45,9 +45,10 @@ from torch import nn
 
 from optimus2d.comm import gather
 from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.rng import shard_rng
+from optimus2d.convert.parallelizer import convert_children, register_converter
 from optimus2d.families.vision import PatchConv2D, PositionEmbedding2D, split_hidden, with_forward
 from optimus2d.layers.loss import cross_entropy
-from optimus2d.random import shard_rng
 
 _SUFFIX = "OnMesh"
 
@@ -65,7 +66,6 @@ def _attention_forward(self, *args, **kwargs):
 
 def _attention(heads_attr: str, dropout_attr: str, width_attrs: tuple[str, ...] = ()):
     def convert(attn: nn.Module, mesh: Mesh) -> nn.Module:
-        from optimus2d.parallelize import convert_children
 
         if _converted(attn):
             return attn
@@ -97,7 +97,6 @@ def _vit_patch_embeddings(embed: nn.Module, mesh: Mesh) -> nn.Module:
 
 
 def _vit_embeddings(embed: nn.Module, mesh: Mesh) -> nn.Module:
-    from optimus2d.parallelize import convert_children
 
     convert_children(embed, mesh)  # patch_embeddings, dropout
     split_hidden(embed, ("cls_token", "mask_token", "position_embeddings"), mesh)
@@ -114,7 +113,6 @@ def _clip_vision_embeddings(embed: nn.Module, mesh: Mesh) -> nn.Module:
 
 
 def _clip_text_embeddings(embed: nn.Module, mesh: Mesh) -> nn.Module:
-    from optimus2d.parallelize import convert_children
 
     if not isinstance(embed.position_embedding, PositionEmbedding2D):
         embed.position_embedding = PositionEmbedding2D.from_serial(embed.position_embedding, mesh)
@@ -157,7 +155,6 @@ def _classification_forward(self, pixel_values=None, labels=None, *args, **kwarg
 
 
 def _classification(model: nn.Module, mesh: Mesh) -> nn.Module:
-    from optimus2d.parallelize import convert_children
 
     convert_children(model, mesh)
     if _converted(model):
@@ -207,7 +204,6 @@ def _clip_forward(
 
 
 def _clip_model(model: nn.Module, mesh: Mesh) -> nn.Module:
-    from optimus2d.parallelize import convert_children
 
     convert_children(model, mesh)  # the towers, visual_projection, text_projection; logit_scale stays whole
     if _converted(model):
@@ -219,7 +215,6 @@ def _clip_model(model: nn.Module, mesh: Mesh) -> nn.Module:
 
 def register() -> None:
     """Register the converters of transformers' ViT and CLIP."""
-    from optimus2d.parallelize import register_converter
 
     vit = importlib.import_module("transformers.models.vit.modeling_vit")
     for cls in (vit.ViTModel, vit.ViTLayer, vit.ViTMLP, vit.ViTPooler):

@@ -13,9 +13,10 @@ from torch import nn
 
 from optimus2d.comm import scatter
 from optimus2d.comm.mesh import Mesh
+from optimus2d.convert.parallelizer import convert_children, parallelize, register_converter
 from optimus2d.families.vision import split_hidden, with_forward
 from optimus2d.layers import LayerNorm2D, Linear2D
-from optimus2d.random import Dropout2D
+from optimus2d.layers.dropout import Dropout2D
 
 
 def _scattered_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -30,7 +31,6 @@ def _timm_patch_embed(embed: nn.Module, mesh: Mesh) -> nn.Module:
 
 
 def _timm_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
-    from optimus2d.parallelize import parallelize
 
     if isinstance(attn.qkv, Linear2D):  # converted already
         return attn
@@ -53,7 +53,6 @@ def _timm_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
 
 
 def _timm_vit(vit: nn.Module, mesh: Mesh) -> nn.Module:
-    from optimus2d.parallelize import convert_children
 
     if getattr(vit, "dynamic_img_size", False):
         raise TypeError("parallelize: timm VisionTransformer with dynamic_img_size is not supported")
@@ -66,7 +65,6 @@ def _timm_vit(vit: nn.Module, mesh: Mesh) -> nn.Module:
 
 def register() -> None:
     """Register the timm converters (needs ``timm``)."""
-    from optimus2d.parallelize import register_converter
 
     vision_transformer = importlib.import_module("timm.models.vision_transformer")
     layers = importlib.import_module("timm.layers")

@@ -3,12 +3,12 @@
 from optimus2d.layers.attention import MultiheadAttention2D
 from optimus2d.layers.base import ShardedModule, fill_from_serial
 from optimus2d.layers.block import TransformerBlock2D
+from optimus2d.layers.dropout import Dropout2D
 from optimus2d.layers.embedding import Embedding2D, TiedHead2D
 from optimus2d.layers.linear import Linear2D, TransposedLinear2D, linear_2d
 from optimus2d.layers.loss import cross_entropy
 from optimus2d.layers.mlp import MLP2D
 from optimus2d.layers.norm import LayerNorm2D, RMSNorm2D
-from optimus2d.random import Dropout2D
 
 __all__ = [
     "MLP2D",

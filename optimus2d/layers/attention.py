@@ -10,10 +10,10 @@ from torch import nn
 
 from optimus2d.comm import all_reduce
 from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.rng import shard_rng
 from optimus2d.comm.sharding import Sharding
 from optimus2d.layers.base import ShardedModule, fill_from_serial
 from optimus2d.layers.linear import Linear2D, linear_2d
-from optimus2d.random import shard_rng
 
 
 class MultiheadAttention2D(ShardedModule):

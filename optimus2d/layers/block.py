@@ -10,10 +10,10 @@ from torch import nn
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers.attention import MultiheadAttention2D
 from optimus2d.layers.base import fill_from_serial
+from optimus2d.layers.dropout import Dropout2D
 from optimus2d.layers.linear import Linear2D
 from optimus2d.layers.mlp import activation_fn, feed_forward
 from optimus2d.layers.norm import LayerNorm2D
-from optimus2d.random import Dropout2D
 
 
 def _declare(block, d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, norm_first, bias, *,

@@ -9,10 +9,10 @@ from torch import nn
 from optimus2d.comm import reduce_grad, stationary_ab, stationary_abt, summa_ab, summa_abt
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.primitives import is_transposed_view
+from optimus2d.comm.recompute import Activation
 from optimus2d.comm.sharding import Sharding
-from optimus2d.cost import linear_2d_algorithm
+from optimus2d.cost.volume import linear_2d_algorithm
 from optimus2d.layers.base import ShardedModule, fill_from_serial
-from optimus2d.recompute import Activation
 
 
 class Linear2D(ShardedModule):

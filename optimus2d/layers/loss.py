@@ -41,28 +41,9 @@ def cross_entropy(
     target. Where the vocabulary is whole (q = 1) and there is no smoothing, the loss is torch's
     ``F.cross_entropy`` (and its kernels).
     """
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"cross_entropy: reduction={reduction!r} is not 'mean', 'sum' or 'none'")
-    if tuple(target_local.shape) != tuple(logits_local.shape[:-1]):
-        raise ValueError(
-            f"cross_entropy: target of shape {tuple(target_local.shape)} does not match logits "
-            f"{tuple(logits_local.shape)} (expected target {tuple(logits_local.shape[:-1])}) on {mesh}"
-        )
-    if target_local.is_floating_point():
-        raise TypeError(f"cross_entropy: targets must be class indices, got {target_local.dtype}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"cross_entropy: label_smoothing={label_smoothing} must be in [0, 1]")
-
+    _check_arguments(logits_local, target_local, mesh, label_smoothing, reduction)
     per_rank = logits_local.shape[-1]
-    vocab = per_rank * mesh.q
-    if num_classes is not None:
-        low = (per_rank - 1) * mesh.q + 1  # the vocabularies whose blocks are per_rank wide
-        if not low <= num_classes <= vocab:
-            raise ValueError(
-                f"cross_entropy: num_classes={num_classes} does not fit logits whose last dim is {per_rank} "
-                f"(a vocabulary of {low}..{vocab} split over q={mesh.q}) on {mesh}"
-            )
-        vocab = num_classes
+    vocab = _vocabulary(per_rank, mesh, num_classes)
     start = mesh.index("row") * per_rank
     valid = target_local != ignore_index
     # Targets are the same across the row; a bad one is reported on every rank at once (the
@@ -78,19 +59,62 @@ def cross_entropy(
         loss = F.cross_entropy(flat, safe, ignore_index=ignore_index, reduction="none")
         loss = loss.view(target_local.shape).to(compute_dtype(logits_local))
     else:
-        in_block = valid & (target_local >= start) & (target_local < start + per_rank)
-        local_target = torch.where(in_block, target_local - start, 0)
-        loss = _SplitVocabCrossEntropy.apply(logits_local, local_target, in_block, mesh, label_smoothing)
-    loss = torch.where(valid, loss, 0.0)
+        loss = _split_vocab_loss(logits_local, target_local, valid, start, mesh, label_smoothing)
+    return _reduced_loss(torch.where(valid, loss, 0.0), valid, bad, reduction, vocab, mesh).to(logits_local.dtype)
+
+
+def _check_arguments(
+    logits_local: torch.Tensor, target_local: torch.Tensor, mesh: Mesh, label_smoothing: float, reduction: str
+) -> None:
+    """Refuse a reduction, target shape or dtype, or label smoothing that ``cross_entropy`` does not take."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"cross_entropy: reduction={reduction!r} is not 'mean', 'sum' or 'none'")
+    if tuple(target_local.shape) != tuple(logits_local.shape[:-1]):
+        raise ValueError(
+            f"cross_entropy: target of shape {tuple(target_local.shape)} does not match logits "
+            f"{tuple(logits_local.shape)} (expected target {tuple(logits_local.shape[:-1])}) on {mesh}"
+        )
+    if target_local.is_floating_point():
+        raise TypeError(f"cross_entropy: targets must be class indices, got {target_local.dtype}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing={label_smoothing} must be in [0, 1]")
+
+
+def _vocabulary(per_rank: int, mesh: Mesh, num_classes: int | None) -> int:
+    """The number of classes: ``num_classes``, checked to fit blocks ``per_rank`` wide, else every column."""
+    vocab = per_rank * mesh.q
+    if num_classes is not None:
+        low = (per_rank - 1) * mesh.q + 1  # the vocabularies whose blocks are per_rank wide
+        if not low <= num_classes <= vocab:
+            raise ValueError(
+                f"cross_entropy: num_classes={num_classes} does not fit logits whose last dim is {per_rank} "
+                f"(a vocabulary of {low}..{vocab} split over q={mesh.q}) on {mesh}"
+            )
+        vocab = num_classes
+    return vocab
+
+
+def _split_vocab_loss(
+    logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, start: int, mesh: Mesh, smoothing: float
+) -> torch.Tensor:
+    """Each target's loss from this rank's vocabulary block, which starts at class ``start``."""
+    in_block = valid & (target >= start) & (target < start + logits.shape[-1])
+    local_target = torch.where(in_block, target - start, 0)
+    return _SplitVocabCrossEntropy.apply(logits, local_target, in_block, mesh, smoothing)
+
+
+def _reduced_loss(
+    loss: torch.Tensor, valid: torch.Tensor, bad: torch.Tensor, reduction: str, vocab: int, mesh: Mesh
+) -> torch.Tensor:
+    """The per-target losses, or their sum or mean over the mesh, once every rank knows of any bad target."""
     bad = bad.any().to(loss.dtype)
     if reduction == "none":
         flag = all_reduce(bad.reshape(1), mesh, ("col", "depth"))
         _raise_if(flag[0], vocab, mesh)
-        return loss.to(logits_local.dtype)
+        return loss
     total = all_reduce(torch.stack([loss.sum(), valid.sum().to(loss.dtype), bad]), mesh, ("col", "depth"))
     _raise_if(total[2], vocab, mesh)
-    result = total[0] / total[1] if reduction == "mean" else total[0]
-    return result.to(logits_local.dtype)
+    return total[0] / total[1] if reduction == "mean" else total[0]
 
 
 class _SplitVocabCrossEntropy(Function):

@@ -10,8 +10,8 @@ from torch import nn
 
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers.base import fill_from_serial
+from optimus2d.layers.dropout import Dropout2D
 from optimus2d.layers.linear import Linear2D
-from optimus2d.random import Dropout2D
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 

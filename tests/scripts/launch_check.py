@@ -38,7 +38,7 @@ while world.size % (q * q):
 mesh = optimus2d.Mesh(q, depth=world.size // (q * q))
 torch.manual_seed(0)
 serial = torch.nn.Linear(6 * q, 4 * q)
-layer = optimus2d.Linear2D.from_serial(serial, mesh)
+layer = optimus2d.layers.Linear2D.from_serial(serial, mesh)
 x = torch.randn(2 * world.size, 3, 6 * q)
 y = optimus2d.gather(layer(optimus2d.scatter(x, mesh)), mesh)
 err = ((y - serial(x)).abs().max() / serial(x).abs().max()).item()

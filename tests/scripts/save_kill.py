@@ -24,7 +24,7 @@ from torch import nn
 
 import optimus2d
 from optimus2d import checkpoint
-from optimus2d.checkpoint_files import PREVIOUS
+from optimus2d.checkpoint.files import PREVIOUS
 
 directory, timeout, mode = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 path = os.path.join(directory, "ckpt")

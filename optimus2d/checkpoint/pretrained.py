@@ -36,12 +36,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from optimus2d._progress import Progress, mib, on
+from optimus2d.checkpoint.progress import Progress, mib, on
+from optimus2d.checkpoint.serial import _owners
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, Slices, block_slices
+from optimus2d.convert.meta_init import materialize
 from optimus2d.layers.base import serial_tensor, sharding_of, swap_block
-from optimus2d.serial import _owners
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 SAVING, PREVIOUS = ".optimus2d-saving", ".optimus2d-previous"  # beside path, as optimus2d.checkpoint
@@ -319,8 +320,7 @@ def load_pretrained(
         error = err
     _agree(mesh, "load_pretrained (reading the blocks)", error)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # what no checkpoint holds
-        from optimus2d.meta_init import materialize  # (LLaMA's rotary table) as the serial model makes it
-
+        # (LLaMA's rotary table) as the serial model makes it
         materialize(model, seed=0, device=device or (mesh.device if mesh is not None else None))
     nbytes = sum(math.prod(t.serial_shape) * t.tensor.element_size() for t, _, _ in plan)
     where = on(mesh)
@@ -485,6 +485,27 @@ def save_pretrained(
     tensors = _tensors(model)
     mesh = _model_mesh(tensors)
     writer = mesh is None or mesh.index("mesh") == 0
+    shards, saving, error = _plan_and_prepare(model, tensors, max_shard_size, path, writer)
+    _agree(mesh, "save_pretrained", error)
+    names = _shard_names(len(shards))
+    bar = Progress("save_pretrained", sum(len(shard) for shard in shards), mesh, progress)
+    bar.start = start
+    error = _stream_shards(shards, names, saving, writer, bar)
+    if writer and error is None:
+        error = _finish_save(model, tensors, shards, names, saving, path)
+    if writer and error is not None and saving is not None:
+        shutil.rmtree(saving, ignore_errors=True)
+    bar.close()
+    _agree(mesh, "save_pretrained (writing)", error)  # also the barrier: none returns before the commit
+    count = sum(len(shard) for shard in shards)
+    nbytes = sum(math.prod(t.serial_shape) * t.tensor.element_size() for shard in shards for t, _ in shard)
+    where = on(mesh)
+    files = f"{len(names)} file{'s' if len(names) != 1 else ''}"
+    bar.summary(f"save_pretrained: {count} tensors, {mib(nbytes)} in {files} to {path} in {bar.seconds():.1f} s{where}")
+
+
+def _plan_and_prepare(model: nn.Module, tensors: list, max_shard_size: int | str, path: str, writer: bool):
+    """The shards, and on the writer the temporary directory; an error is returned, for ``_agree``."""
     shards, saving, error = [], None, None
     try:
         shards = _plan_save(model, tensors, _shard_bytes(max_shard_size))
@@ -492,15 +513,19 @@ def save_pretrained(
             saving = _prepare(path)
     except Exception as err:
         error = err
-    _agree(mesh, "save_pretrained", error)
-    names = (
-        [WEIGHTS]
-        if len(shards) == 1
-        else [f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" for n in range(len(shards))]
-    )
+    return shards, saving, error
+
+
+def _shard_names(count: int) -> list[str]:
+    """The files of ``count`` shards, named as Hugging Face names them."""
+    return [WEIGHTS] if count == 1 else [f"model-{n + 1:05d}-of-{count:05d}.safetensors" for n in range(count)]
+
+
+def _stream_shards(
+    shards: list, names: list[str], saving: str | None, writer: bool, bar: Progress
+) -> BaseException | None:
+    """Gather every serial tensor (collective, in order), the writer streaming each into its shard; its error."""
     error = None
-    bar = Progress("save_pretrained", sum(len(shard) for shard in shards), mesh, progress)
-    bar.start = start
     for shard, name in zip(shards, names, strict=True):
         f = None
         if writer and error is None:
@@ -520,26 +545,24 @@ def save_pretrained(
             bar.update()
         if f is not None:
             error = error or _close(f)
-    if writer and error is None:
-        try:
-            if len(shards) > 1:
-                weight_map = {key: name for shard, name in zip(shards, names, strict=True) for _, key in shard}
-                total = sum(math.prod(t.serial_shape) * t.tensor.element_size() for s in shards for t, _ in s)
-                params = sum(math.prod(t.serial_shape) for s in shards for t, _ in s)
-                index = {"metadata": {"total_size": total, "total_parameters": params}, "weight_map": weight_map}
-                with open(os.path.join(saving, INDEX), "w") as f:
-                    f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-            floats = [t.tensor.dtype for t in tensors if t.tensor.is_floating_point()]
-            _write_config(model, saving, floats[0] if floats else None)
-            _commit(saving, path)
-        except Exception as err:
-            error = err
-    if writer and error is not None and saving is not None:
-        shutil.rmtree(saving, ignore_errors=True)
-    bar.close()
-    _agree(mesh, "save_pretrained (writing)", error)  # also the barrier: none returns before the commit
-    count = sum(len(shard) for shard in shards)
-    nbytes = sum(math.prod(t.serial_shape) * t.tensor.element_size() for shard in shards for t, _ in shard)
-    where = on(mesh)
-    files = f"{len(names)} file{'s' if len(names) != 1 else ''}"
-    bar.summary(f"save_pretrained: {count} tensors, {mib(nbytes)} in {files} to {path} in {bar.seconds():.1f} s{where}")
+    return error
+
+
+def _finish_save(
+    model: nn.Module, tensors: list, shards: list, names: list[str], saving: str, path: str
+) -> Exception | None:
+    """The writer, every shard written: the index (several shards), the config, then the commit; its error."""
+    try:
+        if len(shards) > 1:
+            weight_map = {key: name for shard, name in zip(shards, names, strict=True) for _, key in shard}
+            total = sum(math.prod(t.serial_shape) * t.tensor.element_size() for s in shards for t, _ in s)
+            params = sum(math.prod(t.serial_shape) for s in shards for t, _ in s)
+            index = {"metadata": {"total_size": total, "total_parameters": params}, "weight_map": weight_map}
+            with open(os.path.join(saving, INDEX), "w") as f:
+                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        floats = [t.tensor.dtype for t in tensors if t.tensor.is_floating_point()]
+        _write_config(model, saving, floats[0] if floats else None)
+        _commit(saving, path)
+    except Exception as err:
+        return err
+    return None

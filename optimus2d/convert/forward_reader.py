@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from optimus2d.forward_values import (
+from optimus2d.comm.rng import shard_rng
+from optimus2d.convert.forward_values import (
     DROPOUTS,
     GLOBAL_SIZES,
     MIXING_METHODS,
@@ -59,7 +60,6 @@ from optimus2d.forward_values import (
     static_value,
     truth,
 )
-from optimus2d.random import shard_rng
 
 
 @dataclass

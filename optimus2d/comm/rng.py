@@ -1,4 +1,7 @@
-"""Random numbers for sharded tensors: masks that differ between shards and replay exactly."""
+"""Random numbers for sharded tensors: masks that differ between shards and replay exactly.
+
+(Named ``rng``, not ``random``, so that it never shadows the standard library's module.)
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from optimus2d.comm.mesh import Mesh
 
@@ -32,22 +33,3 @@ def shard_rng(mesh: Mesh, enabled: bool = True) -> Iterator[None]:
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed((seed + _GOLDEN * (mesh.index("mesh") + 1)) % 2**63)
         yield
-
-
-class Dropout2D(nn.Module):
-    """``nn.Dropout`` for a sharded activation: each shard draws its own mask (see ``shard_rng``)."""
-
-    def __init__(self, p: float = 0.5, *, mesh: Mesh) -> None:
-        super().__init__()
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
-        self.p, self.mesh = p, mesh
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        with shard_rng(self.mesh):
-            return F.dropout(x, self.p, training=True)
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}"

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from torch.distributed import pipelining
 from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
 
-from optimus2d.pipeline_partition import LayerCost
-from optimus2d.pipeline_simulator import Timeline, schedule_order
+from optimus2d.pipeline.partition import LayerCost
+from optimus2d.pipeline.simulator import Timeline, schedule_order
 
 __all__ = [
     "BubblePlan",
@@ -90,71 +90,82 @@ def bubble_order(
     """
     if llm not in LLM_SCHEDULES:
         raise ValueError(f"bubble_order: llm={llm!r} is not one of {sorted(LLM_SCHEDULES)}")
-    n = n_microbatches
     cls, chunks = LLM_SCHEDULES[llm]
-    plain = schedule_order(cls, ranks, n, chunks)
-    llm_queue = {
-        r: [
-            _Action(ranks + a.stage_index, a.computation_type, a.microbatch_index)
-            for a in plain[r]
-            if a and a.computation_type in (_F, _B)
-        ]
-        for r in range(ranks)
-    }
-    encoder_queue = {
-        r: [_Action(encoder_stage(r, ranks), kind, m) for kind in (_F, _B) for m in range(n)] for r in range(ranks)
-    }
-    last = (1 + chunks) * ranks - 1
-    done: dict[tuple, float] = {}
-    clock = dict.fromkeys(range(ranks), 0.0)
-    busy = dict.fromkeys(range(ranks), 0.0)
-    spans: dict[int, list] = {r: [] for r in range(ranks)}
-    out: dict[int, list[_Action]] = {r: [] for r in range(ranks)}
+    plan = _ListSchedule(cls, chunks, ranks, n_microbatches, lead, p2p)
+    while any(plan.llm_queue[r] or plan.encoder_queue[r] for r in range(ranks)):
+        # the action that can start first, over all ranks: everything placed later starts no earlier
+        picks = [(c, r) for r in range(ranks) if (c := plan.choice(r)) is not None]
+        if not picks:
+            waiting = {r: (plan.llm_queue[r][:1], plan.encoder_queue[r][:1]) for r in range(ranks)}
+            raise ValueError(f"bubble_order: every rank waits forever: {waiting}")
+        (start, _, action, queue), rank = min(picks, key=lambda pick: (pick[0][0], pick[0][1], pick[1]))
+        plan.place(rank, start, action, cost)
+        queue.pop(0)
+    return plan.out, Timeline(max(plan.clock.values()), plan.busy, plan.spans)
 
-    def ready(action: _Action | None) -> float | None:
+
+class _ListSchedule:
+    """``bubble_order``'s state: each rank's queues of actions not placed yet, its clock, and what it placed."""
+
+    def __init__(self, cls, chunks: int, ranks: int, n: int, lead: int, p2p: float) -> None:
+        plain = schedule_order(cls, ranks, n, chunks)
+        self.llm_queue = {
+            r: [
+                _Action(ranks + a.stage_index, a.computation_type, a.microbatch_index)
+                for a in plain[r]
+                if a and a.computation_type in (_F, _B)
+            ]
+            for r in range(ranks)
+        }
+        self.encoder_queue = {
+            r: [_Action(encoder_stage(r, ranks), kind, m) for kind in (_F, _B) for m in range(n)] for r in range(ranks)
+        }
+        self.ranks, self.n, self.lead, self.p2p, self.last = ranks, n, lead, p2p, (1 + chunks) * ranks - 1
+        self.done: dict[tuple, float] = {}
+        self.clock = dict.fromkeys(range(ranks), 0.0)
+        self.busy = dict.fromkeys(range(ranks), 0.0)
+        self.spans: dict[int, list] = {r: [] for r in range(ranks)}
+        self.out: dict[int, list[_Action]] = {r: [] for r in range(ranks)}
+
+    def ready(self, action: _Action | None) -> float | None:
+        """When ``action``'s inputs are there (None: one of them is not placed yet, or no action)."""
         if action is None:
             return None
-        s, m = action.stage_index, action.microbatch_index
+        s, m, ranks = action.stage_index, action.microbatch_index, self.ranks
         needs = []
         if action.computation_type == _F and s > 0:
             needs.append((("F", s - 1, m), stage_rank(s - 1, ranks) != stage_rank(s, ranks)))
         if action.computation_type == _B:
             needs.append((("F", s, m), False))
-            if s < last:
+            if s < self.last:
                 needs.append((("B", s + 1, m), stage_rank(s + 1, ranks) != stage_rank(s, ranks)))
-        if any(key not in done for key, _ in needs):
+        if any(key not in self.done for key, _ in needs):
             return None
-        return max((done[key] + (p2p if remote else 0.0) for key, remote in needs), default=0.0)
+        return max((self.done[key] + (self.p2p if remote else 0.0) for key, remote in needs), default=0.0)
 
-    def choice(rank: int) -> tuple[float, int, _Action, list] | None:
+    def choice(self, rank: int) -> tuple[float, int, _Action, list] | None:
         """The rank's next action and its start (None: it waits for an action not placed yet)."""
-        head = llm_queue[rank][0] if llm_queue[rank] else None
-        enc = encoder_queue[rank][0] if encoder_queue[rank] else None
-        now, t_llm, t_enc = clock[rank], ready(head), ready(enc)
-        upcoming = next((a.microbatch_index for a in llm_queue[rank] if a.computation_type == _F), n)
-        due = enc is not None and enc.computation_type == _F and enc.microbatch_index <= upcoming + lead
+        llm_queue, encoder_queue = self.llm_queue[rank], self.encoder_queue[rank]
+        head = llm_queue[0] if llm_queue else None
+        enc = encoder_queue[0] if encoder_queue else None
+        now, t_llm, t_enc = self.clock[rank], self.ready(head), self.ready(enc)
+        upcoming = next((a.microbatch_index for a in llm_queue if a.computation_type == _F), self.n)
+        due = enc is not None and enc.computation_type == _F and enc.microbatch_index <= upcoming + self.lead
         options = []  # (start, preference): a due encoder forward, the LLM's next action, any encoder action
         if t_enc is not None:
-            options.append((max(now, t_enc), 0 if due else 2, enc, encoder_queue[rank]))
+            options.append((max(now, t_enc), 0 if due else 2, enc, encoder_queue))
         if t_llm is not None:
-            options.append((max(now, t_llm), 1, head, llm_queue[rank]))
+            options.append((max(now, t_llm), 1, head, llm_queue))
         return min(options, key=lambda o: o[:2]) if options else None
 
-    while any(llm_queue[r] or encoder_queue[r] for r in range(ranks)):
-        # the action that can start first, over all ranks: everything placed later starts no earlier
-        picks = [(c, r) for r in range(ranks) if (c := choice(r)) is not None]
-        if not picks:
-            waiting = {r: (llm_queue[r][:1], encoder_queue[r][:1]) for r in range(ranks)}
-            raise ValueError(f"bubble_order: every rank waits forever: {waiting}")
-        (start, _, action, queue), rank = min(picks, key=lambda pick: (pick[0][0], pick[0][1], pick[1]))
+    def place(self, rank: int, start: float, action: _Action, cost: Callable[[str, int], float]) -> None:
+        """Run ``action`` on ``rank`` from ``start``: its end, the rank's clock, busy time and span."""
         kind = action.computation_type.value
         seconds = cost(kind, action.stage_index)
-        done[(kind, action.stage_index, action.microbatch_index)] = clock[rank] = start + seconds
-        busy[rank] += seconds
-        spans[rank].append((f"{kind}{action.stage_index},{action.microbatch_index}", start, start + seconds))
-        out[rank].append(action)
-        queue.pop(0)
-    return out, Timeline(max(clock.values()), busy, spans)
+        self.done[(kind, action.stage_index, action.microbatch_index)] = self.clock[rank] = start + seconds
+        self.busy[rank] += seconds
+        self.spans[rank].append((f"{kind}{action.stage_index},{action.microbatch_index}", start, start + seconds))
+        self.out[rank].append(action)
 
 
 @dataclass(frozen=True)

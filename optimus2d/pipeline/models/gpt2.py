@@ -41,12 +41,12 @@ from torch import nn
 from optimus2d.comm import compat
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
+from optimus2d.convert.parallelizer import keep, register_converter
 from optimus2d.layers import Embedding2D
 from optimus2d.layers.base import mark_block
 from optimus2d.layers.embedding import TiedHead2D
-from optimus2d.parallelize import keep, register_converter
-from optimus2d.pipeline import StageMesh
-from optimus2d.pipeline_models import causal_mask
+from optimus2d.pipeline.models.llama import causal_mask
+from optimus2d.pipeline.stages import StageMesh
 
 __all__ = ["GPT2Stage", "TiedPair", "gpt2_stages", "shared_copies", "sum_tied_grads", "tied_pair"]
 
@@ -211,7 +211,7 @@ def sum_tied_grads(chunks: nn.Module | Sequence[nn.Module], pair: TiedPair) -> N
 
 def shared_copies(chunks: nn.Module | Sequence[nn.Module]) -> dict[nn.Parameter, int]:
     """The tied table's copies in this rank's ``chunks``, each with the number of copies the pipeline
-    holds (2: one on the first stage, one on the last), for ``pipeline.clip_grad_norm_(copies=)``; a
+    holds (2: one on the first stage, one on the last), for ``optimus2d.clip_grad_norm_(copies=)``; a
     stage holding both the embedding and the head holds one Parameter, counted once as it is."""
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     stages = [m for c in chunks for m in c.modules() if isinstance(m, GPT2Stage)]

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from optimus2d.comm import primitives as P
-from optimus2d.forward_reader import forward_problems
+from optimus2d.convert.forward_reader import forward_problems
+from optimus2d.layers.base import keep_blocks_on_copy
 
 __all__ = ["acts_elementwise", "as_norm", "forward_problems", "head_problems", "independent_of_hidden", "per_head"]
 
@@ -148,7 +149,6 @@ def replicated(module: nn.Module, mesh) -> nn.Module:
         param._optimus2d_mesh = mesh
         if param.requires_grad and mesh.size > 1:
             param.register_hook(functools.partial(_summed_over_mesh, mesh=mesh))
-    from optimus2d.layers.base import keep_blocks_on_copy
 
     return keep_blocks_on_copy(module)  # copy.deepcopy keeps the tags and hooks
 

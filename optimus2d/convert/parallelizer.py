@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from optimus2d import blockwise, families, forward_reader, layouts
 from optimus2d.comm.agreement import check_same_tensors, layout
 from optimus2d.comm.mesh import Mesh
+from optimus2d.convert import blockwise, forward_reader, layouts
+from optimus2d.convert.meta_init import has_meta, record_init
+from optimus2d.convert.tied import tied_embeddings
 from optimus2d.layers import (
     Dropout2D,
     Embedding2D,
@@ -29,7 +31,6 @@ from optimus2d.layers import (
 )
 from optimus2d.layers.block import TransformerDecoderBlock2D, TransformerStack2D
 from optimus2d.layers.embedding import TiedHead2D
-from optimus2d.meta_init import has_meta, record_init
 
 Converter = Callable[[nn.Module, Mesh], nn.Module]
 _CONVERTERS: dict[type, Converter] = {}
@@ -70,9 +71,9 @@ def register_converter(
     ``converter(module, mesh)`` returns the module that replaces ``module``. Use directly or as a
     decorator::
 
-        @optimus2d.register_converter(MyNorm)
+        @optimus2d.convert.register_converter(MyNorm)
         def _(norm, mesh):
-            return optimus2d.RMSNorm2D.from_serial(as_rmsnorm(norm), mesh)
+            return optimus2d.layers.RMSNorm2D.from_serial(as_rmsnorm(norm), mesh)
 
     ``keep=True`` (no converter) declares that ``cls``'s forward is correct on blocks as it is —
     it acts element by element on the hidden dim, or only on whole heads, once its children are
@@ -130,6 +131,30 @@ def register_recogniser(recognise: Recogniser) -> Recogniser:
     return recognise
 
 
+Finish = Callable[[nn.Module, Mesh], None]
+# library → (its registration, not run yet or None once run; what runs on each converted model)
+_LIBRARIES: dict[str, tuple[Callable[[], None] | None, Finish | None]] = {}
+
+
+def register_library(name: str, register: Callable[[], None], finish: Finish | None = None) -> None:
+    """Register the converters of the library ``name`` (a top-level package, e.g. ``"transformers"``)
+    lazily: ``register()`` runs when ``parallelize`` first meets a module of a class defined there,
+    so its classes are imported only when used; from then on ``finish(model, mesh)`` runs on every
+    model ``parallelize`` converts (e.g. Hugging Face's ``labels=`` and ``generate()``)."""
+    _LIBRARIES[name] = (register, finish)
+
+
+def _load_library_of(module: nn.Module) -> bool:
+    """Run the registration of ``module``'s library, if it has one not run yet; True if it ran."""
+    library = type(module).__module__.split(".")[0]
+    register, finish = _LIBRARIES.get(library, (None, None))
+    if register is None:
+        return False
+    _LIBRARIES[library] = (None, finish)
+    register()
+    return True
+
+
 def converter_for(module: nn.Module) -> Converter | None:
     """The registered converter for ``module``'s type or a base class whose forward it keeps."""
     for cls in type(module).__mro__:
@@ -157,7 +182,7 @@ def parallelize(
     and everything inside it is converted and runs; tensors crossing its boundary move between the
     meshes' layouts by ``redistribute`` (``optimus2d/layouts.py``). A key naming no module is refused.
     """
-    walk = _Walk(mesh, {}, _tied_embeddings(module), plan=layouts.check_plan(plan, mesh))
+    walk = _Walk(mesh, {}, tied_embeddings(module), plan=layouts.check_plan(plan, mesh))
     walk.check(module, "")
     walk.raise_refused()
     # Built on meta: note now how the serial model initialises each tensor (materialize replays it)
@@ -173,7 +198,9 @@ def parallelize(
     finally:
         _current.reset(token)
     if _current.get() is None:
-        families.finish(out, mesh)
+        for _, (register, finish) in sorted(_LIBRARIES.items()):
+            if register is None and finish is not None:  # a library whose modules were met
+                finish(out, mesh)
     if records is not None:
         out._optimus2d_init = records
     return out
@@ -181,79 +208,12 @@ def parallelize(
 
 def convert_children(module: nn.Module, mesh: Mesh) -> None:
     """Convert every child of ``module`` in place (for converters of modules that hold tensors too)."""
-    walk = _current.get() or _Walk(mesh, {}, _tied_embeddings(module))
+    walk = _current.get() or _Walk(mesh, {}, tied_embeddings(module))
     for name, child in _children(module):
         setattr(module, name, walk.convert(child, name, mesh))
 
 
 _current: contextvars.ContextVar[_Walk | None] = contextvars.ContextVar("optimus2d_parallelize", default=None)
-
-
-class _Tied(dict):
-    """id(shared embedding weight) → the ``nn.Embedding`` whose conversion holds it (the first one).
-
-    ``co_holders``: id(a tied head's shared bias) → the other modules holding it, as (module, name);
-    ``blocks``: id(serial shared bias) → its converted block, once made. The shared serial
-    parameters are kept referenced here, so their ids stay theirs during the walk.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.co_holders: dict[int, list[tuple[nn.Module, str]]] = {}
-        self.blocks: dict[int, nn.Parameter] = {}
-        self.serial: list[nn.Parameter] = []
-
-
-def _plain_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-
-
-def _tied_embeddings(root: nn.Module) -> _Tied:
-    """Parameters held by more than one module. Supported: an embedding table shared by
-    ``nn.Embedding`` modules (as their ``weight``) and output heads (plain ``nn.Linear``s, as their
-    ``weight``, biased or not), e.g. BART's ``shared``/``embed_tokens``/``lm_head``; and such a
-    head's bias shared with other heads of the same table or with modules that are neither Linear
-    nor Embedding (BERT's ``cls.predictions.bias`` is its decoder's bias: that holder, which still
-    needs a converter of its own, gets the head's bias block). Any other sharing raises
-    ``TypeError`` naming every holder.
-    """
-    owners: dict[int, dict[int, tuple[str, nn.Module, str]]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for path, sub in root.named_modules(remove_duplicate=False):
-        for name, param in sub._parameters.items():
-            if param is not None:
-                owners.setdefault(id(param), {})[id(sub)] = (path or "the model itself", sub, name)
-                params[id(param)] = param
-    shared = {  # blocks already shared by converted modules (a model converted before) stay as they are
-        pid: list(holders.values())
-        for pid, holders in owners.items()
-        if len(holders) > 1 and getattr(params[pid], "_optimus2d_mesh", None) is None
-    }
-    tied = _Tied()
-    for pid, holders in shared.items():  # embedding tables, and the heads that share them
-        embeddings = [m for _, m, _ in holders if isinstance(m, nn.Embedding)]
-        tables = all((isinstance(m, nn.Embedding) or _plain_linear(m)) and name == "weight" for _, m, name in holders)
-        if tables and embeddings:
-            tied[pid] = embeddings[0]
-    for pid, holders in shared.items():
-        tied.serial.append(params[pid])
-        if pid in tied:
-            continue
-        heads = [m for _, m, name in holders if _plain_linear(m) and name == "bias" and id(m.weight) in tied]
-        others = [(m, name) for _, m, name in holders if not any(m is head for head in heads)]
-        if (
-            heads
-            and len({id(head.weight) for head in heads}) == 1
-            and not any(isinstance(m, (nn.Linear, nn.Embedding)) for m, _ in others)
-        ):
-            tied.co_holders[pid] = others
-            continue
-        where = ", ".join(f"{path}.{name}" for path, _, name in holders)
-        raise TypeError(
-            f"parallelize: one parameter is shared by {where}; only an embedding table shared by nn.Embedding "
-            f"modules and nn.Linear output heads (as their weight), and such a head's bias, are supported"
-        )
-    return tied
 
 
 def _convert_tied(walk: _Walk, module: nn.Module) -> nn.Module:
@@ -353,8 +313,9 @@ class _Walk:
             raise TypeError(
                 f"parallelize: {len(self.refused)} module(s) cannot be converted, as nothing says they are correct "
                 f"on blocks of the split hidden dim:\n  {lines}\nTeach parallelize with "
-                f"optimus2d.register_converter(cls, converter), or, for a forward that acts element by element or "
-                f"on whole heads once its children are converted, optimus2d.register_converter(cls, keep=True)"
+                f"optimus2d.convert.register_converter(cls, converter), or, for a forward that acts element by "
+                f"element or on whole heads once its children are converted, "
+                f"optimus2d.convert.register_converter(cls, keep=True)"
             )
 
     def convert(self, module: nn.Module, path: str, mesh: Mesh | None = None) -> nn.Module:
@@ -391,7 +352,7 @@ def _as_is(module: nn.Module, mesh: Mesh) -> nn.Module:
 def _plan(module: nn.Module, parent: nn.Module | None, mesh: Mesh) -> Converter | str:
     """How ``module`` converts, or why it cannot (``blockwise.py`` says what is known to be correct)."""
     converter = converter_for(module)
-    if converter is None and families.register_for(module):  # e.g. the first transformers module met
+    if converter is None and _load_library_of(module):  # e.g. the first transformers module met
         converter = converter_for(module)
     if converter is None:
         converter = next((c for r in _RECOGNISERS if (c := r(module)) is not None), None)

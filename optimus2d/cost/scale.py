@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from optimus2d.plan import _FACTOR, Layer, activation_elements, layer_comm
+from optimus2d.cost.planner import _FACTOR, Layer, activation_elements, layer_comm
 
 
 @dataclass(frozen=True)

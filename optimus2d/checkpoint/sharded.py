@@ -35,13 +35,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from optimus2d import checkpoint_files as _files
-from optimus2d._progress import Progress, mib, on
+from optimus2d.checkpoint import files as _files
+from optimus2d.checkpoint.progress import Progress, mib, on
+from optimus2d.checkpoint.serial import _owners
 from optimus2d.comm import replicas
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
 from optimus2d.layers.base import sharding_of
-from optimus2d.serial import _owners
 
 _MESH_DIMS = {"depth": 0, "col": 1, "row": 2}  # mesh group → the DeviceMesh dim (k, i, j) it varies
 
@@ -402,12 +402,7 @@ def load(
     meta = _read_meta(path, metadata)
     device_mesh = _device_mesh(mesh)
 
-    targets: list[tuple[torch.Tensor, torch.Tensor, Sharding | None, Mesh | None]] = []  # (dest, buffer, ...)
-    expected: dict[str, tuple[int, ...]] = {}
-    for e in entries:
-        for suffix, part in zip(_suffixes(e.sharding), _parts(e.sharding), strict=True):
-            expected[f"model/{e.key}{suffix}"] = part.full_shape if part is not None else tuple(e.tensor.shape)
-        targets.append((e.tensor, torch.zeros_like(e.tensor), e.sharding, e.mesh))
+    targets, expected = _model_targets(entries)
     optim_targets = []
     if optimizer is not None:
         if meta["optimizer"] != type(optimizer).__name__:
@@ -417,7 +412,25 @@ def load(
             )
         optim_targets = _optimizer_targets(optimizer, entries, metadata, expected)
     _check_fits(path, metadata, expected)
+    state, views = _views_by_key(entries, targets, optim_targets, device_mesh)
+    _dcp_load(state, path, group, no_dist)
+    _apply_loaded(views, targets, optimizer, optim_targets, meta)
+    return None
 
+
+def _model_targets(entries: list[_Entry]) -> tuple[list, dict[str, tuple[int, ...]]]:
+    """Each model tensor with a fresh buffer to read into, and the serial shape of every key it is stored under."""
+    targets: list[tuple[torch.Tensor, torch.Tensor, Sharding | None, Mesh | None]] = []  # (dest, buffer, ...)
+    expected: dict[str, tuple[int, ...]] = {}
+    for e in entries:
+        for suffix, part in zip(_suffixes(e.sharding), _parts(e.sharding), strict=True):
+            expected[f"model/{e.key}{suffix}"] = part.full_shape if part is not None else tuple(e.tensor.shape)
+        targets.append((e.tensor, torch.zeros_like(e.tensor), e.sharding, e.mesh))
+    return targets, expected
+
+
+def _views_by_key(entries: list[_Entry], targets: list, optim_targets: list, device_mesh) -> tuple[dict, list]:
+    """DCP's state to load (stored key → a view of a buffer), and each buffer with its views, to write back."""
     state: dict[str, torch.Tensor] = {}
     views: list[tuple[torch.Tensor, list[torch.Tensor], Sharding | None, Mesh | None]] = []
     for e, (_, buffer, sharding, m) in zip(entries, targets, strict=True):
@@ -430,16 +443,18 @@ def load(
         for suffix, v in zip(_suffixes(sharding), vs, strict=True):
             state[f"{key}{suffix}"] = v
         views.append((buffer, vs, sharding, m))
-    _dcp_load(state, path, group, no_dist)
+    return state, views
 
-    for buffer, vs, sharding, m in views:  # DCP filled the views: write them back into the blocks
+
+def _apply_loaded(views: list, targets: list, optimizer, optim_targets: list, meta: dict) -> None:
+    """Once DCP filled the views: the buffers into the model's blocks, and the optimizer's state."""
+    for buffer, vs, sharding, m in views:  # write the views back into the buffers
         _write_back(buffer, vs, sharding, m)
     with torch.no_grad():
         for tensor, buffer, _, _ in targets:
             tensor.copy_(buffer)
     if optimizer is not None:
         _install_optimizer_state(optimizer, optim_targets, meta)
-    return None
 
 
 def _optimizer_targets(optimizer, entries, metadata, expected, tied: dict[str, str] | None = None) -> list:

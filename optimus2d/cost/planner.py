@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from optimus2d.comm.redistribution import plan_moves
-from optimus2d.cost import linear_2d_algorithm, linear_2d_elements, linear_2d_summa_elements
+from optimus2d.cost.volume import linear_2d_algorithm, linear_2d_elements, linear_2d_summa_elements
 
 
 @dataclass(frozen=True)

@@ -60,21 +60,8 @@ from torch.distributed import pipelining
 from optimus2d.comm import replicas, watch
 from optimus2d.comm.functional import activation_sharding, all_reduce, batch_sharding
 from optimus2d.comm.mesh import Mesh
-from optimus2d.pipeline_data_parallel import DataParallelStage, LaneStage, pipeline_groups
-from optimus2d.pipeline_layouts import ToNextStage, scatter_microbatches, stage_shapes
-from optimus2d.training import clip_over
-
-__all__ = [
-    "SCHEDULES",
-    "StageMesh",
-    "ToNextStage",
-    "clip_grad_norm_",
-    "lanes",
-    "mesh_sum",
-    "pipeline_stage",
-    "scatter_microbatches",
-    "stage_meshes",
-]
+from optimus2d.pipeline.data_parallel import DataParallelStage, LaneStage, pipeline_groups
+from optimus2d.pipeline.layouts import ToNextStage, stage_shapes
 
 # torch's schedules by name → (the class, the stages pipeline rank s of p runs: one, looped, or V-shaped)
 SCHEDULES = {
@@ -231,13 +218,7 @@ def pipeline_stage(
     """
 
     mesh = pipe.mesh
-    stage_index = pipe.stage if stage_index is None else stage_index
-    num_stages = pipe.stages if num_stages is None else num_stages
-    if num_stages % pipe.stages or not 0 <= stage_index < num_stages:
-        raise ValueError(
-            f"pipeline_stage: stage_index={stage_index} of num_stages={num_stages} does not fit a pipeline of "
-            f"{pipe.stages} stage meshes (num_stages must be a multiple of it)"
-        )
+    stage_index, num_stages = _stage_place(pipe, stage_index, num_stages)
     if dtype is None:
         floats = [p.dtype for p in chunk.parameters() if p.is_floating_point()]
         dtype = floats[0] if floats else torch.get_default_dtype()
@@ -245,50 +226,75 @@ def pipeline_stage(
         input_layout, input_dtype = "batch", torch.long
     if input_layout not in ("activation", "batch"):
         raise ValueError(f"pipeline_stage: input_layout={input_layout!r} is not 'activation' or 'batch'")
-    out_mesh = mesh  # the last stage's output stays on its mesh
-    if stage_index < num_stages - 1:
-        receiver = (stage_index + 1) % pipe.stages if next_stage is None else next_stage
-        if not isinstance(receiver, int) or not 0 <= receiver < pipe.stages:
-            raise ValueError(f"pipeline_stage: next_stage={next_stage!r} is not a stage mesh of 0..{pipe.stages - 1}")
-        out_mesh = pipe.meshes[receiver]
+    out_mesh = _receiving_mesh(pipe, stage_index, num_stages, next_stage)
     device = mesh.device
-    blocks = []
-    for what, shape in (("microbatch_shape", microbatch_shape), ("output_shape", output_shape or microbatch_shape)):
-        shape = tuple(int(size) for size in shape)
-        on = (mesh, out_mesh) if what == "output_shape" else (mesh,)
-        splits = (math.lcm(*(m.depth * m.q for m in on)), math.lcm(*(m.q for m in on)))
-        sent = f", sent as Mesh(q={out_mesh.q}, depth={out_mesh.depth})" if on[-1] is not mesh else ""
-        if input_layout == "batch" and what == "microbatch_shape":  # ids, images: batch blocks
-            if len(shape) < 1 or shape[0] % splits[0]:
-                raise ValueError(
-                    f"pipeline_stage: {input_layout} microbatch_shape={shape} must be [b, ...] with b divisible by "
-                    f"depth·q = {splits[0]} (mesh {mesh})"
-                )
-            local = batch_sharding(shape).local_shape(mesh)
-            kind = input_dtype or dtype
-            grad = bool(input_grad) and kind.is_floating_point
-            blocks.append(torch.empty(local, dtype=kind, device="meta", requires_grad=grad))
-            continue
-        if len(shape) < 2 or shape[0] % splits[0] or shape[-1] % splits[1]:
-            raise ValueError(
-                f"pipeline_stage: {what}={shape} must be [b, ..., h] with b divisible by depth·q = {splits[0]} "
-                f"and h by q = {splits[1]} (mesh {mesh}{sent})"
-            )
-        # meta tensors: torch reads shape, dtype and requires_grad (whether a gradient travels back: from every
-        # output, and to the input of every stage but the first)
-        if what == "output_shape":
-            grad = output_grad
-        else:
-            grad = stage_index > 0 if input_grad is None else input_grad
-        local = activation_sharding(shape).local_shape(on[-1])
-        blocks.append(torch.empty(local, dtype=dtype, device="meta", requires_grad=grad))
+    output_shape = output_shape or microbatch_shape
+    # meta tensors: torch reads shape, dtype and requires_grad (whether a gradient travels back: from every
+    # output, and to the input of every stage but the first)
+    shape = tuple(int(size) for size in microbatch_shape)
+    if input_layout == "batch":  # ids, images: batch blocks
+        inputs = _batch_block(shape, mesh, input_dtype or dtype, input_grad)
+    else:
+        grad = stage_index > 0 if input_grad is None else input_grad
+        inputs = _activation_block("microbatch_shape", shape, (mesh,), mesh, dtype, grad)
+    shape = tuple(int(size) for size in output_shape)
+    outputs = _activation_block("output_shape", shape, (mesh, out_mesh), mesh, dtype, output_grad)
     if (out_mesh.q, out_mesh.depth) != (mesh.q, mesh.depth):
         chunk = ToNextStage(chunk, mesh, out_mesh)
     args = (chunk, stage_index, num_stages, device)
-    kwargs = {"input_args": blocks[0], "output_args": blocks[1], "group": pipe.lane}
+    kwargs = {"input_args": inputs, "output_args": outputs, "group": pipe.lane}
     if pipe.dp_group is not None:  # data-parallel copies: gradients averaged over them
         return DataParallelStage(*args, **kwargs, dp_group=pipe.dp_group, mesh=mesh)
     return LaneStage(*args, **kwargs)
+
+
+def _stage_place(pipe: StageMesh, stage_index: int | None, num_stages: int | None) -> tuple[int, int]:
+    """``stage_index`` and ``num_stages`` (default: one torch stage per stage mesh), checked against ``pipe``."""
+    stage_index = pipe.stage if stage_index is None else stage_index
+    num_stages = pipe.stages if num_stages is None else num_stages
+    if num_stages % pipe.stages or not 0 <= stage_index < num_stages:
+        raise ValueError(
+            f"pipeline_stage: stage_index={stage_index} of num_stages={num_stages} does not fit a pipeline of "
+            f"{pipe.stages} stage meshes (num_stages must be a multiple of it)"
+        )
+    return stage_index, num_stages
+
+
+def _receiving_mesh(pipe: StageMesh, stage_index: int, num_stages: int, next_stage: int | None) -> Mesh:
+    """The layout the stage's output is sent in: the next stage's shape (the last stage's stays on its mesh)."""
+    if stage_index >= num_stages - 1:
+        return pipe.mesh
+    receiver = (stage_index + 1) % pipe.stages if next_stage is None else next_stage
+    if not isinstance(receiver, int) or not 0 <= receiver < pipe.stages:
+        raise ValueError(f"pipeline_stage: next_stage={next_stage!r} is not a stage mesh of 0..{pipe.stages - 1}")
+    return pipe.meshes[receiver]
+
+
+def _batch_block(shape: tuple[int, ...], mesh: Mesh, dtype: torch.dtype, input_grad: bool | None) -> torch.Tensor:
+    """The meta tensor of this rank's block of an input split along the batch only (ids, images)."""
+    split = mesh.depth * mesh.q
+    if len(shape) < 1 or shape[0] % split:
+        raise ValueError(
+            f"pipeline_stage: batch microbatch_shape={shape} must be [b, ...] with b divisible by "
+            f"depth·q = {split} (mesh {mesh})"
+        )
+    grad = bool(input_grad) and dtype.is_floating_point
+    return torch.empty(batch_sharding(shape).local_shape(mesh), dtype=dtype, device="meta", requires_grad=grad)
+
+
+def _activation_block(
+    what: str, shape: tuple[int, ...], on: tuple[Mesh, ...], mesh: Mesh, dtype: torch.dtype, grad: bool
+) -> torch.Tensor:
+    """The meta tensor of this rank's block of an activation ``[b, ..., h]``, in the layout of ``on[-1]``."""
+    splits = (math.lcm(*(m.depth * m.q for m in on)), math.lcm(*(m.q for m in on)))
+    sent = f", sent as Mesh(q={on[-1].q}, depth={on[-1].depth})" if on[-1] is not mesh else ""
+    if len(shape) < 2 or shape[0] % splits[0] or shape[-1] % splits[1]:
+        raise ValueError(
+            f"pipeline_stage: {what}={shape} must be [b, ..., h] with b divisible by depth·q = {splits[0]} "
+            f"and h by q = {splits[1]} (mesh {mesh}{sent})"
+        )
+    local = activation_sharding(shape).local_shape(on[-1])
+    return torch.empty(local, dtype=dtype, device="meta", requires_grad=grad)
 
 
 def mesh_sum(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -297,19 +303,3 @@ def mesh_sum(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     forward: all-reduce over the mesh; backward: identity (each rank's block gets its own gradient).
     """
     return all_reduce(x.sum(), mesh, ("depth", "col", "row"))
-
-
-def clip_grad_norm_(
-    parameters, max_norm: float, pipe: StageMesh, norm_type: float = 2.0, *, copies=None
-) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for a pipelined model: the norm of the whole serial
-    model's gradient, over every stage, and each gradient scaled by ``max_norm / norm`` when that
-    is below 1. ``parameters``: this rank's (all its chunks, on ``pipe.mesh``); ``copies``: those
-    whose gradient other stages hold too, with how many copies the pipeline holds (GPT-2's tied
-    table after ``sum_tied_grads``: ``pipeline_gpt2.shared_copies``), counted once in all.
-
-    Sends one all-reduce of one float over the stage mesh and one over the lane (a max for
-    ``norm_type=inf``); every rank of the pipeline calls it and gets the same norm.
-    """
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    return clip_over(params, max_norm, pipe.mesh, norm_type, pipe.lane, copies)

@@ -33,8 +33,8 @@ from torch import nn
 
 from optimus2d.comm.agreement import agree
 from optimus2d.comm.mesh import Mesh
-from optimus2d.parallelize import register_converter
-from optimus2d.pipeline_models import decoder_layers
+from optimus2d.convert.parallelizer import convert_children, register_converter
+from optimus2d.pipeline.models.llama import decoder_layers
 
 __all__ = ["LlavaEncoderStage", "LlavaTextStage", "llava_stages"]
 
@@ -131,7 +131,6 @@ def _agree_counts(mesh: Mesh | None, placeholders: torch.Tensor, features: torch
 
 
 def _text_stage(stage: LlavaTextStage, mesh: Mesh) -> LlavaTextStage:
-    from optimus2d.parallelize import convert_children
 
     convert_children(stage, mesh)
     stage._optimus2d_mesh = mesh  # the mesh whose ranks check the image-token counts together

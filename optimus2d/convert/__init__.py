@@ -1,0 +1,40 @@
+"""A serial model → the same model on the mesh: ``parallelize`` and what it is built from.
+
+``parallelizer.py`` walks the model and replaces each module through the converter registry
+(``register_converter``, ``register_recogniser``, ``register_library`` for a library's converters
+registered when its first module is met); ``blockwise.py``, ``forward_reader.py`` and
+``forward_values.py`` judge which forwards are correct on blocks as they are; ``tied.py`` keeps
+shared embedding tables shared; ``layouts.py`` moves tensors between per-module meshes
+(``plan=``); ``meta_init.py`` initialises a model built on the meta device block by block.
+
+This is the API for writing converters; a training script needs only ``optimus2d.parallelize``.
+"""
+
+from optimus2d.convert.blockwise import as_norm, forward_problems
+from optimus2d.convert.meta_init import materialize
+from optimus2d.convert.parallelizer import (
+    ELEMENTWISE,
+    Converter,
+    convert_children,
+    converter_for,
+    keep,
+    parallelize,
+    register_converter,
+    register_library,
+    register_recogniser,
+)
+
+__all__ = [
+    "ELEMENTWISE",
+    "Converter",
+    "as_norm",
+    "convert_children",
+    "converter_for",
+    "forward_problems",
+    "keep",
+    "materialize",
+    "parallelize",
+    "register_converter",
+    "register_library",
+    "register_recogniser",
+]

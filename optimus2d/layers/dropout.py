@@ -1,0 +1,29 @@
+"""Dropout on a sharded activation: each shard draws its own mask, replayable (``comm/rng.py``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.rng import shard_rng
+
+
+class Dropout2D(nn.Module):
+    """``nn.Dropout`` for a sharded activation: each shard draws its own mask (see ``shard_rng``)."""
+
+    def __init__(self, p: float = 0.5, *, mesh: Mesh) -> None:
+        super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+        self.p, self.mesh = p, mesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        with shard_rng(self.mesh):
+            return F.dropout(x, self.p, training=True)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
