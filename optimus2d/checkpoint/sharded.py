@@ -10,7 +10,7 @@ its own blocks (replicas are written once) and DCP reassembles any other layout 
 
 ``save`` is atomic: it writes into a temporary directory beside ``path`` and commits it by
 renames only once every rank has written, with a ``manifest.json`` listing every file's size and
-crc32 (``optimus2d/checkpoint_files.py`` has the scheme). A rank killed during a save leaves the
+crc32 (``checkpoint/files.py`` has the scheme). A rank killed during a save leaves the
 previous checkpoint readable. ``load`` and ``read`` verify the manifest first, then check the whole
 checkpoint against the model (keys, shapes, optimizer class) before touching it, and read into
 fresh tensors: on any error the model and optimizer are unchanged.
@@ -213,7 +213,7 @@ def save(
     Every rank of every replica calls ``save``: the commit is collective over the world, and no rank
     returns before it. The checkpoint is that of one mesh, and loads on any mesh or in one process.
     Meshes of the same shape that hold different tensors are pipeline stages, not replicas: refused
-    on every rank, before anything is written (``pipeline_models.save_stages`` writes them).
+    on every rank, before anything is written (``checkpoint.save_stages`` writes them).
 
     ``progress``: a bar on the mesh's first rank (None: when stderr is a terminal) over the tensors
     as they are laid out, then one step for DCP's write and the commit; that rank ends with one
@@ -229,22 +229,7 @@ def save(
     optimizer_tensors = _optimizer_tensors(optimizer, entries) if optimizer is not None else {}
     bar = Progress("checkpoint.save", len(entries) + len(optimizer_tensors) + 1, mesh, progress)
     bar.start = start
-    state: dict[str, object] = {}  # on every rank, so that every rank refuses what does not fit
-    for e in entries:
-        for suffix, view in zip(
-            _suffixes(e.sharding), _stored_views(e.tensor.detach(), e.sharding, e.mesh, device_mesh), strict=True
-        ):
-            state[f"model/{e.key}{suffix}"] = view
-        bar.update()
-    for key, (value, entry) in optimizer_tensors.items():
-        sharding = entry.sharding if entry is not None else None
-        views = _stored_views(value.detach(), sharding, entry.mesh if entry else None, device_mesh)
-        for suffix, view in zip(_suffixes(sharding), views, strict=True):
-            state[f"{key}{suffix}"] = view
-        bar.update()
-    meta = _meta(optimizer, entries)
-    meta["parts_dim"] = {k.partition("#")[0]: dim for k, dim in _parts_dims(entries, state).items()}
-    state["meta"] = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)
+    state = _state_to_write(entries, optimizer, optimizer_tensors, device_mesh, bar)
     group, no_dist = _process_group(mesh)
 
     def write(directory: str) -> int | None:
@@ -270,6 +255,27 @@ def save(
             f"checkpoint.save: {len(entries)} tensors{' and optimizer state' if optimizer is not None else ''}, "
             f"{mib(nbytes)} in {len(files)} files to {os.fspath(path)} in {bar.seconds():.1f} s{where}"
         )
+
+
+def _state_to_write(entries: list, optimizer, optimizer_tensors: dict, device_mesh, bar: Progress) -> dict:
+    """DCP's state dict of this rank: every stored view of the model's and the optimizer's tensors,
+    and the meta (on every rank, so that every rank refuses what does not fit)."""
+    state: dict[str, object] = {}
+    for e in entries:
+        views = _stored_views(e.tensor.detach(), e.sharding, e.mesh, device_mesh)
+        for suffix, view in zip(_suffixes(e.sharding), views, strict=True):
+            state[f"model/{e.key}{suffix}"] = view
+        bar.update()
+    for key, (value, entry) in optimizer_tensors.items():
+        sharding = entry.sharding if entry is not None else None
+        views = _stored_views(value.detach(), sharding, entry.mesh if entry else None, device_mesh)
+        for suffix, view in zip(_suffixes(sharding), views, strict=True):
+            state[f"{key}{suffix}"] = view
+        bar.update()
+    meta = _meta(optimizer, entries)
+    meta["parts_dim"] = {k.partition("#")[0]: dim for k, dim in _parts_dims(entries, state).items()}
+    state["meta"] = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)
+    return state
 
 
 def _manifest_files(path: str | os.PathLike) -> dict:
@@ -298,7 +304,7 @@ def _agree_replicas(entries: list[_Entry], mesh: Mesh) -> None:
     digest = zlib.crc32("\n".join(keys).encode())
     shown = f"{keys[0]} … {keys[-1]}" if len(keys) > 1 else (keys[0] if keys else "nothing")
     description = f"a model of {len(keys)} tensors ({shown}; crc {digest:08x})"
-    where = "checkpoint.save over replica meshes (pipeline stages hold different parts: pipeline_models.save_stages)"
+    where = "checkpoint.save over replica meshes (pipeline stages hold different parts: checkpoint.save_stages)"
     replicas.agree_world(where, description, None, mesh.timeout)
 
 

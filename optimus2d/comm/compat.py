@@ -9,7 +9,7 @@
   ``group_ranks(group)`` is the order the group really has, for the callers whose roots and gathers
   must follow their own order (``Mesh`` reads it once per axis).
 * ``torch.distributed.pipelining`` before 2.13 (``OLD_PIPELINES``) needs two fixes in optimus2d's
-  stages (``pipeline_data_parallel.LaneStage``).
+  stages (``pipeline/data_parallel.py``: ``LaneStage``).
 * Features that need a newer torch than the oldest supported one (``MIN_TORCH``) name it in
   ``NEEDS``; ``missing(feature)`` is the reason it cannot run here (None where it can; tests skip
   with it), and ``require(feature)`` raises it as a ``RuntimeError`` (before any collective, on
@@ -39,7 +39,8 @@ MIN_TORCH = (2, 11)  # the oldest torch optimus2d supports (setup.py)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters  # else new_group sorts the ranks
-OLD_PIPELINES = TORCH[:2] < (2, 13)  # torch.distributed.pipelining before 2.13: see pipeline_data_parallel.LaneStage
+# torch.distributed.pipelining before 2.13: see pipeline/data_parallel.py, LaneStage
+OLD_PIPELINES = TORCH[:2] < (2, 13)
 
 # Features that need a newer torch than MIN_TORCH: whether the installed one has what they need, the
 # oldest release that has it, and why.

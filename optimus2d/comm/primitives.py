@@ -127,7 +127,7 @@ def all_reduce_group(
     t: torch.Tensor, mesh: Mesh, group: dist.ProcessGroup | None, name: str, op=dist.ReduceOp.SUM
 ) -> None:
     """In place: ``t`` becomes the sum (or ``op``) over ``group``, a torch process group across meshes (a
-    pipeline's lanes, ``optimus2d/pipeline.py``) rather than one of ``mesh``'s axes; None (one rank) sends
+    pipeline's lanes, ``pipeline/stages.py``) rather than one of ``mesh``'s axes; None (one rank) sends
     nothing. Carried by torch.distributed, waited on like ``mesh``'s collectives, counted under ``name``."""
     if group is None:
         return

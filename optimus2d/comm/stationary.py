@@ -98,7 +98,8 @@ class _StationaryAB(Function):
         ctx.mesh, ctx.activation = mesh, activation
         a_swapped = P.transpose(a.contiguous(), mesh)  # A[batch blk j, blk i] on rank (k, i, j)
         ctx.a_shape = a_swapped.shape
-        ctx.save_for_backward(kept_for_backward(ctx, a_swapped, activation), b)  # before the activation (recompute.py)
+        # before the activation (comm/recompute.py)
+        ctx.save_for_backward(kept_for_backward(ctx, a_swapped, activation), b)
         out = P.PartialSums(mesh, "col", (a.shape[0], b.shape[1]), a)  # batch block t → col member t
         _products(P.Blocks(activated(a_swapped, activation), mesh, "row"), b, out)  # row member t: batch block t
         return out.result()
@@ -113,7 +114,7 @@ class _StationaryAB(Function):
         grad_a = P.PartialSums(mesh, "row", ctx.a_shape, grad_c) if need_a else None
         grad_b = _WeightGrad(b) if need_b else None
         _products(grads, b.t(), grad_a, (grad_b, inputs, False) if need_b else None)
-        inputs = None  # frees the recomputed activation before its input gradient (recompute.py)
+        inputs = None  # frees the recomputed activation before its input gradient (comm/recompute.py)
         return (
             P.transpose(a_swapped.grad(grad_a.result()), mesh) if need_a else None,
             grad_b.result(mesh) if need_b else None,
@@ -128,7 +129,7 @@ class _StationaryABT(Function):
         ctx.mesh, ctx.activation = mesh, activation
         a = a.contiguous()
         ctx.a_shape = a.shape
-        ctx.save_for_backward(kept_for_backward(ctx, a, activation), b)  # before the activation (recompute.py)
+        ctx.save_for_backward(kept_for_backward(ctx, a, activation), b)  # before the activation (comm/recompute.py)
         out = P.PartialSums(mesh, "row", (a.shape[0], b.shape[0]), a)  # batch block t → row member t
         _products(P.Blocks(activated(a, activation), mesh, "col"), b.t(), out)  # col member t: batch block t
         return P.transpose(out.result(), mesh)
@@ -143,7 +144,7 @@ class _StationaryABT(Function):
         grad_a = P.PartialSums(mesh, "col", ctx.a_shape, grad_c) if need_a else None
         grad_b = _WeightGrad(b) if need_b else None
         _products(grads, b, grad_a, (grad_b, inputs, True) if need_b else None)
-        inputs = None  # frees the recomputed activation before its input gradient (recompute.py)
+        inputs = None  # frees the recomputed activation before its input gradient (comm/recompute.py)
         return a.grad(grad_a.result()) if need_a else None, grad_b.result(mesh) if need_b else None, None, None
 
 
@@ -163,7 +164,7 @@ def stationary_ab(a: torch.Tensor, b: torch.Tensor, mesh: Mesh, *, activation: A
     forward: exchange with rank (k, j, i), all-gather over row, reduce-scatter over col;
     backward: all-gather over col, reduce-scatter over row and exchange (dA), all-gather over row
     (dB), all-reduce of dB over depth.
-    ``activation``: C = act(A)·B, keeping A and recomputing act(A) in backward (optimus2d/recompute.py).
+    ``activation``: C = act(A)·B, keeping A and recomputing act(A) in backward (comm/recompute.py).
     """
     _check("stationary_ab", a, b, mesh, 0)
     return _StationaryAB.apply(a, b, mesh, activation)

@@ -210,9 +210,7 @@ class _SummaAB(Function):
     @staticmethod
     def forward(ctx, a, b, mesh, activation):
         ctx.mesh, ctx.activation = mesh, activation
-        ctx.save_for_backward(
-            kept_for_backward(ctx, a, activation), b
-        )  # a before the activation (optimus2d/recompute.py)
+        ctx.save_for_backward(kept_for_backward(ctx, a, activation), b)  # a before the activation (comm/recompute.py)
         return _ab(activated(a, activation), b, mesh)
 
     @staticmethod
@@ -228,9 +226,7 @@ class _SummaABT(Function):
     @staticmethod
     def forward(ctx, a, b, mesh, activation):
         ctx.mesh, ctx.activation = mesh, activation
-        ctx.save_for_backward(
-            kept_for_backward(ctx, a, activation), b
-        )  # a before the activation (optimus2d/recompute.py)
+        ctx.save_for_backward(kept_for_backward(ctx, a, activation), b)  # a before the activation (comm/recompute.py)
         return _abt(activated(a, activation), b, mesh)
 
     @staticmethod
@@ -274,7 +270,7 @@ def summa_ab(a: torch.Tensor, b: torch.Tensor, mesh: Mesh, *, activation: Activa
     backward: q steps, each broadcasting a B block along the column and an A block along the row,
     reducing dA = dC·Bᵀ partials along rows and dB = Aᵀ·dC partials along columns (dB then
     all-reduced over depth).
-    ``activation``: C = act(A)·B, keeping A and recomputing act(A) in backward (optimus2d/recompute.py).
+    ``activation``: C = act(A)·B, keeping A and recomputing act(A) in backward (comm/recompute.py).
     """
     _check("summa_ab", a, b, mesh, 1, 0)
     return _SummaAB.apply(a, b, mesh, activation)

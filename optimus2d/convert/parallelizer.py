@@ -350,7 +350,7 @@ def _as_is(module: nn.Module, mesh: Mesh) -> nn.Module:
 
 
 def _plan(module: nn.Module, parent: nn.Module | None, mesh: Mesh) -> Converter | str:
-    """How ``module`` converts, or why it cannot (``blockwise.py`` says what is known to be correct)."""
+    """How ``module`` converts, or why it cannot (``convert/blockwise.py`` says what is known to be correct)."""
     converter = converter_for(module)
     if converter is None and _load_library_of(module):  # e.g. the first transformers module met
         converter = converter_for(module)

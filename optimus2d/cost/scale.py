@@ -12,7 +12,7 @@ Step time (one optimizer step of ``batch`` sequences):
   group crosses: a 1D group of t > node devices, a 2D column group (stride q, spanning q² devices)
   when q² > node, a depth group when d·q² > node, cross nodes;
 * the pipeline: 1F1B over m = batch / (dp · micro) micro-batches, (m + pp − 1) stage steps
-  (``pipeline_steps``; ``pipeline_simulator`` replays torch's own ``Schedule1F1B`` to the same
+  (``pipeline_steps``; ``pipeline/simulator.py`` replays torch's own ``Schedule1F1B`` to the same
   figure), plus a send of the activation block per micro-batch and boundary, each way;
 * data parallelism: a ring all-reduce of the device's gradient blocks (2 bytes each) over the dp
   replicas, between nodes when the replicas do not share one, not overlapped with backward.

@@ -102,7 +102,7 @@ class Linear2D(ShardedModule):
 
     def forward(self, x: torch.Tensor, *, input_activation: Activation = None) -> torch.Tensor:
         """``input_activation``: y = linear(act(x)) keeping x, not act(x), for backward, where act(x)
-        is recomputed (``optimus2d/recompute.py``; act element-wise and deterministic)."""
+        is recomputed (``comm/recompute.py``; act element-wise and deterministic)."""
         self._check_input(x)
         return linear_2d(x, self.weight, self.bias, self.mesh, self.summa, self.algorithm, input_activation)
 

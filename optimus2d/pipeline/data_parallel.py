@@ -77,7 +77,7 @@ class LaneStage(PipelineStage):
     * Its multi-stage schedules open the lane with one ``batch_isend_irecv`` of a dummy tensor to and
       from each stage's neighbours (``_get_init_p2p_neighbors_ops``), including a neighbour stage on
       this same rank (the turn of a V-shaped schedule, ``ZBVZeroBubble``, ``DualPipeV``; an encoder
-      stage beside an LLM stage, ``pipeline_bubbles``), which gloo cannot send ("Pair is not
+      stage beside an LLM stage, ``pipeline/bubbles.py``), which gloo cannot send ("Pair is not
       connected"). The schedules pass a same-rank neighbour's tensors locally (``set_local_fwd_input``),
       so the warm-up leaves out the messages to this rank itself.
     * A schedule's first ``eval()`` makes the receive buffers without ``requires_grad`` and a later

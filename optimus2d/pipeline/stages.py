@@ -33,7 +33,7 @@ for losses that are sums (``scale_grads=False``) or equal-sized means (``scale_g
 samples. ``scatter_microbatches(x, mesh, n)`` gives the block whose micro-batch m is this rank's
 block of serial ``x.chunk(n)[m]``.
 
-**Stages of different shapes** (``pipeline_layouts.py``): the same number of ranks p in every
+**Stages of different shapes** (``pipeline/layouts.py``): the same number of ranks p in every
 stage, each its own (q, depth): ``stage_meshes(2, q=(2, 1), depth=(1, 4))`` on 8 ranks is a 2×2
 stage on 0..3 then a 1×1×4 stage on 4..7; ``q=(1, 2), depth=(4, 1)`` puts a frozen
 vision encoder, batch split only, before a 2×2 LLM. The lane pairs the n-th rank of each stage's
@@ -85,7 +85,7 @@ class StageMesh:
     there is one stage); ``lane_ranks``: their global ranks. ``meshes[t]``: a mesh of stage t's shape
     over this rank's stage's ranks (``meshes[stage] is mesh``; the same object for equal shapes),
     the layout its output takes to go to stage t; default ``(mesh,) * stages``. ``dp``: the
-    pipeline's data-parallel replicas (``pipeline_data_parallel``), ``dp_rank`` this rank's,
+    pipeline's data-parallel replicas (``pipeline/data_parallel.py``), ``dp_rank`` this rank's,
     ``dp_group``/``dp_ranks`` the ranks at its place in every replica (None: one replica).
     """
 
@@ -126,9 +126,9 @@ def stage_meshes(
     """Split the world into ``stages`` meshes: stage s is ``Mesh(q_s, depth_s)`` on ranks
     s·p .. s·p + p - 1, and their lanes. ``q``, ``depth``: every stage's, or one per stage, each
     stage of the same p = depth_s·q_s² ranks (``stage_meshes(2, q=(2, 1), depth=(1, 4))`` on 8
-    ranks: a 2×2 stage on 0..3, a 1×1×4 one on 4..7; ``pipeline_layouts``). ``dp``: that many
+    ranks: a 2×2 stage on 0..3, a 1×1×4 one on 4..7; ``pipeline/layouts.py``). ``dp``: that many
     data-parallel copies of the pipeline, stage s of copy r on ranks (s·dp + r)·p ..
-    (``pipeline_data_parallel``; ``pipeline_stage`` then averages each stage's gradients over them).
+    (``pipeline/data_parallel.py``; ``pipeline_stage`` then averages each stage's gradients over them).
 
     Collective: every rank of the world calls it, at the same point, with the same arguments (one
     all-gather over the world checks that first). A refusal (stages of unequal sizes, a world they do
@@ -214,7 +214,7 @@ def pipeline_stage(
     (``stage_index + 1`` below ``pipe.stages``, else ``2·pipe.stages − 2 − stage_index``); ignored for
     the last stage, whose output stays on ``pipe.mesh``. Data-parallel copies (``pipe.dp > 1``): a
     ``DataParallelStage``, which averages the gradients over ``pipe.dp_group`` at the step's last
-    backward (``pipeline_data_parallel``).
+    backward (``pipeline/data_parallel.py``).
     """
 
     mesh = pipe.mesh

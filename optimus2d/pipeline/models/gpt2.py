@@ -1,6 +1,6 @@
 """Hugging Face GPT-2 (``GPT2LMHeadModel``) cut into pipeline stages, its tied embedding kept as Megatron does.
 
-``gpt2_stages(lm, stages)`` cuts like ``pipeline_models.llama_stages``: each stage is a deep copy that
+``gpt2_stages(lm, stages)`` cuts like ``pipeline.models.llama.llama_stages``: each stage is a deep copy that
 keeps only what it owns, under the full model's names (its ``state_dict`` keys are the serial keys, so
 ``save_stages``/``load_stages`` need nothing else). On 4 blocks, 2 stages::
 
@@ -12,7 +12,7 @@ keeps only what it owns, under the full model's names (its ``state_dict`` keys a
 On a mesh a stage takes this rank's block ``[b/(d·q), s]`` of the ids (``scatter_batch``) or
 ``[b/(d·q), s, h/q]`` of the hidden states and returns the same block of its output (the logits
 ``[b/(d·q), s, ⌈V/q⌉]`` of a tied head: give ``pipeline_stage`` ``output_shape=(b/n, s, q·⌈V/q⌉)``).
-Loss and targets: ``pipeline_models.causal_lm_loss`` and ``causal_lm_targets``.
+Loss and targets: ``pipeline.models.llama.causal_lm_loss`` and ``causal_lm_targets``.
 
 Tied embeddings (GPT-2's default: ``lm_head.weight`` *is* ``transformer.wte.weight``): the first and
 the last stage each hold a copy, ``transformer.wte.weight`` and ``lm_head.weight``, both laid out as

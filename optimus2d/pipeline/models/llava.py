@@ -20,7 +20,7 @@ rank's blocks (images and ids by ``scatter_batch``, activations ``[·/(d·q), ·
 a micro-batch must belong to its samples, which holds when every sample has the same number of
 images (torch splits the image and id blocks alike along dim 0). Positions and the causal mask are
 the serial model's without an ``attention_mask`` (no padding). Run them with
-``optimus2d.pipeline_bubbles`` (the encoder in the LLM's bubbles) or any torch schedule on one chain.
+``optimus2d.pipeline.bubbles`` (the encoder in the LLM's bubbles) or any torch schedule on one chain.
 """
 
 from __future__ import annotations
