@@ -17,7 +17,10 @@ head written once, so ``transformers``' ``from_pretrained`` loads it into the se
 
 Both are collective over the model's mesh; every check is made, and settled between the ranks (an
 all-reduce of their verdicts), before anything is read or written: a checkpoint that does not fit
-raises the same ``ValueError`` on every rank and leaves the model unchanged.
+raises the same ``ValueError`` on every rank and leaves the model unchanged. The ranks also agree
+that they read the same checkpoint (save: the same path), and ``save_pretrained`` puts crc32s of
+the data in each file's header, which ``load_pretrained`` checks on what each rank reads
+(``integrity.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ import math
 import os
 import re
 import shutil
-import struct
 import time
 from dataclasses import dataclass
 
@@ -36,6 +38,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from optimus2d.checkpoint import integrity
 from optimus2d.checkpoint.progress import Progress, mib, on
 from optimus2d.checkpoint.serial import _owners
 from optimus2d.comm import primitives as P
@@ -216,12 +219,13 @@ def _plan_load(model, tensors, mesh, path, strict) -> list[tuple[_Tensor, str, s
 _CHUNK = 16 << 20  # bytes of a file a rank maps at once: safetensors maps every page a slice reads
 
 
-def _read_block(name: str, key: str, t: _Tensor, out: torch.Tensor) -> None:
+def _read_block(name: str, key: str, t: _Tensor, out: torch.Tensor, verify=None) -> None:
     """Copy this rank's block of ``key`` in the file ``name`` into ``out``, slice by slice, each
     slice in runs of rows spanning at most ``_CHUNK`` bytes of the file, opened anew for each: a
     column block of a [V, h] table touches every row's pages, and the pages of one run leave the
     rank's memory before the next is read. (safetensors' slices are views of the mapped file: the
-    copy is the one read.)"""
+    copy is the one read.) ``verify(name, key, first_row, last_row)`` checks each run's bytes first."""
+    verify = verify or (lambda *_: None)
     with safe_open(name, "pt") as f:
         shape = f.get_slice(key).get_shape()
     if t.sharding is None:
@@ -231,6 +235,7 @@ def _read_block(name: str, key: str, t: _Tensor, out: torch.Tensor) -> None:
         if sum(_volume(dst) for _, dst in pieces) < out.numel():
             out.zero_()  # padding
     if not shape:  # a scalar
+        verify(name, key, 0, 1)
         with safe_open(name, "pt") as f:
             out.copy_(f.get_tensor(key))
         return
@@ -242,6 +247,7 @@ def _read_block(name: str, key: str, t: _Tensor, out: torch.Tensor) -> None:
         for start in range(first, last, rows):
             stop = min(start + rows, last)
             to = (slice(at + start - first, at + stop - first), *dst[1:])
+            verify(name, key, start, stop)
             with safe_open(name, "pt") as f:
                 out[to].copy_(f.get_slice(key)[(slice(start, stop), *src[1:])])
 
@@ -281,8 +287,13 @@ def load_pretrained(
     the model is whole, as after transformers' ``from_pretrained``. Checkpoints of the base model
     (keys without ``model.base_model_prefix``) are read too, and transformers' patterns of keys to
     ignore are honoured. Raises ``ValueError`` on every rank, before anything is read, listing
-    missing and unexpected keys (``strict=False``: those are skipped) and shapes that differ;
-    ``RuntimeError`` (or the error itself) on every rank if a rank fails while reading.
+    missing and unexpected keys (``strict=False``: those are skipped) and shapes that differ, or
+    naming each rank's directory where the ranks found different checkpoints (their files' names,
+    sizes, headers and checksums, or samples of the data where there are none);
+    ``RuntimeError`` (or the error itself) on every rank if a rank fails while reading, and
+    ``ValueError`` if the data a rank reads fails its checksum (``save_pretrained`` writes them; a
+    directory without them, as Hugging Face writes it, is read unverified and the summary says
+    so): the model is then partly read.
 
     ``progress``: a bar over the tensors on the mesh's first rank (None: when stderr is a
     terminal); that rank ends with one summary line (on stderr with the bar, else logged at INFO
@@ -292,12 +303,14 @@ def load_pretrained(
     start = time.perf_counter()
     tensors = _tensors(model)
     mesh = _model_mesh(tensors)
-    plan, error = [], None
+    plan, checked, error = [], None, None
     try:
         plan = _plan_load(model, tensors, mesh, path, strict)
+        checked = integrity.Checked(_checkpoint_files(path).values(), INDEX)  # headers; checksums if any
     except Exception as err:  # a file unreadable or damaged (safetensors' error), on this rank or every one
         error = err if isinstance(err, (ValueError, TypeError)) else ValueError(f"load_pretrained: {path!r}: {err!r}")
     _agree(mesh, "load_pretrained", error)
+    integrity.agree_identity(mesh, path, checked)  # the same checkpoint on every rank
     by_file: dict[str, list[tuple[_Tensor, str]]] = {}
     for t, key, name in plan:
         by_file.setdefault(name, []).append((t, key))
@@ -311,10 +324,10 @@ def load_pretrained(
                     if t.tensor.is_meta:
                         where = device or (t.mesh.device if t.mesh is not None else "cpu")
                         block = torch.empty(t.tensor.shape, dtype=t.tensor.dtype, device=where)
-                        _read_block(name, key, t, block)
+                        _read_block(name, key, t, block, checked.verify)
                         _install(t, block)
                     else:
-                        _read_block(name, key, t, t.tensor)
+                        _read_block(name, key, t, t.tensor, checked.verify)
                     bar.update()
     except Exception as err:  # every rank learns of it (none is left waiting): raised below
         error = err
@@ -326,7 +339,7 @@ def load_pretrained(
     where = on(mesh)
     bar.summary(
         f"load_pretrained: {len(plan)} tensors, {mib(nbytes)} from {path} in {bar.seconds():.1f} s{where} "
-        f"({len(by_file)} file{'s' if len(by_file) != 1 else ''})"
+        f"({len(by_file)} file{'s' if len(by_file) != 1 else ''}{checked.note()})"
     )
 
 
@@ -371,10 +384,7 @@ def _header(shard: list[tuple[_Tensor, str]]) -> bytes:
         end = at + math.prod(t.serial_shape) * t.tensor.element_size()
         entries[key] = {"dtype": _CODES[t.tensor.dtype], "shape": list(t.serial_shape), "data_offsets": [at, end]}
         at = end
-    entries["__metadata__"] = {"format": "pt"}
-    raw = json.dumps(entries, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    return struct.pack("<Q", len(raw)) + raw
+    return integrity.header(entries)  # with room for the data's checksums
 
 
 def _write_tensor(f, full: torch.Tensor, t: _Tensor) -> None:
@@ -474,7 +484,9 @@ def save_pretrained(
     renamed to ``path`` once complete (an existing ``path`` is replaced, keeping the files it holds
     that a save does not write, such as a tokenizer's), so a killed save leaves ``path`` as it was
     (or, killed between the two renames, at ``path.optimus2d-previous``, which ``load_pretrained``
-    and the next save take up). Errors are raised on every rank.
+    and the next save take up). Each file's header holds crc32s of its data, per MiB (``integrity.py``;
+    Hugging Face's loaders ignore them). Errors are raised on every rank, and ranks that name
+    different paths are refused before anything is written.
 
     ``progress``: a bar over the tensors on the mesh's first rank (None: when stderr is a
     terminal); that rank ends with one summary line (on stderr with the bar, else logged at INFO
@@ -485,6 +497,7 @@ def save_pretrained(
     tensors = _tensors(model)
     mesh = _model_mesh(tensors)
     writer = mesh is None or mesh.index("mesh") == 0
+    integrity.agree_path(mesh, "save_pretrained", path)  # before rank 0 prepares anything
     shards, saving, error = _plan_and_prepare(model, tensors, max_shard_size, path, writer)
     _agree(mesh, "save_pretrained", error)
     names = _shard_names(len(shards))
@@ -530,8 +543,7 @@ def _stream_shards(
         f = None
         if writer and error is None:
             try:
-                f = open(os.path.join(saving, name), "wb")  # closed by _close
-                f.write(_header(shard))
+                f = integrity.Writer(open(os.path.join(saving, name), "wb"), _header(shard))  # closed by _close
             except Exception as err:
                 error = err
         for t, key in shard:

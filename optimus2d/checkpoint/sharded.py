@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from optimus2d.checkpoint import files as _files
+from optimus2d.checkpoint import integrity
 from optimus2d.checkpoint.progress import Progress, mib, on
 from optimus2d.checkpoint.serial import _owners
 from optimus2d.comm import replicas
@@ -205,7 +206,8 @@ def save(
     Each rank writes its own blocks; nothing is gathered to one rank. Atomic: ``path`` (an earlier
     checkpoint, an empty directory or nothing) is replaced only once every rank has written, and a
     rank killed meanwhile leaves it as it was. Raises ``ValueError`` before writing if ``path``
-    holds files that ``save`` did not write. With a plain ``torch.nn`` model, call it on one rank.
+    holds files that ``save`` did not write, or on every rank if the ranks name different
+    directories (their absolute paths differ). With a plain ``torch.nn`` model, call it on one rank.
 
     Data-parallel replicas (a model on one of several replica meshes, ``len(mesh.replicas) > 1``,
     e.g. from ``Mesh.from_device_mesh`` of a DeviceMesh with a "dp" dim; a ``DistributedDataParallel``
@@ -223,6 +225,7 @@ def save(
     model = _unwrap(model)
     entries = _entries(model)
     mesh = _model_mesh(entries)
+    integrity.agree_path(mesh, "checkpoint.save", path)  # before anything is written
     if _replicated(mesh):
         _agree_replicas(entries, mesh)
     device_mesh = _device_mesh(mesh)

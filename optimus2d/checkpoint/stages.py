@@ -21,6 +21,7 @@ from torch import nn
 
 from optimus2d.checkpoint import files as _files
 from optimus2d.checkpoint import sharded as _ckpt
+from optimus2d.comm import replicas, watch
 
 __all__ = ["load_stages", "save_stages"]
 
@@ -75,6 +76,10 @@ def save_stages(path: str | os.PathLike, chunks: nn.Module | list[nn.Module], op
     world = dist.get_world_size() if dist.is_initialized() else 1
     mesh = _ckpt._model_mesh(entries)
     where = mesh.ranks[0] if mesh is not None else (dist.get_rank() if world > 1 else 0)  # the stage mesh
+    if world > 1:  # the same directory on every rank, before anything is exchanged or written
+        timeout = mesh.timeout if mesh is not None else watch.collective_timeout()
+        directory = f"checkpoint.save_stages of the directory {os.path.abspath(path)!r}"
+        replicas.agree_world("checkpoint.save_stages", directory, None, timeout)
     mine = (meta, where if pipe is None else pipe.stage, sorted(k for k in state if k.startswith("model/")))
     metas = [mine]
     if world > 1:

@@ -26,7 +26,8 @@ this module), whose exchange and verdict run with the graph, every call, before 
 collectives.
 
 ``signature``, ``verdict``, ``exchange_texts`` and ``gather_world`` also serve the agreements over
-the default group of ``comm/replicas.py`` (``Mesh``, ``stage_meshes``), which has no mesh yet.
+the default group of ``comm/replicas.py`` (``Mesh``, ``stage_meshes``), which has no mesh yet, and
+a pipeline's (``pipeline/agreement.py``: each step over the world, ``gather_group`` over the copies).
 """
 
 from __future__ import annotations
@@ -337,6 +338,19 @@ def _gather(mesh, axis: str, t: torch.Tensor) -> torch.Tensor:
     order = mesh.group_order(axis)  # row g is group rank g's: member order[g] (the check group's is the mesh's)
     if order is not None:
         out = out[[order.index(m) for m in range(n)]]
+    return out.cpu()
+
+
+def gather_group(t: torch.Tensor, group, mesh, what: str) -> torch.Tensor:
+    """Every member's ``t`` (1-D, the same size everywhere) over ``group``, a torch process group across
+    meshes (a pipeline's data-parallel copies), in group rank order; on ``mesh``'s device, a watched wait."""
+    src = t.to(mesh.device)
+    out = src.new_empty((dist.get_world_size(group), t.numel()))
+    work = compat.all_gather_single(out.view(-1), src, group=group, async_op=True)
+    if mesh.device.type == "cpu":
+        watch.Watched(work, mesh, what, mesh.timeout).wait()
+    else:
+        work.wait()
     return out.cpu()
 
 

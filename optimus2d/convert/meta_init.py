@@ -45,18 +45,21 @@ def record_init(model: nn.Module) -> dict[str, list[tuple]]:
     for key, t in [*model.named_parameters(), *model.named_buffers()]:
         keys.setdefault(id(t), key)
     recorder = _Recorder(keys)
-    with torch.no_grad(), recorder:
-        for m in _post_order(model):  # as construction runs them: a module's parts, then the module
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
-            elif type(m) is nn.MultiheadAttention:
-                m._reset_parameters()
-        if hasattr(model, "initialize_weights") and hasattr(model, "_init_weights"):  # then HF's post_init
-            for m in model.modules():
-                m.__dict__.pop("_is_hf_initialized", None)
-            for t in (*model.parameters(), *model.buffers()):
-                t.__dict__.pop("_is_hf_initialized", None)
-            model.initialize_weights()
+    try:
+        with torch.no_grad(), recorder:
+            for m in _post_order(model):  # as construction runs them: a module's parts, then the module
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+                elif type(m) is nn.MultiheadAttention:
+                    m._reset_parameters()
+            if hasattr(model, "initialize_weights") and hasattr(model, "_init_weights"):  # then HF's post_init
+                for m in model.modules():
+                    m.__dict__.pop("_is_hf_initialized", None)
+                for t in (*model.parameters(), *model.buffers()):
+                    t.__dict__.pop("_is_hf_initialized", None)
+                model.initialize_weights()
+    finally:
+        recorder.frames.clear()  # (they refer back to this call's frame, and through it to the tensors)
     return dict(recorder.ops)
 
 
@@ -76,7 +79,8 @@ class _Recorder(TorchFunctionMode):
         self.views: dict[int, tuple[str, object]] = {}  # id(view) → (key, its index in dim 0 or None)
         self.alive: list[torch.Tensor] = []
         self.depth = 0  # > 0 inside a call already noted: what it calls is not noted again
-        self.inits: set[tuple[int, str]] = set()  # the nn.init calls already noted
+        self.inits: set[tuple[int, str]] = set()  # the nn.init calls already noted: (id(frame), key)
+        self.frames: list = []  # those frames, kept alive while recording: a later call's frame never reuses an id
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -96,7 +100,8 @@ class _Recorder(TorchFunctionMode):
         writes = name.endswith("_") and not name.startswith("_")
         frame = _init_frame() if writes else None  # a write inside torch.nn.init that did not dispatch
         if frame is not None and (id(frame), key) not in self.inits:  # torch 2.11's orthogonal_: ops in nn.init
-            self.inits.add((id(frame), key))  # noted once, as the call it is (ids: a frame holds the tensor)
+            self.inits.add((id(frame), key))  # noted once, as the call it is
+            self.frames.append(frame)
             self.ops[key].extend((op, index, call) for op, call in _skipped_init_call(target, frame))
         if frame is not None:
             self.depth += 1

@@ -2,9 +2,10 @@
 copies of each stage, and the encoder in the LLM's bubbles.
 
 ``stages.py``: ``stage_meshes``/``lanes`` (which ranks run which stage), ``pipeline_stage`` (a
-converted chunk as torch's ``PipelineStage``), ``SCHEDULES``; ``data_parallel.py``: copies of each
-stage; ``layouts.py``: stages of different mesh shapes; ``bubbles.py``: a frozen encoder scheduled
-into the LLM's idle slots (torch's action-list runtime); ``partition.py``: layers to stages by cost;
+converted chunk as torch's ``PipelineStage``), ``SCHEDULES``; ``agreement.py``: every step agreed
+over the pipeline before it sends anything; ``data_parallel.py``: copies of each stage;
+``layouts.py``: stages of different mesh shapes; ``bubbles.py``: a frozen encoder scheduled into the
+LLM's idle slots (torch's action-list runtime); ``partition.py``: layers to stages by cost;
 ``simulator.py``: timelines from measured costs; ``models/``: LLaMA, GPT-2 and LLaVA cut into stages.
 Gradient clipping over every stage is ``optimus2d.clip_grad_norm_(params, max_norm, pipe)``.
 """

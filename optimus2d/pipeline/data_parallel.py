@@ -26,6 +26,8 @@ the stage broadcasts copy 0's parameters and buffers over the dp group, as DDP d
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,8 +36,22 @@ from torch.distributed.pipelining import PipelineStage
 from optimus2d.comm import compat
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
+from optimus2d.pipeline.agreement import agree_step
 
-__all__ = ["DataParallelStage", "LaneStage", "pipeline_groups"]
+__all__ = ["DataParallelStage", "LaneStage", "copies_of", "note_copies", "pipeline_groups"]
+
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # stage mesh → (dp, dp_group, dp_ranks)
+
+
+def note_copies(mesh: Mesh, dp: int, group: dist.ProcessGroup | None, ranks: tuple[int, ...]) -> None:
+    """``mesh`` is a stage mesh of a pipeline of ``dp`` data-parallel copies, this rank's place in each
+    being ``group`` over ``ranks`` (``lanes`` says so, for the loss helpers of ``pipeline/models/``)."""
+    _COPIES[mesh] = (dp, group, ranks)
+
+
+def copies_of(mesh: Mesh) -> tuple[int, dist.ProcessGroup | None, tuple[int, ...]]:
+    """``(dp, dp_group, dp_ranks)`` of the last pipeline built on ``mesh``; ``(1, None, ())`` for none."""
+    return _COPIES.get(mesh, (1, None, ()))
 
 
 def pipeline_groups(
@@ -94,7 +110,22 @@ class LaneStage(PipelineStage):
 
     torch 2.13 warms the lane up by a vote per stage and re-prepares the stage on a switch between
     ``eval`` and ``step``; there the stage is torch's own.
+
+    On every torch, each step of a schedule starts with an agreement over the pipeline ``pipe`` (the
+    ``StageMesh``; ``pipeline/agreement.py``): the same schedule and micro-batch count everywhere,
+    each stage mesh fed alike in every copy, the first stage fed ``n_microbatches`` of its declared
+    block (``declared``: the meta tensors of its input and output), or the same error on every rank.
     """
+
+    def __init__(self, *args, pipe=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pipe = pipe
+        self.declared = (kwargs.get("input_args"), kwargs.get("output_args"))
+
+    def clear_runtime_states(self) -> None:
+        if self.pipe is not None:  # torch's step asks this of every stage first, before it splits or sends
+            agree_step(self, self.pipe)
+        super().clear_runtime_states()
 
     if compat.OLD_PIPELINES:
 

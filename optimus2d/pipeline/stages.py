@@ -60,7 +60,7 @@ from torch.distributed import pipelining
 from optimus2d.comm import replicas, watch
 from optimus2d.comm.functional import activation_sharding, all_reduce, batch_sharding
 from optimus2d.comm.mesh import Mesh
-from optimus2d.pipeline.data_parallel import DataParallelStage, LaneStage, pipeline_groups
+from optimus2d.pipeline.data_parallel import DataParallelStage, LaneStage, note_copies, pipeline_groups
 from optimus2d.pipeline.layouts import ToNextStage, stage_shapes
 
 # torch's schedules by name → (the class, the stages pipeline rank s of p runs: one, looped, or V-shaped)
@@ -167,6 +167,7 @@ def lanes(mesh: Mesh, dp: int = 1) -> StageMesh:
         raise ValueError(f"lanes: dp={dp!r} does not divide the {len(replicas)} meshes of {mesh} into copies")
     lane, lane_ranks, dp_group, dp_ranks = pipeline_groups(replicas, dp, mesh.replica, mesh.ranks.index(mesh.rank))
     stage, replica = divmod(mesh.replica, dp)
+    note_copies(mesh, dp, dp_group, dp_ranks)  # the loss helpers count the targets of every copy
     return StageMesh(mesh, stage, len(replicas) // dp, lane, lane_ranks, (), dp, replica, dp_group, dp_ranks)
 
 
@@ -214,7 +215,10 @@ def pipeline_stage(
     (``stage_index + 1`` below ``pipe.stages``, else ``2·pipe.stages − 2 − stage_index``); ignored for
     the last stage, whose output stays on ``pipe.mesh``. Data-parallel copies (``pipe.dp > 1``): a
     ``DataParallelStage``, which averages the gradients over ``pipe.dp_group`` at the step's last
-    backward (``pipeline/data_parallel.py``).
+    backward (``pipeline/data_parallel.py``). Every step of a torch schedule on these stages first
+    agrees over the whole pipeline (``pipeline/agreement.py``): one schedule, one micro-batch count,
+    each stage mesh fed alike in every copy and its first stage fed ``n`` of ``microbatch_shape``;
+    else the same ``ValueError`` on every rank, before anything is sent.
     """
 
     mesh = pipe.mesh
@@ -242,7 +246,7 @@ def pipeline_stage(
     if (out_mesh.q, out_mesh.depth) != (mesh.q, mesh.depth):
         chunk = ToNextStage(chunk, mesh, out_mesh)
     args = (chunk, stage_index, num_stages, device)
-    kwargs = {"input_args": inputs, "output_args": outputs, "group": pipe.lane}
+    kwargs = {"input_args": inputs, "output_args": outputs, "group": pipe.lane, "pipe": pipe}
     if pipe.dp_group is not None:  # data-parallel copies: gradients averaged over them
         return DataParallelStage(*args, **kwargs, dp_group=pipe.dp_group, mesh=mesh)
     return LaneStage(*args, **kwargs)

@@ -20,7 +20,9 @@ hidden states, and returns the same block of its output::
 
 ``causal_lm_loss``: each micro-batch's summed cross-entropy over the *global* target count, so the
 micro-batch losses add up to Hugging Face's ``labels=`` loss of the whole batch (a mean over its
-targets), whatever the micro-batches hold.
+targets), whatever the micro-batches hold. With data-parallel copies (``stage_meshes(..., dp=2)``),
+each copy passing its own share of the labels, the count is summed over the copies and each copy's
+loss scaled by their number: the copies' averaged gradients are the serial model's on the whole batch.
 
 A stage's checkpoint: ``optimus2d.checkpoint.save_stages``/``load_stages`` (``checkpoint/stages.py``).
 """
@@ -35,9 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from optimus2d.comm import scatter_batch
+from optimus2d.comm.agreement import describe
 from optimus2d.comm.mesh import Mesh
 from optimus2d.convert.parallelizer import register_converter
 from optimus2d.layers.loss import cross_entropy
+from optimus2d.pipeline.agreement import copies_sum
+from optimus2d.pipeline.data_parallel import copies_of
+from optimus2d.pipeline.stages import StageMesh
 
 __all__ = ["LlamaStage", "causal_lm_loss", "causal_lm_targets", "decoder_layers", "llama_stages"]
 
@@ -121,21 +127,48 @@ def llama_stages(lm: nn.Module, stages: int) -> list[LlamaStage]:
     return out
 
 
-def causal_lm_targets(labels: torch.Tensor, mesh: Mesh, ignore_index: int = -100) -> tuple[torch.Tensor, int]:
-    """(this rank's block ``[b/(d·q), s]`` of the next-token targets, the global number of targets).
+def causal_lm_targets(
+    labels: torch.Tensor, mesh: Mesh | StageMesh, ignore_index: int = -100
+) -> tuple[torch.Tensor, int]:
+    """(this rank's block ``[b/(d·q), s]`` of the next-token targets, the number of targets of the whole batch).
 
-    ``labels``: the full ``[b, s]`` (``labels=`` of Hugging Face: usually the ids), the same on every
-    rank; target t of a row is its label t + 1 (the last is ``ignore_index``)."""
+    ``labels``: the full ``[b, s]`` (``labels=`` of Hugging Face: usually the ids) of this copy of the
+    pipeline, the same on every rank of ``mesh`` (the last stage's, or the pipeline, ``StageMesh``);
+    target t of a row is its label t + 1 (the last is ``ignore_index``). The count is that of every
+    micro-batch and, with data-parallel copies (``stage_meshes(..., dp=n)``, each fed its own share of
+    the batch), of every copy: summed over ``pipe.dp_group`` in one all-gather of 6 words, after which
+    the copies agree on the labels' dtype and shape (then collective over the copies: every copy's
+    ranks call it at the same point; a disagreement is the same ``ValueError`` on each).
+    """
+    mesh = mesh.mesh if isinstance(mesh, StageMesh) else mesh
     shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    return scatter_batch(shifted.contiguous(), mesh), int((shifted != ignore_index).sum())
+    block = scatter_batch(shifted.contiguous(), mesh)
+    count = int((shifted != ignore_index).sum())
+    copies = copies_of(mesh)
+    if copies[0] > 1:
+        described = f"labels {describe(labels)}, ignore_index={ignore_index}"
+        count = copies_sum(mesh, copies, "causal_lm_targets", described, count)
+    return block, count
 
 
-def causal_lm_loss(mesh: Mesh, num_items: int, *, ignore_index: int = -100):
-    """``loss_fn(logits_block, target_block)`` for a schedule (``scale_grads=False``): the
-    micro-batch's summed cross-entropy ``/ num_items``, the same on every rank of ``mesh``."""
+def causal_lm_loss(mesh: Mesh | StageMesh, num_items: int, *, ignore_index: int = -100):
+    """``loss_fn(logits_block, target_block)`` for a schedule (``scale_grads=False``): the micro-batch's
+    summed cross-entropy ``/ num_items``, the same on every rank of ``mesh`` (or of the ``StageMesh``'s).
+
+    ``num_items``: the number of targets of the whole batch, every micro-batch's and every copy's
+    (``causal_lm_targets``'s count), so that the serial model's loss is the mean over all the batch's
+    targets (Hugging Face's ``labels=`` loss), however unevenly the micro-batches and the copies hold
+    them (padding). With data-parallel copies the loss is also multiplied by their number ``dp``, as
+    ``DataParallelStage`` averages the copies' gradients: each copy's loss is ``dp`` times its part of
+    the whole batch's, the mean of the copies' losses is the serial loss, every gradient the serial
+    model's (with as many targets in every copy: each copy's mean over its own targets, as before).
+    """
+    mesh = mesh.mesh if isinstance(mesh, StageMesh) else mesh
+    dp = copies_of(mesh)[0]
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, target, mesh, ignore_index=ignore_index, reduction="sum") / num_items
+        summed = cross_entropy(logits, target, mesh, ignore_index=ignore_index, reduction="sum")
+        return summed * dp / num_items if dp > 1 else summed / num_items
 
     return loss_fn
 

@@ -1,0 +1,167 @@
+"""Agreement before a pipeline step: every rank runs the same step, and each stage's ranks are fed alike.
+
+A pipeline whose ranks disagree hangs or computes a wrong model, silently: one rank running GPipe
+while its peers run 1F1B waits for a message never sent; a different micro-batch count makes gloo
+abort ("Received data size doesn't match"); a data-parallel copy fed fewer samples than it declared
+waits out the timeout; copies fed 6 and 2 samples average their gradients as if the shares were
+equal. So at the start of each ``step()``/``eval()`` of a torch schedule, before the inputs are
+split and before anything is sent, every rank of the pipeline (every stage mesh of every copy: the
+world) takes part in one all-gather of 7 words (``comm/agreement.py``'s signature, then two more):
+
+* the step, the same on every rank: the schedule's class, ``n_microbatches``, ``scale_grads``,
+  training or eval, the number of torch stages (else "the ranks disagree", naming each rank's);
+* what each stage mesh is fed, the same on each rank of that stage mesh in every copy: its torch
+  stages with their declared micro-batch blocks, and the step's inputs (the first stage's batch
+  block, keyword inputs, the last stage's target block), by dtype and shape. A first stage whose
+  block is not ``n_microbatches`` of its declared ``microbatch_shape`` refuses the step itself.
+
+Otherwise every rank raises the same ``ValueError`` before the step sends anything, naming the
+ranks and what each has (a second all-gather, of each rank's text). The stage (``LaneStage``) runs
+it from ``clear_runtime_states``, the first thing torch's ``step`` asks of every stage, and reads
+the step's arguments from that call's frame; at ``check="off"`` (the stage mesh's level) it is
+skipped. ``copies_sum``: a count summed over the copies, agreed the same way (the loss helpers').
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+from optimus2d.comm import agreement
+
+__all__ = ["agree_step", "calling_schedule", "copies_sum"]
+
+
+def calling_schedule(stage) -> tuple[_PipelineSchedule | None, dict]:
+    """The torch schedule whose ``step`` (or ``eval``) called into ``stage``, and that call's locals
+    (``args``, ``kwargs``, ``target``); ``(None, {})`` when no schedule of ``stage`` is on the stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, _PipelineSchedule) and any(s is stage for s in _stages(owner)):
+            return owner, frame.f_locals
+        frame = frame.f_back
+    return None, {}
+
+
+def _stages(schedule: _PipelineSchedule) -> list:
+    return list(getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)])
+
+
+def agree_step(stage, pipe) -> None:
+    """At the start of a torch schedule's step: every rank of ``pipe`` agrees on the step and each
+    stage mesh's inputs (the module docstring), or every rank raises the same ``ValueError``.
+    Collective over the world; run once per step, by the first of the rank's stages."""
+    schedule, step = calling_schedule(stage)
+    if schedule is None or _stages(schedule)[0] is not stage or not _shared(pipe):
+        return
+    n = schedule._n_microbatches
+    stages = sorted(_stages(schedule), key=lambda s: s.stage_index)
+    training = "step" if schedule._has_backward else "eval (forward only)"
+    what = (
+        f"{type(schedule).__name__}(n_microbatches={n}, scale_grads={schedule.scale_grads}) {training} "
+        f"over {stage.num_stages} torch stages"
+    )
+    args, kwargs, target = step.get("args", ()), step.get("kwargs") or {}, step.get("target")
+    fed = _fed(stages, args, kwargs, target)
+    error = _refusal(stages, args, n, schedule)
+    extra = (zlib.crc32(str(pipe.stage).encode()), zlib.crc32(fed.encode()))
+    words = agreement.signature("pipeline step", what, (), error) + list(extra)
+    timeout = pipe.mesh.timeout
+    gather = lambda t: agreement.gather_world(t, timeout)  # noqa: E731
+    table = gather(torch.tensor(words, dtype=torch.int64))
+    world = tuple(range(dist.get_world_size()))
+    agreement.verdict(table[:, :5], gather, world, "pipeline step", what, error, None)
+    groups: dict[int, set[int]] = {}
+    for key, crc in table[:, 5:].tolist():
+        groups.setdefault(key, set()).add(crc)
+    if all(len(crcs) == 1 for crcs in groups.values()):
+        return
+    texts = agreement.exchange_texts(gather, f"stage mesh {pipe.stage}: {fed}")
+    _raise_unlike(texts, table, pipe)
+
+
+def _shared(pipe) -> bool:
+    """Whether the step has peers to agree with: a pipeline of more than one stage mesh, checked."""
+    return len(pipe.mesh.replicas) > 1 and pipe.mesh.check != "off" and dist.is_initialized()
+
+
+def _fed(stages: list, args, kwargs: dict, target) -> str:
+    """This rank's torch stages with their declared blocks, and what the step feeds them."""
+    parts = []
+    for s in stages:
+        declared_in, declared_out = (agreement.describe(t) for t in getattr(s, "declared", (None, None)))
+        parts.append(f"torch stage {s.stage_index} ({declared_in} → {declared_out} a micro-batch)")
+    fed = []
+    if stages[0].is_first:
+        fed.append(f"batch {_describe(args)}")
+    if kwargs:
+        fed.append(", ".join(f"{k}={agreement.describe(v)}" for k, v in kwargs.items()))
+    if stages[-1].is_last:
+        fed.append(f"target {agreement.describe(target)}")
+    return ", ".join(parts) + (f" fed {'; '.join(fed)}" if fed else "")
+
+
+def _describe(args) -> str:
+    if isinstance(args, (tuple, list)):
+        return ", ".join(agreement.describe(a) for a in args) if args else "nothing"
+    return agreement.describe(args)
+
+
+def _refusal(stages: list, args, n: int, schedule) -> ValueError | None:
+    """Why this rank refuses the step: its first stage's batch block is not ``n`` micro-batches of the
+    block it declared (``microbatch_shape``), so torch would split it into micro-batches of another
+    size, which the next stage cannot receive. None if it is (or cannot be judged)."""
+    first = stages[0]
+    if not first.is_first or schedule._args_chunk_spec is not None or not isinstance(args, (tuple, list)):
+        return None
+    declared = getattr(first, "declared", (None,))[0]
+    batch = args[0] if len(args) == 1 else None
+    if not isinstance(batch, torch.Tensor) or not isinstance(declared, torch.Tensor) or declared.dim() < 1:
+        return None
+    want = [n * declared.shape[0], *declared.shape[1:]]
+    if list(batch.shape) == want:
+        return None
+    me = dist.get_rank()
+    return ValueError(
+        f"pipeline step: rank {me} feeds torch stage {first.stage_index} a batch block {agreement.describe(batch)}, "
+        f"but {n} micro-batches of the block it declared, {agreement.describe(declared)} (microbatch_shape), "
+        f"make {want}: feed each data-parallel copy its equal share of the batch (a batch that does not split "
+        f"evenly over the copies and micro-batches is refused), or declare the micro-batch it is fed"
+    )
+
+
+def _raise_unlike(texts: list[str], table: torch.Tensor, pipe) -> None:
+    """Raise, on every rank alike, that the ranks of a stage mesh (over its copies) are fed unlike."""
+    me = dist.get_rank()
+    by_key: dict[int, dict[str, list[int]]] = {}
+    for rank, (key, _) in enumerate(table[:, 5:].tolist()):
+        by_key.setdefault(key, {}).setdefault(texts[rank], []).append(rank)
+    unlike = next(found for found in by_key.values() if len(found) > 1)
+    parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {t}" for t, rs in unlike.items())
+    copies = f" in every one of the {pipe.dp} data-parallel copies" if pipe.dp > 1 else ""
+    raise ValueError(
+        f"pipeline step: the ranks of a stage mesh{copies} must run the same torch stages on inputs of the same "
+        f"shapes, and do not: this rank ({me}) has {texts[me]}; {parts}. Give each copy an equal share of the batch "
+        f"(a batch that does not split evenly over the copies is refused)"
+    )
+
+
+def copies_sum(mesh, copies: tuple, what: str, description: str, value: int) -> int:
+    """``value`` summed over the data-parallel copies of stage mesh ``mesh`` (``copies``: its
+    ``(dp, dp_group, dp_ranks)``, this rank's place in each copy), the copies first agreeing on
+    ``description`` (one all-gather of 6 words; a disagreement raises the same ``ValueError`` on every
+    rank of the group). Collective over ``dp_group``."""
+    dp, group, ranks = copies
+    if group is None:
+        return value
+    words = [*agreement.signature(what, description, (), None), int(value)]
+    gather = lambda t: agreement.gather_group(t, group, mesh, f"{what} over the copies")  # noqa: E731
+    table = gather(torch.tensor(words, dtype=torch.int64))
+    where = f"{what} over the {dp} data-parallel copies"
+    agreement.verdict(table[:, :5], gather, ranks, where, description, None, mesh)
+    return int(table[:, 5].sum())

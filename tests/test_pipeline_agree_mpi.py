@@ -1,0 +1,216 @@
+"""A pipeline whose ranks disagree is caught on every rank before its step sends anything
+(``pipeline/agreement.py``); one whose data-parallel copies hold unequal numbers of targets trains
+exactly with the loss helpers (``pipeline/models/llama.py``).
+
+Each refusal makes one rank (or one data-parallel copy) differ and asserts that every rank raises the
+same kind of ``ValueError``, naming the ranks and what each has, within ``_FAST_S`` (the suite's
+collective timeout is 120 s: the error came from the agreement, not a wait running out). 2 stages
+× dp 2 × one rank on 4 ranks, × 1×1×2 on 8; the schedule and micro-batch cases also on 2 stages of
+1×1×2 (4 ranks) or 2×2 (8). Over MPI and over gloo (``OPTIMUS2D_TRANSPORT=torch``).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import as_serial, assert_close, stage_pipe
+from torch import nn
+
+import optimus2d
+from optimus2d.pipeline import SCHEDULES, mesh_sum, pipeline_stage
+from optimus2d.pipeline.models.llama import causal_lm_loss, causal_lm_targets, llama_stages
+
+pytestmark = pytest.mark.mpi
+
+COPIES = {4: (1, 1), 8: (1, 2)}  # world → (q, depth) of each stage mesh of 2 stages × 2 copies
+PLAIN = {4: (1, 2), 8: (2, 1)}  # world → (q, depth) of each of 2 stage meshes, no copies
+S, H, LAYERS = 3, 8, 2
+_FAST_S = 20.0
+
+
+def _pipe(world, dp: int):
+    shapes = COPIES if dp > 1 else PLAIN
+    if world.size not in shapes:
+        pytest.skip(f"runs on {' or '.join(map(str, shapes))} ranks")
+    return stage_pipe(2, *shapes[world.size], dp=dp)
+
+
+def _unit(pipe) -> int:
+    """The batch rows one micro-batch needs per split of the mesh (depth·q)."""
+    return pipe.mesh.depth * pipe.mesh.q
+
+
+def _raises_fast(match: str, fn) -> str:
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=match) as info:
+        fn()
+    took = time.monotonic() - start
+    assert took < _FAST_S, f"took {took:.1f} s to fail"
+    return str(info.value)
+
+
+def _serial() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(H, H) for _ in range(LAYERS)]).double()
+
+
+def _step(pipe, name: str, n: int, rows: int, fed: int | None = None):
+    """One step of this rank's stage of ``_serial()`` under schedule ``name``: micro-batches of ``rows //
+    n`` samples declared, ``fed`` samples (default ``rows``) of this copy's batch fed; the summed loss."""
+    cls, _ = SCHEDULES[name]
+    chunk = optimus2d.parallelize(copy.deepcopy(_serial()[pipe.stage : pipe.stage + 1]), pipe.mesh)
+    stage = pipeline_stage(chunk, pipe, microbatch_shape=(rows // n, S, H))
+    schedule = cls(stage, n_microbatches=n, loss_fn=lambda y, t: mesh_sum(y * t, pipe.mesh), scale_grads=False)
+    torch.manual_seed(1 + pipe.dp_rank)
+    x, probe = torch.randn(fed or rows, S, H, dtype=torch.float64), torch.randn(rows, S, H, dtype=torch.float64)
+    if pipe.stage == 0:
+        schedule.step(optimus2d.scatter(x, pipe.mesh))
+    else:
+        schedule.step(target=optimus2d.scatter(probe, pipe.mesh), losses=[])
+    return chunk
+
+
+def test_copies_fed_unequal_shares_are_refused(world):
+    """Row a: copies given 6 and 2 samples (each declaring its own micro-batch) would average their
+    gradients as if the shares were equal; refused, naming both copies' batches."""
+    pipe = _pipe(world, dp=2)
+    u = _unit(pipe)
+    rows = 6 * u if pipe.dp_rank == 0 else 2 * u
+    message = _raises_fast(r"pipeline step: the ranks of a stage mesh in every one of the 2 data-parallel copies",
+                           lambda: _step(pipe, "1F1B", 2, rows))  # fmt: skip
+    copy0 = ", ".join(map(str, pipe.stage_ranks(0, 0)))
+    assert f"this rank ({world.rank}) has stage mesh {pipe.stage}: torch stage {pipe.stage}" in message
+    assert f"rank{'s' if u > 1 else ''} {copy0}: stage mesh 0: torch stage 0 (float64[3, {S}, {H}]" in message
+    assert f"fed batch float64[6, {S}, {H}]" in message and f"fed batch float64[2, {S}, {H}]" in message
+    assert "Give each copy an equal share of the batch" in message
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_rank_on_another_schedule_is_refused(world, dp):
+    """Row c: the last rank runs GPipe, its peers 1F1B (4 micro-batches: the first stage would wait for
+    a gradient the last sends only after its fourth forward, which waits for the first stage)."""
+    pipe = _pipe(world, dp)
+    name = "GPipe" if world.rank == world.size - 1 else "1F1B"
+    message = _raises_fast(r"pipeline step: the ranks disagree", lambda: _step(pipe, name, 4, 4 * _unit(pipe)))
+    others = ", ".join(map(str, range(world.size - 1)))
+    assert f"this rank ({world.rank}) has Schedule{name}(n_microbatches=4, scale_grads=False) step" in message
+    assert f"ranks {others}: Schedule1F1B(n_microbatches=4" in message
+    assert f"rank {world.size - 1}: ScheduleGPipe(n_microbatches=4" in message
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_rank_with_another_microbatch_count_is_refused(world, dp):
+    """Row d: the last rank splits its batch into 2 micro-batches, its peers into 4 (gloo would abort)."""
+    pipe = _pipe(world, dp)
+    n = 2 if world.rank == world.size - 1 else 4
+    message = _raises_fast(r"pipeline step: the ranks disagree", lambda: _step(pipe, "1F1B", n, 4 * _unit(pipe)))
+    assert f"this rank ({world.rank}) has Schedule1F1B(n_microbatches={n}," in message
+    assert f"rank {world.size - 1}: Schedule1F1B(n_microbatches=2," in message
+    assert "Schedule1F1B(n_microbatches=4," in message
+
+
+def test_a_copy_fed_fewer_samples_than_declared_is_refused(world):
+    """Row e: copy 1 feeds its first stage 3 micro-batches' samples where it declared 4 (its peers would
+    wait for the fourth): refused by those ranks, and so by every rank, with the numbers."""
+    pipe = _pipe(world, dp=2)
+    u = _unit(pipe)
+    short = pipe.stage == 0 and pipe.dp_rank == 1
+    fed = 3 * u if short else None
+    message = _raises_fast(r"rank \d+ refused it", lambda: _step(pipe, "1F1B", 4, 4 * u, fed))
+    for rank in pipe.stage_ranks(0, 1):
+        assert (
+            f"rank {rank} refused it: ValueError: pipeline step: rank {rank} feeds torch stage 0 a batch block "
+            f"float64[3, {S}, {H}], but 4 micro-batches of the block it declared, float64[1, {S}, {H}] "
+            f"(microbatch_shape), make [4, {S}, {H}]"
+        ) in message
+
+
+# ---- row b: the loss helpers over data-parallel copies --------------------------------------------
+V, HL, SEQ, N = 96, 48, 8, 2  # vocabulary, hidden, sequence, micro-batches
+
+
+def _llama() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=HL, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager", tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    lm = transformers.LlamaForCausalLM(config).double()
+    for module in list(lm.modules()):  # HF's RMSNorm computes in float32: nn.RMSNorm keeps serial exact
+        for name, child in list(module.named_children()):
+            if type(child).__name__ == "LlamaRMSNorm":
+                norm = nn.RMSNorm(HL, eps=child.variance_epsilon, dtype=torch.float64)
+                with torch.no_grad():
+                    norm.weight.copy_(1 + 0.3 * torch.randn(HL, dtype=torch.float64))
+                setattr(module, name, norm)
+    return lm
+
+
+def _batch(pipe):
+    """The whole batch's ids and labels, 2·depth·q rows per copy: copy 0's labels keep 2 targets a
+    row (4 of 14 on 4 ranks, the rest -100: padding), copy 1's all 7 (14)."""
+    rows = 2 * _unit(pipe)
+    torch.manual_seed(2)
+    ids = torch.randint(0, V, (pipe.dp * rows, SEQ))
+    labels = ids.clone()
+    labels[:rows, 3:] = -100  # targets are labels 1.. of a row: copy 0 keeps labels 1 and 2
+    return ids, labels, rows
+
+
+@pytest.mark.parametrize(("name", "given"), [("1F1B", "pipe"), ("GPipe", "mesh")])
+def test_copies_with_unequal_targets_match_the_serial_model(world, name, given):
+    """Row b: ``causal_lm_targets(copy_labels, pipe)`` (or ``pipe.mesh``) counts the whole batch's
+    targets (18 on 4 ranks: 4 in one copy, 14 in the other), ``causal_lm_loss`` scales each copy's loss
+    by dp: the copies' mean loss and every gradient are the serial model's on the whole batch (before:
+    every gradient off, up to 117%; with the whole count given, exactly half). One agreement exchange
+    per step, counted apart."""
+    pipe = _pipe(world, dp=2)
+    where = pipe if given == "pipe" else pipe.mesh
+    ids, labels, rows = _batch(pipe)
+    mine = slice(pipe.dp_rank * rows, (pipe.dp_rank + 1) * rows)  # this copy's share
+    serial = _llama()
+    chunk = optimus2d.parallelize(llama_stages(serial, 2)[pipe.stage], pipe.mesh)
+    first, mb = pipe.stage == 0, rows // N
+    stage = pipeline_stage(
+        chunk, pipe, microbatch_shape=(mb, SEQ) if first else (mb, SEQ, HL),
+        output_shape=(mb, SEQ, HL) if first else (mb, SEQ, V), token_ids=first,
+    )  # fmt: skip
+    target, count = causal_lm_targets(labels[mine], where)
+    assert count == int((labels[:, 1:] != -100).sum())  # 4 + 14 on 4 ranks
+    cls, _ = SCHEDULES[name]
+    schedule = cls(stage, n_microbatches=N, loss_fn=causal_lm_loss(where, count), scale_grads=False)
+    losses: list[torch.Tensor] = []
+    with optimus2d.count_comm() as counted:
+        if first:
+            schedule.step(optimus2d.scatter_batch(ids[mine], pipe.mesh))
+        else:
+            schedule.step(target=target, losses=losses)
+    assert [c.axis for c in counted.checks].count("pipeline step") == 1
+    grads = as_serial(chunk)
+
+    logits = serial(input_ids=ids, use_cache=False).logits
+    loss_ref = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    loss_ref.backward()
+    if not first:  # each copy's loss is dp × its part of the whole batch's: their mean is the serial loss
+        total = torch.stack(losses).sum()
+        torch.distributed.all_reduce(total, group=pipe.dp_group)
+        assert_close(total / pipe.dp, loss_ref.detach(), 1e-10, "loss")
+    ref = dict(serial.named_parameters())
+    assert grads
+    for key, g in grads.items():
+        assert_close(g, ref[key].grad, 1e-10, f"grad {key}")
+
+
+def test_copies_given_labels_of_other_shapes_are_refused(world):
+    """The loss helper's count over the copies agrees on their labels first: 6 and 2 rows refused."""
+    pipe = _pipe(world, dp=2)
+    u = _unit(pipe)
+    labels = torch.zeros(6 * u if pipe.dp_rank == 0 else 2 * u, SEQ, dtype=torch.long)
+    message = _raises_fast(r"causal_lm_targets over the 2 data-parallel copies: the ranks disagree",
+                           lambda: causal_lm_targets(labels, pipe))  # fmt: skip
+    assert f"int64[{6 * u}, {SEQ}]" in message and f"int64[{2 * u}, {SEQ}]" in message
