@@ -26,12 +26,13 @@ Gradients flow back through the same boundaries (``redistribute``'s backward).
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
-from optimus2d.comm.agreement import layout
+from optimus2d.comm.agreement import agree, layout
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.redistribution import redistribute
 from optimus2d.layers.base import ShardedModule
@@ -54,6 +55,38 @@ def check_plan(plan: Mapping[str, Mesh] | None, mesh: Mesh) -> dict[str, Mesh]:
                 f"{sorted(mesh.ranks)}: a planned module shares the ranks of the model (colocated)"
             )
     return dict(plan)
+
+
+def describe_plan(plan: object) -> str:
+    """The plan as text, the same on ranks whose plans are the same: each key and its mesh's shape
+    and ranks (sorted by key), or the type of what was given."""
+    if plan is None:
+        return "no plan"
+    if not isinstance(plan, Mapping):
+        return f"plan of type {type(plan).__name__}"
+    items = sorted(plan.items(), key=lambda item: repr(item[0]))
+    parts = [f"{key!r}: {_meshed(value)}" for key, value in items]
+    return "plan {" + ", ".join(parts) + "}"
+
+
+def _meshed(value: object) -> str:
+    if isinstance(value, Mesh):
+        return f"Mesh(q={value.q}, depth={value.depth}, ranks={list(value.ranks)})"
+    return type(value).__name__
+
+
+def agree_plan(mesh: Mesh, plan: object, error: BaseException | None, check: bool | None) -> None:
+    """Every rank of ``mesh`` passes ``parallelize`` the same plan and refuses (``error``: this rank's
+    refusal of the plan or the model, found without communicating) the same way: one all-gather of
+    5 words (``agree``) whose description is the plan and the refusal, so a plan that differs on one
+    rank (a key missing, another module, a bad key, another mesh) is a ``ValueError`` on every rank
+    naming each rank's plan, and a refusal every rank makes is raised by each (the caller raises
+    ``error``). ``check=False``, or a mesh checked "off", skips it."""
+    if check is False or (check is None and mesh.check == "off") or mesh.size == 1:
+        return
+    refused = f"; refused: {type(error).__name__}: {error}" if error is not None else ""
+    refused = re.sub(r", coord\(k,i,j\)=\([^)]*\)", "", refused)  # a mesh named in it: not this rank's place
+    agree(mesh, "parallelize", description=describe_plan(plan) + refused)
 
 
 def matches(key: str, path: str) -> bool:

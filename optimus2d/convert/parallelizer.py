@@ -182,9 +182,20 @@ def parallelize(
     and everything inside it is converted and runs; tensors crossing its boundary move between the
     meshes' layouts by ``redistribute`` (``optimus2d/layouts.py``). A key naming no module is refused.
     """
-    walk = _Walk(mesh, {}, tied_embeddings(module), plan=layouts.check_plan(plan, mesh))
-    walk.check(module, "")
-    walk.raise_refused()
+    # Checked on this rank (no communication), then agreed with every rank before anything is sent:
+    # the plan (its keys and meshes) and any refusal, so a plan or a model that differs on one rank
+    # is one error on every rank, not a rank left waiting for the others (layouts.agree_plan)
+    error, walk = None, None
+    try:
+        walk = _Walk(mesh, {}, tied_embeddings(module), plan=layouts.check_plan(plan, mesh))
+        walk.check(module, "")
+        walk.raise_refused()
+    except (TypeError, ValueError) as err:
+        error = err
+    if _current.get() is None:  # a converter's own parallelize() of a part: the whole was agreed
+        layouts.agree_plan(mesh, plan, error, check)
+    if error is not None:
+        raise error
     # Built on meta: note now how the serial model initialises each tensor (materialize replays it)
     records = record_init(module) if _current.get() is None and has_meta(module) else None
     if _current.get() is None:  # a converter's own parallelize() of a part: the whole was checked
