@@ -95,7 +95,8 @@ def test_calibrate_prices_sync_stages_by_the_work_before_them_on_shared_cores(tm
     comm = mlp_comm(2 * 8, 32, 128, "2d", 4, algorithm="summa")
     compute = row["compute_ms"] / 1e3
     assert row["comm_ms"] == pytest.approx(1e3 * comm_time(comm, priced, compute))  # stages after the work
-    if hw["latency_work"] > 0:  # ... which is not what one latency a stage gives
+    if hw["latency_work"] > 0 and hw["latency"] > 0:  # ... which is not what one latency a stage gives
+        # (a loaded machine can fit a latency of 0: then every stage costs 0 either way)
         assert row["comm_ms"] != pytest.approx(1e3 * comm_time(comm, priced))
     assert "ms of work (× √(work / that))" in _report(tmp_path)
 
