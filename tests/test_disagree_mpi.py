@@ -121,6 +121,15 @@ def test_a_full_input_that_differs_on_one_rank(world, world_mesh, fn):
     getattr(optimus2d, fn)(x, world_mesh, check=False)  # the documented opt-out: no exchange at all
 
 
+def test_a_constant_full_input_that_differs_on_one_rank(world, world_mesh):
+    """Rows of one value met an even number of times: xor alone would hash ones and sevens alike."""
+    x = torch.full((world_mesh.size, 2, 4 * world_mesh.q), 7.0 if _last(world) else 1.0)
+    message = _raises_fast(
+        ValueError, r"scatter on Mesh.*hold different values", lambda: optimus2d.scatter(x, world_mesh)
+    )
+    assert f"rank {world.size - 1}: scatter of" in message
+
+
 def test_a_full_input_refused_by_one_rank_is_refused_by_all(world, world_mesh):
     x = torch.randn(world_mesh.size + (1 if _last(world) else 0), 4 * world_mesh.q)
     _raises_fast(

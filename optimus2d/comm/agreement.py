@@ -65,8 +65,9 @@ def fingerprint(t: torch.Tensor) -> tuple[int, int]:
     Exact (no rounding: ranks on different CPUs agree) and position-aware (a permuted batch or
     sequence differs). Floats: the xor of their bits (``torch.hash_tensor``) per row of the last
     dim, and per run of ``_RUN`` consecutive elements (runs that straddle the rows, so values moved
-    within a row differ too), each list mixed with odd position weights; about one reading pass
-    (1.5 ms for 1M fp32 on one core). Blind only to two values swapped inside one row and one run.
+    within a row differ too), each list mixed with odd position weights, plus the elements' bits as
+    integers summed by position (xor cancels a value met twice: rows of ones and of sevens would
+    agree); about two reading passes. Blind only to two values swapped inside one row and one run.
     Integers (token ids): exact int64 sums, weighted by position, of the elements and of the rows.
     """
     if t.numel() == 0:
@@ -80,7 +81,18 @@ def fingerprint(t: torch.Tensor) -> tuple[int, int]:
     runs = [torch.hash_tensor(flat[:whole].view(-1, _RUN), dim=1)] if whole else []
     if whole < flat.numel():
         runs.append(torch.hash_tensor(flat[whole:]).reshape(1))
-    return _mix(rows.view(torch.int64)), _mix(torch.cat(runs).view(torch.int64))
+    # xor cancels a value met an even number of times (a row of ones hashes as a row of sevens):
+    # the bits as integers, summed by position, tell such rows apart
+    bits = flat.view(_INTS.get(flat.element_size(), torch.int64)).long()
+    return _wrap(_mix(rows.view(torch.int64)) + _mix(bits)), _mix(torch.cat(runs).view(torch.int64))
+
+
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size → same-size ints
+
+
+def _wrap(n: int) -> int:
+    """``n`` as an int64 (two's complement), as the signature's tensor holds it."""
+    return (n + 2**63) % 2**64 - 2**63
 
 
 def _mix(hashes: torch.Tensor) -> int:
