@@ -94,3 +94,19 @@ def mesh(world, mesh_shape):
     if mesh_shape not in _meshes:
         _meshes[mesh_shape] = optimus2d.Mesh(*mesh_shape)
     return _meshes[mesh_shape]
+
+
+@pytest.fixture
+def world_mesh(world):
+    """A fresh mesh over the whole world (the squarest shape), or a skip on one rank: for tests in
+    which one rank disagrees (a refusal may leave its mesh unusable, so none is shared)."""
+    import math
+
+    import optimus2d
+
+    if world.size == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    q = math.isqrt(world.size)
+    while world.size % (q * q):
+        q -= 1
+    return optimus2d.Mesh(q, world.size // (q * q))

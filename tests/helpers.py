@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -235,3 +237,16 @@ def check_stage_checkpoints(pipe, chunks, opt, whole, fresh, ref_state, ref_opti
         assert_close(value, ref_state[key], adam_tol, f"back in the stages {key}")
         assert_close(back_optim[key], ref_optim[key]["exp_avg"], tol, f"back exp_avg {key}")
     return fresh_opt
+
+
+FAST_S = 20.0  # a refusal must come this fast: from a check, not from a wait running out
+
+
+def raises_fast(exc, match: str, fn) -> str:
+    """``pytest.raises(exc, match=match)`` around ``fn()``, within ``FAST_S``; the message."""
+    start = time.monotonic()
+    with pytest.raises(exc, match=match) as info:
+        fn()
+    took = time.monotonic() - start
+    assert took < FAST_S, f"took {took:.1f} s to fail"
+    return str(info.value)

@@ -3,7 +3,7 @@
 Issue 26: a ``parallelize(plan=)`` that differs on one rank (a key missing, another module, a bad
 key, another mesh), and a plan every rank refuses. Each case builds
 meshes of its own (a refusal may be fatal to a mesh) and asserts that every rank raises the expected
-error, naming the rank and what it holds, within ``_FAST_S`` (as ``tests/test_disagree_mpi.py``: the
+error, naming the rank and what it holds, within ``helpers.FAST_S`` (as ``tests/test_disagree_mpi.py``: the
 error came from a check, not from a wait running out). Run over MPI and over gloo
 (``OPTIMUS2D_TRANSPORT=torch``).
 """
@@ -11,42 +11,20 @@ error came from a check, not from a wait running out). Run over MPI and over glo
 from __future__ import annotations
 
 import copy
-import math
-import time
 
 import pytest
 import torch
+from helpers import raises_fast
 from torch import nn
 
 import optimus2d
 from optimus2d import Mesh
 
 pytestmark = pytest.mark.mpi
-_FAST_S = 20.0
-
-
-@pytest.fixture
-def world_mesh(world):
-    """A fresh mesh over the whole world (the squarest shape), or a skip on one rank."""
-    if world.size == 1:
-        pytest.skip("one rank cannot disagree with itself")
-    q = math.isqrt(world.size)
-    while world.size % (q * q):
-        q -= 1
-    return Mesh(q, world.size // (q * q))
 
 
 def _last(world) -> bool:
     return world.rank == world.size - 1
-
-
-def _raises_fast(exc, match: str, fn) -> str:
-    start = time.monotonic()
-    with pytest.raises(exc, match=match) as info:
-        fn()
-    took = time.monotonic() - start
-    assert took < _FAST_S, f"took {took:.1f} s to fail"
-    return str(info.value)
 
 
 # ---- row 1: gather refuses what is not a block of its mesh ------------------------------------------
@@ -59,7 +37,7 @@ def test_a_plan_that_differs_on_one_rank(world, world_mesh, how):
     plan = {"0": flat}
     if _last(world):
         plan = {"a key missing": {}, "another module": {"2": flat}, "a bad key": {"nope": flat}}.get(how, {"0": other})
-    message = _raises_fast(
+    message = raises_fast(
         ValueError,
         r"parallelize on Mesh.*the ranks disagree",
         lambda: optimus2d.parallelize(model, world_mesh, plan=plan),
@@ -74,7 +52,7 @@ def test_a_plan_that_differs_on_one_rank(world, world_mesh, how):
 def test_a_plan_refused_by_every_rank_keeps_its_error(world, world_mesh):
     flat = Mesh(1, world.size)
     model = nn.Sequential(nn.Linear(4, 4))
-    _raises_fast(
+    raises_fast(
         ValueError,
         r"plan= names no module of the model at 'nope'",
         lambda: optimus2d.parallelize(model, world_mesh, plan={"nope": flat}),

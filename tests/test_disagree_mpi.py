@@ -1,7 +1,7 @@
 """Ranks that disagree are caught on every rank, fast: never a silent wrong block, never a hang.
 
 Each case builds meshes of its own (a failure is fatal to a mesh), makes one rank (the last)
-differ from its peers, and asserts that every rank raises the expected error within ``_FAST_S``:
+differ from its peers, and asserts that every rank raises the expected error within ``helpers.FAST_S``:
 a sixth of the suite's collective timeout (120 s), so the error came from the check or the
 peer's report, not from a wait running out, with room for 9 ranks sharing 2 cores.
 Run at every world size of the suite, over MPI and over gloo (``OPTIMUS2D_TRANSPORT=torch``).
@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import FAST_S, raises_fast
 from torch import nn
 
 import optimus2d
@@ -23,31 +24,10 @@ from optimus2d.comm import primitives as P
 from optimus2d.comm import watch
 
 pytestmark = pytest.mark.mpi
-_FAST_S = 20.0
-
-
-@pytest.fixture
-def world_mesh(world):
-    """A fresh mesh over the whole world (the squarest shape), or a skip on one rank."""
-    if world.size == 1:
-        pytest.skip("one rank cannot disagree with itself")
-    q = math.isqrt(world.size)
-    while world.size % (q * q):
-        q -= 1
-    return Mesh(q, world.size // (q * q))
 
 
 def _last(world) -> bool:
     return world.rank == world.size - 1
-
-
-def _raises_fast(exc, match: str, fn) -> str:
-    start = time.monotonic()
-    with pytest.raises(exc, match=match) as info:
-        fn()
-    took = time.monotonic() - start
-    assert took < _FAST_S, f"took {took:.1f} s to fail"
-    return str(info.value)
 
 
 def test_meshes_that_differ_are_refused_on_every_rank(world):
@@ -55,7 +35,7 @@ def test_meshes_that_differ_are_refused_on_every_rank(world):
         pytest.skip("one rank")
     q = math.isqrt(world.size) if world.size != 8 else 2
     asked = (1, world.size) if _last(world) else (q, world.size // (q * q))
-    message = _raises_fast(ValueError, r"Mesh: the ranks disagree", lambda: Mesh(*asked))
+    message = raises_fast(ValueError, r"Mesh: the ranks disagree", lambda: Mesh(*asked))
     assert f"this rank ({world.rank})" in message and f"rank {world.size - 1}: Mesh(q=1, depth={world.size}" in message
     Mesh(q, world.size // (q * q))  # the next mesh is agreed again
 
@@ -64,7 +44,7 @@ def test_a_mesh_one_rank_cannot_build_is_refused_on_every_rank(world):
     if world.size == 1:
         pytest.skip("one rank")
     ranks = [0] * world.size if _last(world) else list(range(world.size))
-    message = _raises_fast(
+    message = raises_fast(
         ValueError, r"rank \d+ refused it: ValueError: Mesh ranks", lambda: Mesh(1, world.size, ranks)
     )
     assert f"rank {world.size - 1} refused it" in message
@@ -83,7 +63,7 @@ def test_an_input_of_another_shape_on_one_rank(world, world_mesh, what):
     if _last(world):
         grow = {"batch": (1, 0, 0), "sequence": (0, 1, 0), "features": (0, 0, 1)}[what]
         x = torch.randn(2 + grow[0], 3 + grow[1], 4 + grow[2])
-    message = _raises_fast(ValueError, r"Linear2D on Mesh.*the ranks disagree", lambda: layer(x))
+    message = raises_fast(ValueError, r"Linear2D on Mesh.*the ranks disagree", lambda: layer(x))
     assert f"this rank ({world.rank}) has Linear2D of float32{list(x.shape)}" in message
     assert f"rank {world.size - 1}: Linear2D of float32" in message
 
@@ -91,19 +71,19 @@ def test_an_input_of_another_shape_on_one_rank(world, world_mesh, what):
 def test_a_dtype_that_differs_on_one_rank(world, world_mesh):
     layer, x = _block_linear(world_mesh)
     x = x.double() if _last(world) else x
-    _raises_fast(ValueError, r"float64\[2, 3, 4\]", lambda: layer(x))
+    raises_fast(ValueError, r"float64\[2, 3, 4\]", lambda: layer(x))
 
 
 def test_token_ids_of_another_length_on_one_rank(world, world_mesh):
     embedding = optimus2d.layers.Embedding2D(10, 4 * world_mesh.q, mesh=world_mesh)
     ids = torch.zeros(2, 5 if _last(world) else 4, dtype=torch.long)
-    _raises_fast(ValueError, r"Embedding2D on Mesh.*int64\[2, 5\]", lambda: embedding(ids))
+    raises_fast(ValueError, r"Embedding2D on Mesh.*int64\[2, 5\]", lambda: embedding(ids))
 
 
 def test_token_ids_out_of_range_on_one_rank(world, world_mesh):
     embedding = optimus2d.layers.Embedding2D(10, 4 * world_mesh.q, mesh=world_mesh)
     ids = torch.full((2, 4), 10 if _last(world) else 1, dtype=torch.long)
-    _raises_fast(ValueError, r"token ids outside \[0, 10\)", lambda: embedding(ids))
+    raises_fast(ValueError, r"token ids outside \[0, 10\)", lambda: embedding(ids))
 
 
 @pytest.mark.parametrize("fn", ["scatter", "scatter_batch"])
@@ -114,7 +94,7 @@ def test_a_full_input_that_differs_on_one_rank(world, world_mesh, fn):
         x = x.flip(0)  # the same values, the batch in another order
     if fn == "scatter_batch":
         x = x.long()
-    message = _raises_fast(
+    message = raises_fast(
         ValueError, rf"{fn} on Mesh.*hold different values", lambda: getattr(optimus2d, fn)(x, world_mesh)
     )
     assert f"rank {world.size - 1}: {fn} of" in message
@@ -124,7 +104,7 @@ def test_a_full_input_that_differs_on_one_rank(world, world_mesh, fn):
 def test_a_constant_full_input_that_differs_on_one_rank(world, world_mesh):
     """Rows of one value met an even number of times: xor alone would hash ones and sevens alike."""
     x = torch.full((world_mesh.size, 2, 4 * world_mesh.q), 7.0 if _last(world) else 1.0)
-    message = _raises_fast(
+    message = raises_fast(
         ValueError, r"scatter on Mesh.*hold different values", lambda: optimus2d.scatter(x, world_mesh)
     )
     assert f"rank {world.size - 1}: scatter of" in message
@@ -132,7 +112,7 @@ def test_a_constant_full_input_that_differs_on_one_rank(world, world_mesh):
 
 def test_a_full_input_refused_by_one_rank_is_refused_by_all(world, world_mesh):
     x = torch.randn(world_mesh.size + (1 if _last(world) else 0), 4 * world_mesh.q)
-    _raises_fast(
+    raises_fast(
         ValueError,
         rf"rank {world.size - 1} refused it: ValueError: scatter: batch dim 0",
         lambda: optimus2d.scatter(x, world_mesh),
@@ -143,20 +123,20 @@ def test_gather_of_a_full_tensor_is_refused(world, world_mesh):
     torch.manual_seed(0)
     x = torch.randn(world_mesh.size, 4 * world_mesh.q)
     optimus2d.scatter(x, world_mesh)
-    _raises_fast(
+    raises_fast(
         ValueError,
         r"gather expects a local block, but this tensor .* is a full one",
         lambda: optimus2d.gather(x, world_mesh),
     )
     y = optimus2d.gather(optimus2d.scatter(x, world_mesh), world_mesh)
-    _raises_fast(ValueError, r"is a full one", lambda: optimus2d.gather(y, world_mesh))
+    raises_fast(ValueError, r"is a full one", lambda: optimus2d.gather(y, world_mesh))
 
 
 def test_a_block_of_another_mesh_of_the_same_shape_is_refused(world, world_mesh):
     reversed_mesh = Mesh(world_mesh.q, world_mesh.depth, list(reversed(world_mesh.ranks)))
     layer, _ = _block_linear(world_mesh)  # seeds: x is the same on every rank
     x = torch.randn(world_mesh.size * 2, 3, 4 * world_mesh.q)
-    _raises_fast(
+    raises_fast(
         ValueError,
         r"its input is a block of Mesh.*not of this module's",
         lambda: layer(optimus2d.scatter(x, reversed_mesh)),
@@ -165,16 +145,16 @@ def test_a_block_of_another_mesh_of_the_same_shape_is_refused(world, world_mesh)
 
 def test_empty_inputs_are_refused_on_every_rank(world, world_mesh):
     layer, _ = _block_linear(world_mesh)
-    _raises_fast(ValueError, r"empty along dim 0", lambda: layer(torch.randn(0, 3, 4)))
-    _raises_fast(
+    raises_fast(ValueError, r"empty along dim 0", lambda: layer(torch.randn(0, 3, 4)))
+    raises_fast(
         ValueError,
         r"empty along dim 1",
         lambda: optimus2d.scatter(torch.randn(world_mesh.size, 0, 4 * world_mesh.q), world_mesh),
     )
     ids = torch.zeros(world_mesh.size, 0, dtype=torch.long)
-    _raises_fast(ValueError, r"empty along dim 1", lambda: optimus2d.scatter_batch(ids, world_mesh))
+    raises_fast(ValueError, r"empty along dim 1", lambda: optimus2d.scatter_batch(ids, world_mesh))
     x = torch.randn(0 if _last(world) else 2, 3, 4)  # one rank's batch alone is empty
-    _raises_fast(
+    raises_fast(
         ValueError,
         rf"rank {world.size - 1} refused it: ValueError: Linear2D: input of shape \[0, 3, 4\] is empty",
         lambda: layer(x),
@@ -185,7 +165,7 @@ def test_a_rank_on_another_code_path_is_caught(world, world_mesh):
     layer, x = _block_linear(world_mesh)
     norm = optimus2d.layers.LayerNorm2D(4 * world_mesh.q, mesh=world_mesh)
     call = (lambda: norm(x)) if _last(world) else (lambda: layer(x))
-    message = _raises_fast(ValueError, r"the ranks disagree", call)
+    message = raises_fast(ValueError, r"the ranks disagree", call)
     assert "LayerNorm2D of float32[2, 3, 4]" in message and "Linear2D of float32[2, 3, 4]" in message
 
 
@@ -194,7 +174,7 @@ def test_serial_weights_that_differ_are_named(world, world_mesh):
     model = nn.Sequential(nn.Linear(4 * world_mesh.q, 8 * world_mesh.q), nn.GELU(), nn.Linear(8 * world_mesh.q, 4))
     with torch.no_grad():
         model[2].weight.zero_()  # the same on every rank: not named
-    message = _raises_fast(
+    message = raises_fast(
         ValueError,
         r"parallelize: the serial weights on Mesh.*3 of 4 tensors differ",
         lambda: optimus2d.parallelize(model, world_mesh),
@@ -207,7 +187,7 @@ def test_every_collective_is_checked_at_the_debug_level(world):
         pytest.skip("one rank")
     mesh = Mesh(1, world.size, check="every")
     t = torch.ones(3 if _last(world) else 2)
-    message = _raises_fast(
+    message = raises_fast(
         ValueError, r"all_reduce over depth of Mesh.*the ranks disagree", lambda: P.all_reduce(t, mesh, "depth")
     )
     assert "float32[3]" in message and "float32[2]" in message
@@ -226,7 +206,7 @@ def test_one_ranks_error_reaches_its_peers_at_once(world, world_mesh):
             optimus2d.faults.PeerFailedError, match=rf"rank {world.size - 1}: RuntimeError: the data loader ran dry"
         ):
             optimus2d.gather(layer(x), world_mesh)
-    assert time.monotonic() - start < _FAST_S
+    assert time.monotonic() - start < FAST_S
     dist.barrier()
 
 
@@ -240,5 +220,5 @@ def test_a_rank_that_skips_a_collective_is_a_timeout_on_the_others(world, world_
         start = time.monotonic()
         with pytest.raises((TimeoutError, optimus2d.faults.PeerFailedError), match=r"did not complete within 1 s"):
             layer(x)
-        assert time.monotonic() - start < _FAST_S  # the message names the 1 s wait; this bounds the hang
+        assert time.monotonic() - start < FAST_S  # the message names the 1 s wait; this bounds the hang
     dist.barrier()

@@ -3,7 +3,7 @@
 exactly with the loss helpers (``pipeline/models/llama.py``).
 
 Each refusal makes one rank (or one data-parallel copy) differ and asserts that every rank raises the
-same kind of ``ValueError``, naming the ranks and what each has, within ``_FAST_S`` (the suite's
+same kind of ``ValueError``, naming the ranks and what each has, within ``helpers.FAST_S`` (the suite's
 collective timeout is 120 s: the error came from the agreement, not a wait running out). 2 stages
 × dp 2 × one rank on 4 ranks, × 1×1×2 on 8; the schedule and micro-batch cases also on 2 stages of
 1×1×2 (4 ranks) or 2×2 (8). Over MPI and over gloo (``OPTIMUS2D_TRANSPORT=torch``).
@@ -12,12 +12,11 @@ collective timeout is 120 s: the error came from the agreement, not a wait runni
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import as_serial, assert_close, stage_pipe
+from helpers import as_serial, assert_close, raises_fast, stage_pipe
 from torch import nn
 
 import optimus2d
@@ -29,7 +28,10 @@ pytestmark = pytest.mark.mpi
 COPIES = {4: (1, 1), 8: (1, 2)}  # world → (q, depth) of each stage mesh of 2 stages × 2 copies
 PLAIN = {4: (1, 2), 8: (2, 1)}  # world → (q, depth) of each of 2 stage meshes, no copies
 S, H, LAYERS = 3, 8, 2
-_FAST_S = 20.0
+
+
+def _refused(match: str, fn) -> str:
+    return raises_fast(ValueError, match, fn)
 
 
 def _pipe(world, dp: int):
@@ -42,15 +44,6 @@ def _pipe(world, dp: int):
 def _unit(pipe) -> int:
     """The batch rows one micro-batch needs per split of the mesh (depth·q)."""
     return pipe.mesh.depth * pipe.mesh.q
-
-
-def _raises_fast(match: str, fn) -> str:
-    start = time.monotonic()
-    with pytest.raises(ValueError, match=match) as info:
-        fn()
-    took = time.monotonic() - start
-    assert took < _FAST_S, f"took {took:.1f} s to fail"
-    return str(info.value)
 
 
 def _serial() -> nn.Sequential:
@@ -80,7 +73,7 @@ def test_copies_fed_unequal_shares_are_refused(world):
     pipe = _pipe(world, dp=2)
     u = _unit(pipe)
     rows = 6 * u if pipe.dp_rank == 0 else 2 * u
-    message = _raises_fast(r"pipeline step: the ranks of a stage mesh in every one of the 2 data-parallel copies",
+    message = _refused(r"pipeline step: the ranks of a stage mesh in every one of the 2 data-parallel copies",
                            lambda: _step(pipe, "1F1B", 2, rows))  # fmt: skip
     copy0 = ", ".join(map(str, pipe.stage_ranks(0, 0)))
     assert f"this rank ({world.rank}) has stage mesh {pipe.stage}: torch stage {pipe.stage}" in message
@@ -95,7 +88,9 @@ def test_a_rank_on_another_schedule_is_refused(world, dp):
     a gradient the last sends only after its fourth forward, which waits for the first stage)."""
     pipe = _pipe(world, dp)
     name = "GPipe" if world.rank == world.size - 1 else "1F1B"
-    message = _raises_fast(r"pipeline step: the ranks disagree", lambda: _step(pipe, name, 4, 4 * _unit(pipe)))
+    message = raises_fast(
+        ValueError, r"pipeline step: the ranks disagree", lambda: _step(pipe, name, 4, 4 * _unit(pipe))
+    )
     others = ", ".join(map(str, range(world.size - 1)))
     assert f"this rank ({world.rank}) has Schedule{name}(n_microbatches=4, scale_grads=False) step" in message
     assert f"ranks {others}: Schedule1F1B(n_microbatches=4" in message
@@ -107,7 +102,9 @@ def test_a_rank_with_another_microbatch_count_is_refused(world, dp):
     """Row d: the last rank splits its batch into 2 micro-batches, its peers into 4 (gloo would abort)."""
     pipe = _pipe(world, dp)
     n = 2 if world.rank == world.size - 1 else 4
-    message = _raises_fast(r"pipeline step: the ranks disagree", lambda: _step(pipe, "1F1B", n, 4 * _unit(pipe)))
+    message = raises_fast(
+        ValueError, r"pipeline step: the ranks disagree", lambda: _step(pipe, "1F1B", n, 4 * _unit(pipe))
+    )
     assert f"this rank ({world.rank}) has Schedule1F1B(n_microbatches={n}," in message
     assert f"rank {world.size - 1}: Schedule1F1B(n_microbatches=2," in message
     assert "Schedule1F1B(n_microbatches=4," in message
@@ -120,7 +117,7 @@ def test_a_copy_fed_fewer_samples_than_declared_is_refused(world):
     u = _unit(pipe)
     short = pipe.stage == 0 and pipe.dp_rank == 1
     fed = 3 * u if short else None
-    message = _raises_fast(r"rank \d+ refused it", lambda: _step(pipe, "1F1B", 4, 4 * u, fed))
+    message = _refused(r"rank \d+ refused it", lambda: _step(pipe, "1F1B", 4, 4 * u, fed))
     for rank in pipe.stage_ranks(0, 1):
         assert (
             f"rank {rank} refused it: ValueError: pipeline step: rank {rank} feeds torch stage 0 a batch block "
@@ -211,6 +208,6 @@ def test_copies_given_labels_of_other_shapes_are_refused(world):
     pipe = _pipe(world, dp=2)
     u = _unit(pipe)
     labels = torch.zeros(6 * u if pipe.dp_rank == 0 else 2 * u, SEQ, dtype=torch.long)
-    message = _raises_fast(r"causal_lm_targets over the 2 data-parallel copies: the ranks disagree",
+    message = _refused(r"causal_lm_targets over the 2 data-parallel copies: the ranks disagree",
                            lambda: causal_lm_targets(labels, pipe))  # fmt: skip
     assert f"int64[{6 * u}, {SEQ}]" in message and f"int64[{2 * u}, {SEQ}]" in message

@@ -12,11 +12,11 @@ import re
 import shutil
 import struct
 import tempfile
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import raises_fast
 from safetensors import safe_open
 from torch import nn
 
@@ -26,7 +26,6 @@ from optimus2d.checkpoint import pretrained as P
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.mpi
-_FAST_S = 20.0  # a sixth of the suite's collective timeout: the error came from a check, not a wait
 
 
 def _llama(mesh, seed: int):
@@ -63,15 +62,6 @@ def _peers(size: int) -> None:
 
 def _last(mesh) -> bool:
     return mesh.index("mesh") == mesh.size - 1
-
-
-def _raises_fast(exc, match: str, fn) -> str:
-    start = time.monotonic()
-    with pytest.raises(exc, match=match) as info:
-        fn()
-    took = time.monotonic() - start
-    assert took < _FAST_S, f"took {took:.1f} s to fail"
-    return str(info.value)
 
 
 def _save(mesh, seed: int, path: str, how: str) -> nn.Module:
@@ -129,7 +119,7 @@ def test_another_directory_on_one_rank_is_refused(mesh, shared, how):
     _save(mesh, 1, b, how)
     parallel = parallelize(_llama(mesh, 2), mesh)
     before = serial_state_dict(parallel)
-    message = _raises_fast(
+    message = raises_fast(
         ValueError, "not the same checkpoint on every rank", lambda: load_pretrained(parallel, b if _last(mesh) else a)
     )
     last, me = mesh.ranks[-1], dist.get_rank()
@@ -214,7 +204,7 @@ def test_a_flipped_bit_is_found_and_refused_on_every_rank(mesh, shared, where, m
         at = start + end - 1
     _on_rank0(lambda: _flip(file, at))
     parallel = parallelize(_llama(mesh, 1), mesh)
-    message = _raises_fast(ValueError, rf"{re.escape(repr(file))} is damaged", lambda: load_pretrained(parallel, ours))
+    message = raises_fast(ValueError, rf"{re.escape(repr(file))} is damaged", lambda: load_pretrained(parallel, ours))
     assert key in message and re.search(r"have crc32 [0-9a-f]{8}, its checksum says [0-9a-f]{8}", message), message
     assert re.search(r"found on rank \d+", message), message
 
@@ -235,7 +225,7 @@ def test_a_bit_flipped_in_one_ranks_copy_fails_every_rank(mesh, shared, monkeypa
     dist.barrier()
     parallel = parallelize(_llama(mesh, 1), mesh)
     last = mesh.ranks[-1]
-    message = _raises_fast(ValueError, "is damaged", lambda: load_pretrained(parallel, mine))
+    message = raises_fast(ValueError, "is damaged", lambda: load_pretrained(parallel, mine))
     assert "model.norm.weight" in message and f"found on rank {last}" in message, message
     if not _last(mesh):  # relayed: the rank that found it and its text
         assert re.search(rf"reading the blocks\) on Mesh.*: rank {last} \(of the failing ranks {last}\)", message)
@@ -254,7 +244,7 @@ def test_a_flipped_bit_in_a_header_is_found(mesh, shared):
     dist.barrier()
     _on_rank0(lambda: _flip(file, at))
     parallel = parallelize(_llama(mesh, 1), mesh)
-    message = _raises_fast(ValueError, "is damaged", lambda: load_pretrained(parallel, ours, strict=False))
+    message = raises_fast(ValueError, "is damaged", lambda: load_pretrained(parallel, ours, strict=False))
     assert "its header's tensor entries have crc32" in message, message
 
 
@@ -294,7 +284,7 @@ def test_another_path_on_one_rank_is_refused_before_writing(mesh, shared, what):
         "save_pretrained": lambda p: save_pretrained(model, p),
         "checkpoint.save_stages": lambda p: checkpoint.save_stages(p, [model]),  # one stage: the world is its mesh
     }[what]
-    message = _raises_fast(ValueError, rf"{re.escape(what)}.*the ranks disagree", lambda: save(y if _last(mesh) else x))
+    message = raises_fast(ValueError, rf"{re.escape(what)}.*the ranks disagree", lambda: save(y if _last(mesh) else x))
     last, me = mesh.ranks[-1], dist.get_rank()
     assert f"this rank ({me}) has" in message
     others = ", ".join(map(str, mesh.ranks[:-1]))
@@ -320,7 +310,7 @@ def test_replicas_with_another_path_on_one_rank_are_refused(world, shared):
     mesh = Mesh(1, ranks=[world.rank])  # collective: every rank builds its replica
     x, y = os.path.join(shared, "x"), os.path.join(shared, "y")
     model = _mlp(mesh, 0)
-    message = _raises_fast(
+    message = raises_fast(
         ValueError,
         r"checkpoint\.save over replica meshes: the ranks disagree",
         lambda: checkpoint.save(y if world.rank == world.size - 1 else x, model),
