@@ -174,14 +174,15 @@ def test_checks_benchmark_counts_the_agreement_exchanges_then_reports(tmp_path):
     tiny = ["--hidden", "32", "--ffn", "64", "--batch", "4", "--seq", "8", "--rounds", "1"]
     _bench(tmp_path, 4, "checks", *tiny)
     rows = {r["peer"]: r for r in json.loads((tmp_path / "checks-p4-q2d1.json").read_text())["rows"]}
-    assert [rows[f"check={level}"]["check_exchanges"] for level in ("off", "entry")] == [0, 1]  # scatter's only
+    assert [rows[f"check={level}"]["check_exchanges"] for level in ("off", "entry")] == [0, 3]  # scatter, each Linear2D
     assert rows["check=every"]["check_exchanges"] > 1
     assert rows["check=off again"]["check_exchanges"] == 0
-    assert rows["check=entry"]["check_bytes"] == 160  # 4 ranks × 5 int64 over the mesh
+    assert rows["check=entry"]["check_bytes"] == 3 * 160  # 4 ranks × 5 int64 over the mesh, each
     _bench(tmp_path, 4, "--name", "checks-llama", "checks", "--model", "llama", "--layers", "2", "--hidden", "32",
            "--heads", "4", "--vocab", "64", "--batch", "4", "--seq", "8", "--rounds", "1")  # fmt: skip
     llama = {r["peer"]: r for r in json.loads((tmp_path / "checks-llama-p4-q2d1.json").read_text())["rows"]}
-    # scatter_batch, then per layer the two norms and the products after attention and after the gate,
-    # then the final norm: the embedding, q/k/v, gate/up and the head take agreed inputs unchanged
-    assert llama["check=entry"]["check_exchanges"] == 1 + 4 * 2 + 1
+    # scatter_batch, then every outermost module call: the embedding; per layer the two norms, q, k, v,
+    # o, gate, up and down; the final norm and the head (those whose inputs come unchanged from the
+    # call before ride beside its collectives, over gloo too: comm/calls.py)
+    assert llama["check=entry"]["check_exchanges"] == 1 + 1 + 9 * 2 + 2
     assert "| check=entry |" in _report(tmp_path)

@@ -133,10 +133,11 @@ def test_compiled_llama_matches_eager_with_one_break(mesh):
     for (name, _), g_c, g in zip(model.named_parameters(), grads_c, grads, strict=True):
         assert_close(g_c, g, 1e-5, name)
     # One break, whatever the depth: Embedding2D's check of the token ids (a value read on the host),
-    # which splits the three frames it sits in (LlamaForCausalLM, LlamaModel, Embedding2D): 4 graphs.
+    # which splits the three frames it sits in (LlamaForCausalLM, LlamaModel, Embedding2D): 4 graphs,
+    # and a fifth, the agreement of the embedding's input (every outermost call's), before the break.
     breaks = torch._dynamo.utils.counters["graph_break"]
     assert all("item()" in reason for reason in breaks), dict(breaks)
-    assert backend.graphs <= 4, backend.graphs
+    assert backend.graphs <= 5, backend.graphs
 
 
 def test_compiled_scatter_and_gather_check_and_move_blocks(mesh):

@@ -129,6 +129,23 @@ def agree(
     decide(gather, mesh.members(axis), where, f"{what} of {description}", content, error, mesh, ident)
 
 
+def agree_distinct(mesh, what: str, description: str, error: BaseException | None, t: torch.Tensor | None) -> bool:
+    """``agree`` on ``what`` over the mesh, in the same one all-gather also asking whether every rank
+    passes a ``t`` that is the same and not constant (then True: the caller refuses a full tensor
+    where blocks are due). A rank with ``t`` None (a tagged block) makes the answer False."""
+    ident = f"{what} over mesh of mesh #{mesh.uid}"
+    words = signature(ident, f"{what} of {description}", (), error)[:3]
+    if t is not None and t.numel() and bool((t.reshape(-1) != t.reshape(-1)[0]).any()):
+        words += [1, *fingerprint(t)]
+    else:
+        words += [0, 0, 0]
+    table = _gather(mesh, "mesh", torch.tensor(words, dtype=torch.int64))
+    agreed = torch.cat([table[:, :3], torch.zeros_like(table[:, :2])], 1)  # the checksums are not to agree
+    gather = lambda x: _gather(mesh, "mesh", x)  # noqa: E731
+    verdict(agreed, gather, mesh.members("mesh"), f"{what} on {mesh}", f"{what} of {description}", error, mesh)
+    return bool((table[:, 3] == 1).all()) and bool((table[:, 4:] == table[0, 4:]).all())
+
+
 def decide(
     gather: Callable[[torch.Tensor], torch.Tensor],
     ranks: tuple[int, ...],
@@ -182,76 +199,6 @@ def verdict(table, gather, ranks, where: str, description: str, error, mesh) -> 
     raise ValueError(f"{where}: the ranks {kind}: this rank ({me}) has {mine}; " + "; ".join(parts))
 
 
-class Pending:
-    """A module call's agreement on an MPI mesh, posted at its entry and resolved at its exit.
-
-    The 5-word all-gather runs beside the module's own collectives instead of adding a sync point
-    before them. It is resolved (and raises, on every rank alike, if the ranks disagree) at the
-    module's exit, before its output is returned; by any wait of the mesh that finds it finished
-    (so ranks stuck in a collective that a disagreement broke raise the agreement's error); at
-    once on a rank that refuses its own input; and after an error inside the module.
-    """
-
-    def __init__(self, mesh, what: str, description: str, error: BaseException | None) -> None:
-        self.mesh, self.error = mesh, error
-        self.where, self.description = f"{what} on {mesh}", f"{what} of {description}"
-        words = torch.tensor(signature(f"{what} of mesh #{mesh.uid}", self.description, (), error), dtype=torch.int64)
-        self.table = words.new_empty((mesh.size, words.numel()))
-        self._handle = mesh.mpi.all_gather(words, self.table, "mesh")
-        self.ready = self._handle.test
-        mesh.pending = self
-
-    def resolve(self) -> None:
-        """Wait for the exchange and raise, on every rank alike, if the ranks disagree."""
-        if self.mesh.pending is self:
-            self.mesh.pending = None
-        self._handle.wait()
-        gather = lambda t: _gather(self.mesh, "mesh", t)  # noqa: E731
-        verdict(self.table, gather, self.mesh.members("mesh"), self.where, self.description, self.error, self.mesh)
-
-
-def check_call(mesh, what: str, args: tuple, kwargs: dict) -> tuple[Pending | None, bool]:
-    """At the entry of a module call on ``mesh`` (level "entry" and up): every rank passes tensors
-    of the same dtypes and shapes, and none is empty (refused on every rank, before any result).
-
-    Returns ``(pending, agreed)``: the ``Pending`` agreement to resolve at the module's exit (None
-    when none is needed), and whether the inputs are agreed, so the caller may ``tag`` its outputs.
-    None is needed when every tensor argument is already agreed (``tag``: an optimus2d module's
-    output or ``scatter``'s, on this mesh's layout). Over MPI the check rides beside the module's
-    collectives (a message of another size is an MPI error there, or arrives short and is never
-    returned); over torch.distributed it is settled first, before any block moves: gloo aborts the
-    process on a message of another size, and NCCL may hang or corrupt.
-    """
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    known = len(tensors) > 0 and all(getattr(t, "_optimus2d_agreed", None) == layout(mesh) for t in tensors)
-    if mesh.check == "off" or mesh.size == 1 or known:
-        _refuse_input(what, tensors, mesh)
-        return None, known or mesh.size == 1
-    refusal = _refusal(what, tensors, mesh)
-    error = ValueError(refusal) if refusal is not None else None
-    if torch.compiler.is_compiling():  # a step of the graph, settled before the module's collectives
-        traced.agree(mesh, what, "mesh", describe_call(args, kwargs), None, error)
-        return None, True
-    if mesh.mpi is None:  # gloo aborts the process, NCCL may hang, on blocks of other sizes: check first
-        agree(mesh, what, description=describe_call(args, kwargs), error=error)
-        return None, True
-    return Pending(mesh, what, describe_call(args, kwargs), error), True
-
-
-def layout(mesh) -> tuple:
-    """What makes two meshes' blocks the same blocks: (q, depth, ranks)."""
-    return (mesh.q, mesh.depth, mesh.ranks)
-
-
-def tag(out: object, mesh, agreed: bool) -> None:
-    """Mark the tensors of ``out`` as blocks of ``mesh``'s layout (a module on another refuses them)
-    and, if ``agreed``, as agreed on every rank (a module they enter unchanged need not check)."""
-    for t in out if isinstance(out, (tuple, list)) else (out,):
-        if isinstance(t, torch.Tensor):
-            t._optimus2d_layout = layout(mesh)
-            t._optimus2d_agreed = layout(mesh) if agreed else None
-
-
 def check_replicated(mesh, what: str, t: torch.Tensor, validate: Callable[[], None], check: bool | None) -> None:
     """``t`` must be valid (``validate()`` raises if not) and the same on every rank of ``mesh`` (a
     full input about to be split): its dtype, shape and checksum are agreed (level "entry" and up,
@@ -295,28 +242,6 @@ def check_same_tensors(mesh, what: str, named: list[tuple[str, torch.Tensor]], c
         ) from None
 
 
-def _refuse_input(what: str, tensors: list[torch.Tensor], mesh) -> None:
-    refusal = _refusal(what, tensors, mesh)
-    if refusal is not None:
-        raise ValueError(refusal)
-
-
-def _refusal(what: str, tensors: list[torch.Tensor], mesh) -> str | None:
-    """Why this rank refuses a module's input (a block of another mesh, an empty one), or None."""
-    for t in tensors:
-        given = getattr(t, "_optimus2d_layout", None)
-        if given is not None and given != layout(mesh):
-            return (
-                f"{what}: its input is a block of Mesh(q={given[0]}, depth={given[1]}, ranks={list(given[2])}), "
-                f"not of this module's {mesh}: scatter it on the module's mesh"
-            )
-    first = tensors[0] if tensors else None
-    if first is not None and first.numel() == 0 and first.dim() > 0:
-        dim = list(first.shape).index(0)
-        return f"{what}: input of shape {list(first.shape)} is empty along dim {dim} ({mesh})"
-    return None
-
-
 def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
@@ -332,25 +257,42 @@ def exchange_texts(gather: Callable[[torch.Tensor], torch.Tensor], text: str) ->
 
 def _gather(mesh, axis: str, t: torch.Tensor) -> torch.Tensor:
     """Every member's ``t`` (1-D, the same size everywhere), member-major; a watched wait."""
-    n = mesh.axis_size(axis)
-    if mesh.mpi is not None:
-        out = t.new_empty((n, t.numel()))
-        mesh.mpi.all_gather(t, out, axis).wait()
-        return out
-    device, group = mesh.device, mesh.group(axis)
-    if axis == "mesh" and mesh.check_group is not None:  # NCCL: the host words go over gloo, no sync
-        device, group = torch.device("cpu"), mesh.check_group
-    t = t.to(device)
-    out = t.new_empty((n, t.numel()))
-    work = compat.all_gather_single(out.view(-1), t, group=group, async_op=True)
-    if device.type == "cpu":
-        watch.Watched(work, mesh, f"agreement of {axis}", mesh.timeout).wait()
-    else:
-        work.wait()
-    order = mesh.group_order(axis)  # row g is group rank g's: member order[g] (the check group's is the mesh's)
-    if order is not None:
-        out = out[[order.index(m) for m in range(n)]]
-    return out.cpu()
+    return Posted(mesh, axis, t).wait()
+
+
+class Posted:
+    """An all-gather of ``t`` (1-D, the same size everywhere) over ``mesh``'s ``axis``, posted now:
+    ``ready()`` tests it, ``wait()`` (a watched wait) returns every member's ``t``, member-major. On
+    an NCCL mesh the host words of axis "mesh" go over its gloo ``check_group`` (no device sync)."""
+
+    def __init__(self, mesh, axis: str, t: torch.Tensor) -> None:
+        self.mesh, self.axis, n = mesh, axis, mesh.axis_size(axis)
+        if mesh.mpi is not None:
+            self._out = t.new_empty((n, t.numel()))
+            self._request = mesh.mpi.all_gather(t, self._out, axis)
+            self.ready = self._request.test
+            return
+        device, group = mesh.device, mesh.group(axis)
+        if axis == "mesh" and mesh.check_group is not None:
+            device, group = torch.device("cpu"), mesh.check_group
+        t = t.to(device)
+        self._out, self._cpu = t.new_empty((n, t.numel())), device.type == "cpu"
+        self._work = compat.all_gather_single(self._out.view(-1), t, group=group, async_op=True)
+        self.ready = self._work.is_completed
+
+    def wait(self) -> torch.Tensor:
+        mesh, axis, out = self.mesh, self.axis, self._out
+        if mesh.mpi is not None:
+            self._request.wait()
+            return out
+        if self._cpu:
+            watch.Watched(self._work, mesh, f"agreement of {axis}", mesh.timeout).wait()
+        else:
+            self._work.wait()
+        order = mesh.group_order(axis)  # row g is group rank g's: member order[g] (the check group's is the mesh's)
+        if order is not None:
+            out = out[[order.index(m) for m in range(mesh.axis_size(axis))]]
+        return out.cpu()
 
 
 def gather_group(t: torch.Tensor, group, mesh, what: str) -> torch.Tensor:

@@ -11,7 +11,8 @@ import torch
 from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
-from optimus2d.comm.agreement import agree, check_replicated, describe, tag
+from optimus2d.comm.agreement import agree_distinct, check_replicated, describe
+from optimus2d.comm.calls import layout, tag
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
 
@@ -121,22 +122,34 @@ def scatter(x: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> torch.
     return out
 
 
-def gather(x_local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def gather(x_local: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> torch.Tensor:
     """Block ``[b/(d·q), ..., h/q]`` → the full ``[b, ..., h]`` on every rank.
 
     forward: all-gather over row (hidden), col and depth (batch); backward: keep the local block of
     the gradient (which must be the same on every rank, as when every rank computes the same loss).
+
+    Refused on every rank (level "entry" and up, or ``check=True``), in one 5-word all-gather: blocks
+    of other shapes; a tensor given to ``scatter`` or returned by ``gather`` (a full one); a block of
+    another mesh or of ``scatter_batch``; and a tensor that is the same, and not constant, on every
+    rank while none carries a block's tag (made by plain torch, ``detach()`` included): that is the
+    full tensor, which gather would tile. Blocks that really are the same on every rank pass with
+    ``check=False``, which skips every check.
     """
-    error = None
-    if not isinstance(x_local, torch.Tensor) or x_local.dim() < 2:
-        error = TypeError(f"gather expects a local block [b/(d·q), ..., h/q], got {_describe(x_local)}")
-    elif getattr(x_local, "_optimus2d_full", False) and mesh.size > 1:
-        error = ValueError(
-            f"gather expects a local block, but this tensor {tuple(x_local.shape)} is a full one (it was "
-            f"given to scatter or returned by gather) ({mesh})"
-        )
-    if mesh.check != "off":
-        agree(mesh, "gather", description=describe(x_local), error=error)
+    error, tagged = _gather_refusal(x_local, mesh), False
+    if error is None:
+        tagged = getattr(x_local, "_optimus2d_layout", None) == layout(mesh)
+    checking = check is True or (check is None and mesh.check != "off")
+    if checking and mesh.size > 1:
+        summed = error is None and not tagged and x_local.numel() > 0 and not torch.compiler.is_compiling()
+        same = agree_distinct(mesh, "gather", describe(x_local), error, x_local if summed else None)
+        if same:
+            full = [x_local.shape[0] * mesh.depth * mesh.q, *x_local.shape[1:-1], x_local.shape[-1] * mesh.q]
+            raise ValueError(
+                f"gather on {mesh}: every rank passes the same tensor {describe(x_local)} (its values are not "
+                f"constant), and none carries the tag of a block of this mesh: it is the full tensor, which "
+                f"gather would tile to {full}. Pass this rank's block (optimus2d.scatter(x, mesh) makes it; an "
+                f"optimus2d module returns it); if the blocks really are the same on every rank, pass check=False"
+            )
     elif error is not None:
         raise error
     full = list(x_local.shape)
@@ -145,6 +158,32 @@ def gather(x_local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     out = _Gather.apply(x_local, mesh, activation_sharding(full))
     out._optimus2d_full = mesh.size > 1
     return out
+
+
+def _gather_refusal(x: object, mesh: Mesh) -> BaseException | None:
+    """Why ``gather`` refuses this rank's ``x``, found without communicating, or None."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        return TypeError(f"gather expects a local block [b/(d·q), ..., h/q], got {_describe(x)}")
+    if mesh.size == 1:
+        return None
+    if getattr(x, "_optimus2d_full", False):
+        return ValueError(
+            f"gather expects a local block, but this tensor {tuple(x.shape)} is a full one (it was "
+            f"given to scatter or returned by gather) ({mesh})"
+        )
+    given = getattr(x, "_optimus2d_layout", None)
+    if given is not None and given != layout(mesh):
+        return ValueError(
+            f"gather expects a block of {mesh}, but this tensor {tuple(x.shape)} is a block of "
+            f"Mesh(q={given[0]}, depth={given[1]}, ranks={list(given[2])}): gather it on that mesh, or "
+            f"redistribute it to this one first"
+        )
+    if given is not None and getattr(x, "_optimus2d_kind", None) == "batch":
+        return ValueError(
+            f"gather expects an activation block [b/(d·q), ..., h/q], but this tensor {tuple(x.shape)} is a "
+            f"batch block [b/(d·q), ...] (from scatter_batch), whole along its last dim ({mesh})"
+        )
+    return None
 
 
 def scatter_batch(t: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> torch.Tensor:

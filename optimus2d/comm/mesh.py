@@ -143,7 +143,8 @@ class Mesh:
             n = self.ranks.index(rank)
             self.coord = (n // (q * q), (n % (q * q)) // q, n % q)
         self.mpi = None  # an MpiTransport when MPI carries the collectives
-        self.pending = None  # the agreement of the module call under way (comm/agreement.py)
+        self.pending = None  # the agreement of the module call under way (comm/calls.py)
+        self.calls = 0  # outermost module calls so far: the agreement point of tagged blocks (comm/calls.py)
         self._build_groups(transport, world)
         watch.register(self)
 

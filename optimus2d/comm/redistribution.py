@@ -29,7 +29,8 @@ import torch
 from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
-from optimus2d.comm.agreement import agree, describe, layout, tag
+from optimus2d.comm.agreement import agree, describe
+from optimus2d.comm.calls import layout, tag
 from optimus2d.comm.counter import record
 from optimus2d.comm.mesh import Mesh
 

@@ -32,7 +32,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from optimus2d.comm.agreement import agree, layout
+from optimus2d.comm.agreement import agree
+from optimus2d.comm.calls import layout
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.redistribution import redistribute
 from optimus2d.layers.base import ShardedModule

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from optimus2d.comm.agreement import check_same_tensors, layout
+from optimus2d.comm.agreement import check_same_tensors
+from optimus2d.comm.calls import layout
 from optimus2d.comm.mesh import Mesh
 from optimus2d.convert import blockwise, forward_reader, layouts
 from optimus2d.convert.meta_init import has_meta, record_init

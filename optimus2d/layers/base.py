@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import time
 import weakref
 
 import torch
 from torch import nn
 
-from optimus2d.comm.agreement import check_call, tag
+from optimus2d.comm.calls import check_call, mark_agreed, refusal, tag
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
 from optimus2d.comm.watch import PeerFailedError
@@ -50,11 +51,12 @@ class ShardedModule(nn.Module):
 
     def __call__(self, *args, **kwargs):
         """The outermost optimus2d module of a call checks that every rank passes inputs of the same
-        dtypes and shapes, none empty (``comm/agreement.py``; ``Mesh(check="off")`` skips), unless
-        they come unchanged from another optimus2d module or ``scatter`` (its outputs are tagged as
-        agreed). On an MPI mesh the check rides beside the module's collectives and is settled
-        before the output is returned; over torch.distributed it is settled first. Either way ranks
-        that disagree all raise the same ``ValueError`` and none returns a block. Under
+        dtypes and shapes, none empty, on meta or a block of another mesh, none that the module's
+        ``input_refusal`` refuses (``comm/calls.py``; ``Mesh(check="off")`` skips the exchange,
+        not the refusals). Every rank exchanges at every outermost call; the exchange rides beside
+        the module's collectives over MPI, and over torch.distributed where the inputs come
+        unchanged from the latest module call or ``scatter`` (else it is settled first). Either way
+        ranks that disagree all raise the same error and none returns a block. Under
         ``torch.compile`` the check is a step of the graph, settled before the module runs."""
         boundary = self.__dict__.get("_optimus2d_boundary")
         if boundary is None:
@@ -64,24 +66,43 @@ class ShardedModule(nn.Module):
         args, kwargs = boundary.before(self, args, kwargs)
         return boundary.after(self, args, self._checked_call(args, kwargs))
 
+    def input_refusal(self, args: tuple, kwargs: dict) -> BaseException | None:
+        """Why this rank refuses the inputs of this call, found without communicating (None: it
+        does not). Raised on every rank at the entry of the outermost call, before a block moves; a
+        module overrides it to add its own (``Embedding2D``: ids that are not integers)."""
+        return None
+
+    def _refusal(self, args: tuple, kwargs: dict) -> BaseException | None:
+        what, tensors = type(self).__name__, [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        error = refusal(what, tensors, self.mesh)
+        if error is None:
+            meta = next((name for name, p in self.named_parameters() if p.is_meta), None)
+            if meta is not None:
+                error = TypeError(
+                    f"{what}: its parameter {meta} is on the meta device, which holds no values ({self.mesh}): "
+                    f"materialize the model first (optimus2d.materialize, or load its weights)"
+                )
+        return error if error is not None else self.input_refusal(args, kwargs)
+
     def _checked_call(self, args: tuple, kwargs: dict):
         if torch.compiler.is_compiling():
             return self._traced_call(args, kwargs)
         if _inside.get():
             return super().__call__(*args, **kwargs)
-        pending, agreed = check_call(self.mesh, type(self).__name__, args, kwargs)
+        pending, agreed = check_call(self.mesh, type(self).__name__, args, kwargs, self._refusal(args, kwargs))
         token = _inside.set(True)
         try:
-            if pending is not None and pending.error is not None:  # this rank refuses its input
-                pending.resolve()
             out = super().__call__(*args, **kwargs)
         except Exception as err:
             # Does the ranks' disagreement explain err (a refusal of this rank's own, a message of
             # another size)? Then say that, on every rank: wait for the exchange, which every rank
             # posted on entry. After a lost peer (a timeout, a failure reported) only read it if
             # it is already there: waiting for a lost peer again would double the time to fail.
+            # Wait for it a moment without listening for failures first: a peer may have reported
+            # the error the disagreement caused (an MPI message of another size), and a wait that
+            # hears it abandons the exchange, which the peers then never complete.
             lost = isinstance(err, (PeerFailedError, TimeoutError))
-            if pending is not None and self.mesh.pending is pending and (not lost or pending.ready()):
+            if pending is not None and self.mesh.pending is pending and (_arrives(pending) or not lost):
                 try:
                     pending.resolve()
                 except (ValueError, TypeError) as disagreement:
@@ -90,7 +111,10 @@ class ShardedModule(nn.Module):
         finally:
             _inside.reset(token)
         if pending is not None and self.mesh.pending is pending:
+            _arrives(pending)
             pending.resolve()
+        if agreed and self.mesh.size > 1:  # this call's inputs and outputs: fresh for the next call
+            mark_agreed([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)], self.mesh)
         tag(out, self.mesh, agreed)
         return out
 
@@ -100,7 +124,7 @@ class ShardedModule(nn.Module):
         before any collective of the module)."""
         if _traced_depth:
             return super().__call__(*args, **kwargs)
-        _, agreed = check_call(self.mesh, type(self).__name__, args, kwargs)
+        _, agreed = check_call(self.mesh, type(self).__name__, args, kwargs, self._refusal(args, kwargs))
         _traced_depth.append(self)
         try:
             out = super().__call__(*args, **kwargs)
@@ -122,6 +146,22 @@ class ShardedModule(nn.Module):
     def serial_tensor(self, name: str) -> torch.Tensor:
         """The serial tensor ``name`` on every rank (all-gathers when sharded)."""
         return serial_tensor(self, name)
+
+
+_GRACE_S = 2.0  # how long a rank waits for a module's exchange before it listens for failures
+
+
+def _arrives(pending) -> bool:
+    """Whether the exchange of ``pending`` arrives within ``_GRACE_S``, polled without reading the
+    failures reported: a rank that failed in a collective because the ranks disagree (an MPI message
+    of another size) reports it at once, while the exchange that says why may still be on its way
+    (a rank descheduled on a shared core); a lost peer never completes it."""
+    start = time.monotonic()
+    while not pending.ready():
+        if time.monotonic() - start > _GRACE_S:
+            return False
+        time.sleep(1e-4)
+    return True
 
 
 _inside: contextvars.ContextVar[bool] = contextvars.ContextVar("optimus2d_in_module", default=False)

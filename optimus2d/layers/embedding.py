@@ -72,26 +72,42 @@ class Embedding2D(ShardedModule):
         fill_from_serial(module, embedding)
         return module
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def input_refusal(self, args: tuple, kwargs: dict) -> BaseException | None:
+        """Ids that are not integers: refused at the entry of the outermost call, on every rank. Ids out
+        of range are found in the lookup itself (``forward``), which every rank completes, so the mesh
+        stays usable after the error."""
+        if type(self).forward is not Embedding2D.forward:  # a subclass's forward takes other arguments
+            return None
+        ids = args[0] if args else kwargs.get("ids")
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dim() < 1:
-            raise TypeError(f"Embedding2D expects integer token ids [b/(d·q), ...], got {_describe(ids)}")
+            return TypeError(f"Embedding2D expects integer token ids [b/(d·q), ...], got {_describe(ids)}")
+        return None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if (refused := self.input_refusal((ids,), {})) is not None:
+            raise refused
         mesh, n = self.mesh, self.num_embeddings
-        flag = ((ids < 0) | (ids >= n)).any().to(ids.dtype).reshape(1)
+        # Each rank's report of its ids out of range (a row of _WORDS: how many, the first, where,
+        # its ids' shape; zeros: none) travels with the ids over the column, then over rows and depth,
+        # so every rank holds every rank's and raises the same error, after the same collectives
+        # (none is left waiting; the mesh stays usable). A row of the whole mesh's table per rank.
+        table = torch.zeros(mesh.size, _WORDS, dtype=torch.int64, device=ids.device)
+        mine = _report(ids, (ids < 0) | (ids >= n))
         if mesh.q > 1:
-            # ids and a "some id is out of range" flag travel together (and the flag on over depth):
-            # every rank sees the same flag and raises together, none is left waiting in a collective
-            packed = torch.cat([ids.reshape(-1), flag])
+            packed = torch.cat([ids.reshape(-1), mine.to(ids.dtype)])
             gathered = P.all_gather(packed.contiguous(), mesh, "col", 0).view(mesh.q, -1)
-            flag = gathered[:, -1].amax().reshape(1)
-        for axis in ("depth", "row"):  # the other depth slices and rows see other ids: share the flag
-            P.all_reduce(flag, mesh, axis)
-        if flag.item():
-            bad = ids[(ids < 0) | (ids >= n)]
-            where = f": {bad[:8].tolist()}" if bad.numel() else " on another rank of this column"
-            raise ValueError(f"Embedding2D(num_embeddings={n}): token ids outside [0, {n}){where} ({mesh})")
+            k, j = mesh.index("depth"), mesh.index("row")
+            for i in range(mesh.q):  # the column's members: (k, i, j) for every i
+                table[(k * mesh.q + i) * mesh.q + j] = gathered[i, -_WORDS:]
+        else:
+            table[mesh.index("mesh")] = mine
+        for axis in ("row", "depth"):  # the other columns, then the other depth slices
+            P.all_reduce(table, mesh, axis)
+        if table[:, 0].any().item():  # a value read on the host (under torch.compile: a graph break)
+            raise self._out_of_range(table)
         if mesh.q == 1:  # the whole table is here: torch's own lookup
             return F.embedding(ids, reduce_grad(self.weight, mesh, ("depth",)), self.padding_idx)
-        all_ids = gathered[:, :-1].reshape(mesh.q * ids.shape[0], *ids.shape[1:])
+        all_ids = gathered[:, :-_WORDS].reshape(mesh.q * ids.shape[0], *ids.shape[1:])
         start = mesh.index("col") * self.vocab_per_rank
         mine = (all_ids >= start) & (all_ids < start + self.vocab_per_rank)
         local_ids = torch.where(mine, all_ids - start, 0)
@@ -100,6 +116,21 @@ class Embedding2D(ShardedModule):
         weight = reduce_grad(self.weight, mesh, ("depth",))
         partial = F.embedding(local_ids, weight, local_pad) * mine.unsqueeze(-1).to(weight.dtype)
         return reduce_scatter(partial, mesh, "col", 0)
+
+    def _out_of_range(self, table: torch.Tensor) -> ValueError:
+        """The error every rank raises when some rank holds ids out of range: ``table`` (the same on
+        every rank) names the ranks, how many of their ids, the first and its place."""
+        found = []
+        for member, (count, first, at, *shape) in zip(self.mesh.members("mesh"), table.tolist(), strict=True):
+            if count:
+                shape = [d for d in shape if d]
+                place = [int(i) for i in torch.unravel_index(torch.tensor(at), tuple(shape))]
+                found.append(f"rank {member}: {count} of its ids {shape}, the first {first} at {place}")
+        n = self.num_embeddings
+        return ValueError(
+            f"Embedding2D(num_embeddings={n}): token ids outside [0, {n}) on {len(found)} of {self.mesh.size} "
+            f"ranks: {'; '.join(found)} ({self.mesh})"
+        )
 
     def attend(self, x: torch.Tensor) -> torch.Tensor:
         """Tied output head: logits ``x·Wᵀ``, ``[b/(d·q), ..., h/q]`` → ``[b/(d·q), ..., ⌈V/q⌉]``.
@@ -196,6 +227,25 @@ class TiedHead2D(ShardedModule):
 def bias_sharding(num_embeddings: int) -> Sharding:
     """A ``[V]`` bias on the logits: vocabulary block j (split over row), like the logits' last dim."""
     return Sharding((("row",),), (num_embeddings,))
+
+
+_DIMS = 4  # the dims of a rank's ids an out-of-range error names (more: flat)
+_WORDS = 3 + _DIMS  # a rank's report of its ids out of range: how many, the first, where, their shape
+
+
+def _report(ids: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """This rank's row of the out-of-range table: zeros, or how many of ``ids`` are ``bad``, the first
+    of them, its flat place and ``ids``' shape (flat past ``_DIMS`` dims). No sync: tensor ops only."""
+    flat = bad.reshape(-1)
+    if flat.numel() == 0:
+        return torch.zeros(_WORDS, dtype=torch.int64, device=ids.device)
+    count = flat.sum(dtype=torch.int64)
+    at = flat.to(torch.uint8).argmax()  # the first bad one (argmax gives the first of equal maxima)
+    shape = list(ids.shape) if ids.dim() <= _DIMS else [ids.numel()]
+    shape = torch.tensor(shape + [0] * (_DIMS - len(shape)), dtype=torch.int64, device=ids.device)
+    first = ids.reshape(-1).index_select(0, at.reshape(1)).long()  # (t[at] would read at on the host)
+    row = torch.cat([count.reshape(1), first, at.long().reshape(1), shape])
+    return row * (count > 0)
 
 
 def _describe(x: object) -> str:

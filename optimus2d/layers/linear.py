@@ -187,6 +187,7 @@ class TransposedLinear2D(ShardedModule):
                 f"TransposedLinear2D(in_features={self.in_features}): input of shape {tuple(x.shape)} must be "
                 f"[rows..., in_features/q = {local_in}] on {self.mesh}"
             )
+        refuse_meta("TransposedLinear2D", x, self.weight, self.mesh)
         if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(f"TransposedLinear2D: input dtype {x.dtype} differs from weight dtype {self.weight.dtype}")
         if self.mesh.q == 1:
@@ -195,6 +196,18 @@ class TransposedLinear2D(ShardedModule):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, summa={self.summa}, mesh={self.mesh}"
+
+
+def refuse_meta(what: str, x: torch.Tensor, weight: torch.Tensor, mesh: Mesh) -> None:
+    """A product on meta tensors has no values to send (and autocast knows no meta device): refused
+    here too, for a call inside another module (an outermost call refuses at its entry, on every rank)."""
+    for name, t in (("input", x), ("weight", weight)):
+        if t.is_meta:
+            raise TypeError(
+                f"{what}: its {name} {str(t.dtype).removeprefix('torch.')}{list(t.shape)} is on the meta device, "
+                f"which holds no values ({mesh}): pass real tensors, and materialize a model built on meta first "
+                f"(optimus2d.materialize)"
+            )
 
 
 def _stored_in_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mesh: Mesh) -> torch.Tensor:
@@ -233,6 +246,7 @@ def linear_2d(
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"linear_2d: algorithm {algorithm!r} is not one of {ALGORITHMS}")
+    refuse_meta("Linear2D", x, weight, mesh)
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
