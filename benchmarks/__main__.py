@@ -19,6 +19,7 @@ from benchmarks import (
     compile,
     gpt,
     linear,
+    long,
     memory,
     mlp,
     pipeline,
@@ -50,6 +51,7 @@ SUBCOMMANDS = {
     "report": report,
     "scale": scale,
     "vlm": vlm,
+    "long": long,
 }
 RESULTS = Path(__file__).parent / "results"
 

@@ -19,6 +19,7 @@ BELOW: dict[str, set[str]] = {
     "comm": set(),
     "faults": {"comm"},
     "cost": {"comm"},
+    "context": {"comm"},
     "layers": {"comm", "cost"},
     "training": {"comm", "cost", "layers"},
     "convert": {"comm", "cost", "layers"},

@@ -186,3 +186,13 @@ def test_checks_benchmark_counts_the_agreement_exchanges_then_reports(tmp_path):
     # call before ride beside its collectives, over gloo too: comm/calls.py)
     assert llama["check=entry"]["check_exchanges"] == 1 + 1 + 9 * 2 + 2
     assert "| check=entry |" in _report(tmp_path)
+
+
+def test_long_benchmark_reports_the_pairs_of_each_split(tmp_path):
+    out = _bench(tmp_path, 2, "--depth", "2", "long", "--seq", "512", "--cp", "2", "4", "--image", "48")
+    rows = json.loads((tmp_path / "long-p2-q1d2.json").read_text())["rows"]
+    assert len(rows) == 3 * 2 * 3  # masks × sizes × splits
+    causal = {(r["c"], r["method"]): r for r in rows if r["mask"] == "causal"}
+    assert causal[(4, "head_tail")]["imbalance"] == 1.0 and causal[(4, "uniform")]["imbalance"] > 1.7
+    assert all(sum(r["pairs"]) == sum(rows[0]["pairs"]) for r in rows if r["mask"] == "causal")
+    assert "max / mean" in out
