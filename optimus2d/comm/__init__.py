@@ -21,6 +21,7 @@ from optimus2d.comm.functional import (
 )
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.redistribution import redistribute
+from optimus2d.comm.sequence import gather_sequence, scatter_sequence, sequence_sharding
 from optimus2d.comm.sharding import Sharding, shard, unshard
 from optimus2d.comm.stationary import stationary_ab, stationary_abt
 from optimus2d.comm.summa import summa_ab, summa_abt, summa_atb
@@ -34,11 +35,14 @@ __all__ = [
     "all_reduce",
     "count_comm",
     "gather",
+    "gather_sequence",
     "redistribute",
     "reduce_grad",
     "reduce_scatter",
     "scatter",
     "scatter_batch",
+    "scatter_sequence",
+    "sequence_sharding",
     "shard",
     "stationary_ab",
     "stationary_abt",

@@ -178,6 +178,12 @@ def _gather_refusal(x: object, mesh: Mesh) -> BaseException | None:
             f"Mesh(q={given[0]}, depth={given[1]}, ranks={list(given[2])}): gather it on that mesh, or "
             f"redistribute it to this one first"
         )
+    if getattr(x, "_optimus2d_kind", None) == "sequence":
+        return ValueError(
+            f"gather expects an activation block [b/(d·q), ..., h/q], but this tensor {tuple(x.shape)} is a "
+            f"sequence block [b/q, s/d, ..., h/q] (from optimus2d.context.scatter): gather it with "
+            f"optimus2d.context.gather ({mesh})"
+        )
     if given is not None and getattr(x, "_optimus2d_kind", None) == "batch":
         return ValueError(
             f"gather expects an activation block [b/(d·q), ..., h/q], but this tensor {tuple(x.shape)} is a "

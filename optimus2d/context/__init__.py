@@ -1,10 +1,13 @@
-"""Context parallelism: the sequence split over ranks (issue 27; in progress).
+"""Context parallelism: the sequence split over the mesh's depth axis (issue 27; in progress).
 
 ``balance``: which sequence blocks each context-parallel rank holds, balanced by the unmasked
 (query, key) pairs of its queries (``assign``: "uniform", "head_tail", "makespan"), and the masks
-it is measured on (``causal_mask``, ``image_text_mask``, ``document_mask``).
+it is measured on (``causal_mask``, ``image_text_mask``, ``document_mask``). ``attention``: the
+sequence layout's ``scatter``/``gather`` (c = depth; batch over col, hidden over row), this rank's
+``positions``, and ``attention`` across the shards (K and V all-gathered over depth).
 """
 
+from optimus2d.context.attention import attention, gather, positions, scatter
 from optimus2d.context.balance import (
     METHODS,
     Assignment,
@@ -15,4 +18,16 @@ from optimus2d.context.balance import (
     makespan,
 )
 
-__all__ = ["METHODS", "Assignment", "assign", "causal_mask", "document_mask", "image_text_mask", "makespan"]
+__all__ = [
+    "METHODS",
+    "Assignment",
+    "assign",
+    "attention",
+    "causal_mask",
+    "document_mask",
+    "gather",
+    "image_text_mask",
+    "makespan",
+    "positions",
+    "scatter",
+]

@@ -1,0 +1,79 @@
+"""The sequence layout: the depth axis splits the sequence instead of the batch (context parallelism).
+
+A block of the activation layout (``functional.scatter``) is ``[b/(d·q), s, ..., h/q]``: the batch
+split over (depth, col). In the sequence layout it is ``[b/q, s/d, ..., h/q]``: the batch over col,
+the sequence (dim 1) over depth, the hidden dim over row. Every token-wise layer (Linear2D,
+LayerNorm2D, the MLP, the embedding) computes on either block alike — their depth reductions sum
+the weights' gradients over tokens, whichever tokens a depth slice holds — so only what mixes
+tokens (attention, ``optimus2d.context.attention``) needs to know. Which tokens depth slice k holds
+is the caller's choice: ``optimus2d.context`` permutes the sequence first (``Assignment``) and
+hands the permuted tensor here, split contiguously.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from optimus2d.comm.agreement import agree, check_replicated, describe
+from optimus2d.comm.calls import tag
+from optimus2d.comm.functional import _describe, _Gather, _Split
+from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.sharding import Sharding
+
+
+def sequence_sharding(shape: Sequence[int]) -> Sharding:
+    """``[b, s, ..., h]``: batch over col, sequence over depth, hidden over row."""
+    middle = tuple(() for _ in range(len(shape) - 3))
+    return Sharding((("col",), ("depth",), *middle, ("row",)), tuple(shape))
+
+
+def scatter_sequence(x: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> torch.Tensor:
+    """Full ``[b, s, ..., h]`` (the same on every rank) → this rank's block ``[b/q, s/d, ..., h/q]``:
+    batch block i (col), sequence block k (depth), hidden block j (row).
+
+    forward: local slice, no communication; backward: all-gather, so a replicated input receives
+    its whole gradient on every rank. ``check``: as in ``scatter`` (one 5-word all-gather of the
+    input's shape and checksum).
+    """
+    check_replicated(mesh, "scatter_sequence", x, lambda: _check_sequence("scatter_sequence", x, mesh), check)
+    out = _Split.apply(x, mesh, sequence_sharding(x.shape))
+    if mesh.size > 1:
+        x._optimus2d_full = out._optimus2d_block = True
+    tag(out, mesh, agreed=check is not False and mesh.check != "off")
+    out._optimus2d_kind = "sequence"  # gather and redistribute refuse it: they read batch blocks
+    return out
+
+
+def gather_sequence(x_local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Block ``[b/q, s/d, ..., h/q]`` → the full ``[b, s, ..., h]`` on every rank.
+
+    forward: all-gather over row (hidden), col (batch) and depth (sequence); backward: keep the
+    local block of the gradient (the same on every rank, as when every rank computes the same loss).
+    """
+    error = None
+    if not isinstance(x_local, torch.Tensor) or x_local.dim() < 3:
+        error = TypeError(f"gather_sequence expects a local block [b/q, s/d, ..., h/q], got {_describe(x_local)}")
+    if mesh.check != "off":  # the same block shape on every rank, or one error on every rank
+        agree(mesh, "gather_sequence", description=describe(x_local), error=error)
+    elif error is not None:
+        raise error
+    full = list(x_local.shape)
+    full[0] *= mesh.q
+    full[1] *= mesh.depth
+    full[-1] *= mesh.q
+    out = _Gather.apply(x_local, mesh, sequence_sharding(full))
+    out._optimus2d_full = mesh.size > 1
+    return out
+
+
+def _check_sequence(what: str, x: torch.Tensor, mesh: Mesh) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() < 3:
+        raise TypeError(f"{what} expects a full tensor [b, s, ..., h], got {_describe(x)}")
+    for dim, name, n in ((0, "batch", mesh.q), (1, "sequence", mesh.depth), (x.dim() - 1, "hidden", mesh.q)):
+        if x.shape[dim] % n:
+            axis = "depth" if name == "sequence" else "q"
+            raise ValueError(
+                f"{what}: {name} dim {dim} of tensor {tuple(x.shape)} is not divisible by {axis} = {n} ({mesh})"
+            )

@@ -1,0 +1,97 @@
+"""Attention across sequence shards: each depth slice holds its tokens' queries, gathers the keys.
+
+The sequence layout (``optimus2d.comm.sequence``) splits the sequence over the mesh's depth axis:
+c = depth context-parallel ranks, each holding the tokens ``assignment.positions[k]`` (k its depth
+index) of its batch block (col) and hidden block (row); after the reshape into heads, its heads.
+
+``attention(q, k, v, mesh, assignment, mask)`` with ``q, k, v`` of shape ``[b/q, heads/q, s/c,
+d_h]``: forward, all-gather of K and V over depth (``[b/q, heads/q, s, d_h]``, in rank order =
+``assignment.permutation()``), then ``scaled_dot_product_attention`` of this rank's queries against
+every key under the rows of ``mask`` this rank's queries own (columns permuted alike); backward,
+torch's attention backward and a reduce-scatter of dK and dV over depth. Exact: each query sees the
+same keys under the same mask entries as serially, in another order (a softmax over a set).
+
+Per rank and layer, forward, it receives 2·(c − 1)/c·(b/q)·s·(h/q) elements (K and V) and sends
+as much back in the backward; it holds K and V of the whole sequence for its heads during the
+product (the ring variant, which passes K/V blocks instead, is not built).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from optimus2d.comm import Mesh, all_gather
+from optimus2d.comm.sequence import gather_sequence, scatter_sequence
+from optimus2d.context.balance import Assignment
+
+
+def scatter(x: torch.Tensor, mesh: Mesh, assignment: Assignment, *, check: bool | None = None) -> torch.Tensor:
+    """Full ``[b, s, ..., h]`` (the same on every rank) → ``[b/q, s/c, ..., h/q]``: this rank's batch
+    and hidden blocks of the tokens ``assignment.positions[k]``, k = its depth index (c = depth).
+
+    forward: a permutation of the sequence and a local slice; backward: all-gather and the inverse
+    permutation. Token ids, labels and position ids (``positions``) follow the same assignment.
+    """
+    _check_assignment("scatter", assignment, mesh, x.shape[1] if isinstance(x, torch.Tensor) and x.dim() > 1 else None)
+    return scatter_sequence(x[:, assignment.permutation()], mesh, check=check)
+
+
+def gather(x_local: torch.Tensor, mesh: Mesh, assignment: Assignment) -> torch.Tensor:
+    """Block ``[b/q, s/c, ..., h/q]`` → the full ``[b, s, ..., h]`` on every rank, in sequence order."""
+    _check_assignment("gather", assignment, mesh, None)
+    permuted = gather_sequence(x_local, mesh)
+    return permuted[:, torch.argsort(assignment.permutation())]
+
+
+def positions(assignment: Assignment, mesh: Mesh) -> torch.Tensor:
+    """The token positions this rank holds (``[s/c]``, ascending): its position ids for RoPE or a
+    learned table."""
+    _check_assignment("positions", assignment, mesh, None)
+    return assignment.positions[mesh.index("depth")]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: Mesh,
+    assignment: Assignment,
+    mask: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of this rank's queries ``[b/q, heads/q, s/c, d_h]`` against the whole sequence's
+    keys and values (gathered over depth), under ``mask`` (``[s, s]`` bool, True: attends; in
+    sequence order, as ``assignment`` was made from). Returns ``[b/q, heads/q, s/c, d_h]``.
+
+    forward: all-gather K and V over depth; backward: reduce-scatter dK and dV over depth.
+    """
+    s = mask.shape[0] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+    _check_assignment("attention", assignment, mesh, s)
+    if mask.dtype != torch.bool or mask.shape != (s, s):
+        raise ValueError(f"attention: the mask must be a square boolean [s, s], got {mask.dtype}{list(mask.shape)}")
+    mine = assignment.positions[mesh.index("depth")]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4 or t.shape[2] != mine.numel():
+            raise ValueError(
+                f"attention: {name} of shape {tuple(t.shape)} must be [b/q, heads/q, s/c = {mine.numel()}, d_h] "
+                f"on {mesh} (c = depth = {mesh.depth}, s = {s})"
+            )
+    keys = all_gather(k.contiguous(), mesh, "depth", 2)
+    values = all_gather(v.contiguous(), mesh, "depth", 2)
+    rows = mask.to(q.device)[mine][:, assignment.permutation().to(q.device)]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=rows, scale=scale)
+
+
+def _check_assignment(what: str, assignment: Assignment, mesh: Mesh, s: int | None) -> None:
+    if not isinstance(assignment, Assignment):
+        raise TypeError(f"{what}: assignment must be an optimus2d.context.Assignment, got {type(assignment).__name__}")
+    if len(assignment.positions) != mesh.depth:
+        raise ValueError(
+            f"{what}: the assignment splits the sequence over c = {len(assignment.positions)} ranks, but the "
+            f"mesh's depth (its context-parallel size) is {mesh.depth} ({mesh})"
+        )
+    total = sum(p.numel() for p in assignment.positions)
+    if s is not None and total != s:
+        raise ValueError(f"{what}: the assignment covers {total} tokens, the sequence has {s} ({mesh})")

@@ -1,0 +1,113 @@
+"""Context-parallel attention on the sequence layout equals torch's attention on the whole sequence.
+
+c = the mesh's depth: Mesh(1, 4) is c = 4 with one rank each, Mesh(2, 2) (8 ranks) c = 2 on a 2×2
+mesh, Mesh(1, 9) c = 9, Mesh(q, 1) c = 1. The reference is ``F.scaled_dot_product_attention`` on the
+full q, k, v in float64; outputs and the gradients of q, k, v (through ``context.scatter``'s
+backward) must match to 1e-10, for the causal, image–text and packed-document masks and for each
+split. The bytes sent are the formula's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close
+
+import optimus2d
+from optimus2d import context
+
+pytestmark = pytest.mark.mpi
+
+
+def _mask(kind: str, s: int) -> torch.Tensor:
+    if kind == "causal":
+        return context.causal_mask(s)
+    if kind == "image":
+        return context.image_text_mask(s, [(s // 8, s // 2)])
+    return context.document_mask([s // 4, s // 2, s - s // 4 - s // 2])
+
+
+def _serial(q, k, v, mask, heads):
+    b, s, hd = q.shape
+    split = lambda t: t.view(b, s, heads, hd // heads).transpose(1, 2)  # noqa: E731
+    out = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask)
+    return out.transpose(1, 2).reshape(b, s, hd)
+
+
+def _parallel(q, k, v, mesh, a, mask, heads):
+    blocks = [context.scatter(t, mesh, a) for t in (q, k, v)]
+    b, s_local, hd = blocks[0].shape
+    split = lambda t: t.view(b, s_local, heads // mesh.q, hd // (heads // mesh.q)).transpose(1, 2)  # noqa: E731
+    out = context.attention(*(split(t) for t in blocks), mesh, a, mask)
+    return context.gather(out.transpose(1, 2).reshape(b, s_local, hd), mesh, a)
+
+
+@pytest.mark.parametrize("kind", ["causal", "image", "documents"])
+@pytest.mark.parametrize("method", ["uniform", "head_tail", "makespan"])
+def test_attention_equals_sdpa_on_the_whole_sequence(mesh, kind, method):
+    c, heads, d_h = mesh.depth, 2 * mesh.q, 4
+    b, s = 2 * mesh.q, 2 * c * 8
+    mask = _mask(kind, s)
+    a = context.assign(mask, c, method, block=4 if method == "makespan" else None)
+    torch.manual_seed(0)
+    full = [torch.randn(b, s, heads * d_h, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    weight = torch.randn(b, s, heads * d_h, dtype=torch.float64)
+    want = _serial(*full, mask, heads)
+    (want * weight).sum().backward()
+    grads = [t.grad.clone() for t in full]
+    for t in full:
+        t.grad = None
+    got = _parallel(*full, mesh, a, mask, heads)
+    (got * weight).sum().backward()
+    assert_close(got, want, 1e-10, "output")
+    for name, t, g in zip("qkv", full, grads, strict=True):
+        assert_close(t.grad, g, 1e-10, f"d{name}")
+
+
+def test_the_bytes_are_the_formula(mesh):
+    c, heads, d_h, b, s = mesh.depth, 2 * mesh.q, 4, 2 * mesh.q, 2 * mesh.depth * 8
+    mask = context.causal_mask(s)
+    a = context.assign(mask, c, "head_tail")
+    blocks = [torch.randn(b // mesh.q, heads // mesh.q, s // c, d_h, requires_grad=True) for _ in range(3)]
+    with optimus2d.count_comm() as counted:
+        out = context.attention(*blocks, mesh, a, mask)
+        out.sum().backward()
+    # count_comm records a gather's output and a reduce-scatter's input: the whole sequence's K and V
+    # for this rank's batch and heads; of which each rank receives (c - 1)/c
+    kv = 2 * (b // mesh.q) * (heads // mesh.q) * s * d_h
+    by_kind = counted.by("kind", "axis")
+    assert by_kind.get(("all_gather", "depth"), 0) == (kv if c > 1 else 0)
+    assert by_kind.get(("reduce_scatter", "depth"), 0) == (kv if c > 1 else 0)
+    assert counted.count() == (4 if c > 1 else 0)
+
+
+def test_positions_are_this_ranks_tokens(mesh):
+    s = 2 * mesh.depth * 4
+    a = context.assign(context.causal_mask(s), mesh.depth, "head_tail")
+    ids = torch.arange(s).expand(2 * mesh.q, s)[..., None].expand(-1, -1, mesh.q).double()
+    block = context.scatter(ids, mesh, a)
+    assert torch.equal(block[0, :, 0].long(), context.positions(a, mesh))
+
+
+def test_refusals_name_the_sizes(mesh):
+    s = 2 * mesh.depth * 4
+    other = context.assign(context.causal_mask(s), 2 * mesh.depth, "uniform")
+    with pytest.raises(ValueError, match=rf"over c = {2 * mesh.depth} ranks, but the mesh's depth .* is {mesh.depth}"):
+        context.scatter(torch.zeros(mesh.q, s, mesh.q), mesh, other)
+    a = context.assign(context.causal_mask(s), mesh.depth, "head_tail")
+    with pytest.raises(ValueError, match=rf"covers {s} tokens, the sequence has {2 * s}"):
+        context.scatter(torch.zeros(mesh.q, 2 * s, mesh.q), mesh, a)
+    q = torch.zeros(1, 1, s // mesh.depth + 1, 4)
+    with pytest.raises(ValueError, match=r"q of shape .* must be \[b/q, heads/q, s/c"):
+        context.attention(q, q, q, mesh, a, context.causal_mask(s))
+
+
+def test_a_sequence_block_is_refused_by_the_batch_layouts_gather(mesh):
+    if mesh.size == 1:
+        pytest.skip("one rank: every tensor is its own block")
+    s = 2 * mesh.depth * 4
+    a = context.assign(context.causal_mask(s), mesh.depth, "head_tail")
+    block = context.scatter(torch.randn(mesh.q, s, 2 * mesh.q), mesh, a)
+    with pytest.raises(ValueError, match=r"is a sequence block .*gather it with optimus2d.context.gather"):
+        optimus2d.gather(block, mesh)
