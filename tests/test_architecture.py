@@ -29,7 +29,7 @@ BELOW: dict[str, set[str]] = {
     "launch": {"comm", "faults", "_deprecated"},
 }
 # imports inside functions that are not there to dodge a cycle: an optional dependency (mpi4py)
-LAZY = {("comm/mesh.py", "optimus2d.comm.mpi")}
+LAZY = {("comm/mesh.py", "optimus2d.comm.mpi"), ("context/hf.py", "transformers")}
 
 
 def _module_name(path: Path) -> str:

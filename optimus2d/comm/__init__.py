@@ -21,7 +21,7 @@ from optimus2d.comm.functional import (
 )
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.redistribution import redistribute
-from optimus2d.comm.sequence import gather_sequence, scatter_sequence, sequence_sharding
+from optimus2d.comm.sequence import gather_sequence, scatter_sequence, scatter_sequence_batch, sequence_sharding
 from optimus2d.comm.sharding import Sharding, shard, unshard
 from optimus2d.comm.stationary import stationary_ab, stationary_abt
 from optimus2d.comm.summa import summa_ab, summa_abt, summa_atb
@@ -42,6 +42,7 @@ __all__ = [
     "scatter",
     "scatter_batch",
     "scatter_sequence",
+    "scatter_sequence_batch",
     "sequence_sharding",
     "shard",
     "stationary_ab",

@@ -46,6 +46,23 @@ def scatter_sequence(x: torch.Tensor, mesh: Mesh, *, check: bool | None = None) 
     return out
 
 
+def scatter_sequence_batch(t: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> torch.Tensor:
+    """Full ``[b, s, ...]`` (token ids, targets, position ids) → ``[b/q, s/d, ...]``: batch block i
+    (col), sequence block k (depth), whole over row, as ``scatter_sequence`` splits activations.
+
+    forward: local slice; backward: all-gather (only float tensors have gradients).
+    """
+    check_replicated(mesh, "scatter_sequence_batch", t, lambda: _check_ids(t, mesh), check)
+    out = _Split.apply(t, mesh, _batch_sharding(t.shape))
+    tag(out, mesh, agreed=check is not False and mesh.check != "off")
+    out._optimus2d_kind = "sequence"
+    return out
+
+
+def _batch_sharding(shape: Sequence[int]) -> Sharding:
+    return Sharding((("col",), ("depth",), *(() for _ in range(len(shape) - 2))), tuple(shape))
+
+
 def gather_sequence(x_local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """Block ``[b/q, s/d, ..., h/q]`` → the full ``[b, s, ..., h]`` on every rank.
 
@@ -66,6 +83,17 @@ def gather_sequence(x_local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     out = _Gather.apply(x_local, mesh, sequence_sharding(full))
     out._optimus2d_full = mesh.size > 1
     return out
+
+
+def _check_ids(t: torch.Tensor, mesh: Mesh) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() < 2:
+        raise TypeError(f"scatter_sequence_batch expects a full tensor [b, s, ...], got {_describe(t)}")
+    for dim, name, axis, n in ((0, "batch", "q", mesh.q), (1, "sequence", "depth", mesh.depth)):
+        if t.shape[dim] % n:
+            raise ValueError(
+                f"scatter_sequence_batch: {name} dim {dim} of tensor {tuple(t.shape)} is not divisible by "
+                f"{axis} = {n} ({mesh})"
+            )
 
 
 def _check_sequence(what: str, x: torch.Tensor, mesh: Mesh) -> None:

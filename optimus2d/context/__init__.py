@@ -7,7 +7,7 @@ sequence layout's ``scatter``/``gather`` (c = depth; batch over col, hidden over
 ``positions``, and ``attention`` across the shards (K and V all-gathered over depth).
 """
 
-from optimus2d.context.attention import attention, gather, positions, scatter
+from optimus2d.context.attention import attention, gather, positions, scatter, scatter_batch
 from optimus2d.context.balance import (
     METHODS,
     Assignment,
@@ -17,6 +17,7 @@ from optimus2d.context.balance import (
     image_text_mask,
     makespan,
 )
+from optimus2d.context.hf import sequence_parallel
 
 __all__ = [
     "METHODS",
@@ -30,4 +31,6 @@ __all__ = [
     "makespan",
     "positions",
     "scatter",
+    "scatter_batch",
+    "sequence_parallel",
 ]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from optimus2d.comm import Mesh, all_gather
-from optimus2d.comm.sequence import gather_sequence, scatter_sequence
+from optimus2d.comm.sequence import gather_sequence, scatter_sequence, scatter_sequence_batch
 from optimus2d.context.balance import Assignment
 
 
@@ -35,6 +35,16 @@ def scatter(x: torch.Tensor, mesh: Mesh, assignment: Assignment, *, check: bool 
     """
     _check_assignment("scatter", assignment, mesh, x.shape[1] if isinstance(x, torch.Tensor) and x.dim() > 1 else None)
     return scatter_sequence(x[:, assignment.permutation()], mesh, check=check)
+
+
+def scatter_batch(t: torch.Tensor, mesh: Mesh, assignment: Assignment, *, check: bool | None = None) -> torch.Tensor:
+    """Full ``[b, s, ...]`` (token ids, targets) → ``[b/q, s/c, ...]``: this rank's batch block of the
+    tokens ``assignment.positions[k]``, whole over row. Targets are shifted in sequence order first
+    (``targets[:, t] = ids[:, t + 1]``): the permutation separates neighbours."""
+    _check_assignment(
+        "scatter_batch", assignment, mesh, t.shape[1] if isinstance(t, torch.Tensor) and t.dim() > 1 else None
+    )
+    return scatter_sequence_batch(t[:, assignment.permutation()], mesh, check=check)
 
 
 def gather(x_local: torch.Tensor, mesh: Mesh, assignment: Assignment) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""Hugging Face attention on the sequence layout: ``sequence_parallel(model, mesh, assignment, mask)``.
+
+Transformers' attention modules call the kernel named by ``config._attn_implementation`` through
+``AttentionInterface``, with q, k, v already split into heads and rotated. Within
+``sequence_parallel`` that name is "optimus2d_context", registered here, whose kernel is
+``context.attention`` (K and V gathered over depth; grouped-query heads repeated first, as torch's
+``sdpa`` path does) under the given mask. Transformers builds no mask for a kernel it does not know
+(``masking_utils``: no mask interface registered), so the model's own mask, made from local
+positions, never reaches it; the mask is the one given, over the whole sequence.
+
+Feed the model the sequence layout: ``input_ids=context.scatter_batch(ids, mesh, assignment)`` and
+``position_ids=context.positions(assignment, mesh)`` (broadcast over the batch), so rotary or
+learned positions are the tokens' own; targets shifted in sequence order before they are scattered.
+Attention dropout is refused (its mask would be drawn per block, not per serial position).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from optimus2d.comm import Mesh
+from optimus2d.context.attention import attention
+from optimus2d.context.balance import Assignment
+
+NAME = "optimus2d_context"
+
+
+@contextlib.contextmanager
+def sequence_parallel(model: nn.Module, mesh: Mesh, assignment: Assignment, mask: torch.Tensor) -> Iterator[None]:
+    """Within the block, every attention module of the (converted) transformers ``model`` computes
+    ``context.attention`` over ``mesh``'s depth axis, for the tokens ``assignment`` gives each
+    depth slice, under ``mask`` (``[s, s]`` bool, sequence order). Restores the model's attention
+    implementation after. Refused (``TypeError``) for a model with no transformers config."""
+    from transformers import AttentionInterface  # an optional dependency: only a transformers model needs it
+
+    AttentionInterface.register(NAME, _kernel)
+    configs = {
+        id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")
+    }
+    if not configs:
+        raise TypeError(f"sequence_parallel: {type(model).__name__} has no transformers config to route its attention")
+    saved = {key: config._attn_implementation for key, config in configs.items()}
+    state = (mesh, assignment, mask)
+    for module in model.modules():
+        module._optimus2d_context = state
+    try:
+        for config in configs.values():
+            config._attn_implementation = NAME
+        yield
+    finally:
+        for key, config in configs.items():
+            config._attn_implementation = saved[key]
+        for module in model.modules():
+            module.__dict__.pop("_optimus2d_context", None)
+
+
+def _kernel(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """An ``AttentionInterface`` kernel: ``[b/q, heads/q, s/c, d_h]`` in, ``[b/q, s/c, heads/q, d_h]`` out."""
+    state = module.__dict__.get("_optimus2d_context")
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__}: attn_implementation {NAME!r} runs only inside sequence_parallel")
+    if dropout:
+        raise ValueError(
+            f"sequence_parallel: {type(module).__name__} has attention dropout {dropout}; context-parallel "
+            f"attention does not draw it as the serial model does (set attention_dropout=0 or call model.eval())"
+        )
+    if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
+        raise ValueError(
+            f"sequence_parallel: {type(module).__name__} uses softcapping or a sliding window, not supported"
+        )
+    mesh, assignment, mask = state
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads in a row
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = attention(query, key, value, mesh, assignment, mask, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
