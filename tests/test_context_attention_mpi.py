@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import assert_close, raises_fast
 
 import optimus2d
 from optimus2d import context
@@ -111,3 +111,32 @@ def test_a_sequence_block_is_refused_by_the_batch_layouts_gather(mesh):
     block = context.scatter(torch.randn(mesh.q, s, 2 * mesh.q), mesh, a)
     with pytest.raises(ValueError, match=r"is a sequence block .*gather it with optimus2d.context.gather"):
         optimus2d.gather(block, mesh)
+
+
+def test_a_mask_that_differs_on_one_rank_is_refused_on_every_rank(world, mesh):
+    if mesh.size == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    s = 2 * mesh.depth * 4
+    mask = context.causal_mask(s)
+    a = context.assign(mask, mesh.depth, "head_tail")
+    if world.rank == world.size - 1:
+        mask = mask.clone()
+        mask[3, 1] = False  # one pair masked out on one rank: its queries would see other keys
+    q = torch.randn(1, 1, s // mesh.depth, 4)
+    message = raises_fast(
+        ValueError,
+        r"context.attention on Mesh.*hold different values",
+        lambda: context.attention(q, q, q, mesh, a, mask),
+    )
+    assert "mask bool" in message
+
+
+def test_the_mask_is_agreed_once_per_assignment(mesh):
+    s = 2 * mesh.depth * 4
+    mask = context.causal_mask(s)
+    a = context.assign(mask, mesh.depth, "head_tail")
+    q = torch.randn(1, 1, s // mesh.depth, 4)
+    with optimus2d.count_comm() as counted:
+        for _ in range(3):  # three layers
+            context.attention(q, q, q, mesh, a, mask)
+    assert len(counted.checks) == (1 if mesh.size > 1 else 0)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from optimus2d.comm import Mesh, all_gather
+from optimus2d.comm.agreement import agree, fingerprint
 from optimus2d.comm.sequence import gather_sequence, scatter_sequence, scatter_sequence_batch
 from optimus2d.context.balance import Assignment
 
@@ -70,12 +71,16 @@ def attention(
     mask: torch.Tensor,
     *,
     scale: float | None = None,
+    check: bool | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries ``[b/q, heads/q, s/c, d_h]`` against the whole sequence's
     keys and values (gathered over depth), under ``mask`` (``[s, s]`` bool, True: attends; in
     sequence order, as ``assignment`` was made from). Returns ``[b/q, heads/q, s/c, d_h]``.
 
     forward: all-gather K and V over depth; backward: reduce-scatter dK and dV over depth.
+    ``check``: agree on every rank that ``mask`` and ``assignment`` are the same (checksums of both,
+    one 5-word all-gather the first time this mask meets this permutation on this mesh; default:
+    unless the mesh's check is "off"): ranks that attend under other masks would be silently wrong.
     """
     s = mask.shape[0] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
     _check_assignment("attention", assignment, mesh, s)
@@ -88,10 +93,35 @@ def attention(
                 f"attention: {name} of shape {tuple(t.shape)} must be [b/q, heads/q, s/c = {mine.numel()}, d_h] "
                 f"on {mesh} (c = depth = {mesh.depth}, s = {s})"
             )
+    _agree_once(mesh, assignment, mask, check)
     keys = all_gather(k.contiguous(), mesh, "depth", 2)
     values = all_gather(v.contiguous(), mesh, "depth", 2)
     rows = mask.to(q.device)[mine][:, assignment.permutation().to(q.device)]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=rows, scale=scale)
+
+
+def _agree_once(mesh: Mesh, assignment: Assignment, mask: torch.Tensor, check: bool | None) -> None:
+    """The mask and the assignment are the same on every rank of ``mesh``: agreed once per mask,
+    assignment and mesh (a model's layers share them), on checksums of the mask's bits (packed eight
+    to a byte) and of the permutation."""
+    if check is False or (check is None and mesh.check == "off") or mesh.size == 1 or torch.compiler.is_compiling():
+        return
+    seen = mask.__dict__.setdefault("_optimus2d_agreed_with", set())  # {(mesh uid, the permutation's bytes)}
+    key = (mesh.uid, assignment.permutation().numpy().tobytes())
+    if key in seen:
+        return
+    flat = mask.reshape(-1)
+    flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 64)]).view(-1, 8).to(torch.uint8)
+    packed = (flat << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8).view(torch.int64)
+    words = [*fingerprint(packed), *fingerprint(assignment.permutation())]
+    content = (words[0] ^ words[2], words[1] ^ (words[3] * 3 % 2**63))
+    agree(
+        mesh,
+        "context.attention",
+        description=f"mask bool{list(mask.shape)}, {assignment.method} split",
+        content=content,
+    )
+    seen.add(key)
 
 
 def _check_assignment(what: str, assignment: Assignment, mesh: Mesh, s: int | None) -> None:
