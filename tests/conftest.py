@@ -106,6 +106,9 @@ def world_mesh(world):
 
     if world.size == 1:
         pytest.skip("one rank cannot disagree with itself")
+    if world.size == 9:  # CI's 9 ranks on 2 cores: each test's own mesh costs seconds there, once the
+        # session holds hundreds of groups; the refusals are proved at 4 (MPI, gloo, both torch ends)
+        pytest.skip("refusals run at 4 ranks: at 9 the meshes these tests build cost minutes")
     q = math.isqrt(world.size)
     while world.size % (q * q):
         q -= 1

@@ -107,6 +107,14 @@ class Request:
             self._done()
         return True
 
+    def __del__(self) -> None:
+        # Dropped while in flight (an error elsewhere left it unwaited: SUMMA's next broadcast, a
+        # module's agreement): MPI may still write into its buffers when a peer's message matches,
+        # so they are kept alive, as after an abandoned wait, rather than freed under MPI's feet.
+        requests = self.__dict__.get("_requests")
+        if requests is not None:
+            _ABANDONED.append((requests, self.__dict__.get("_buffers")))
+
     def _abandon(self, mpi) -> None:
         if self._point_to_point:  # cancelling a collective is erroneous in MPI
             for request in self._requests:
