@@ -250,3 +250,15 @@ def raises_fast(exc, match: str, fn) -> str:
     took = time.monotonic() - start
     assert took < FAST_S, f"took {took:.1f} s to fail"
     return str(info.value)
+
+
+def context_mask(kind: str, s: int) -> torch.Tensor:
+    """The context-parallel tests' masks over ``s`` tokens: "causal", "image" (causal text with one
+    bidirectional image span) or "documents" (three packed causal documents)."""
+    from optimus2d import context
+
+    if kind == "causal":
+        return context.causal_mask(s)
+    if kind == "image":
+        return context.image_text_mask(s, [(s // 8, s // 2)])
+    return context.document_mask([s // 4, s // 2, s - s // 4 - s // 2])

@@ -12,20 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, raises_fast
+from helpers import assert_close, context_mask, raises_fast
 
 import optimus2d
 from optimus2d import context
 
 pytestmark = pytest.mark.mpi
-
-
-def _mask(kind: str, s: int) -> torch.Tensor:
-    if kind == "causal":
-        return context.causal_mask(s)
-    if kind == "image":
-        return context.image_text_mask(s, [(s // 8, s // 2)])
-    return context.document_mask([s // 4, s // 2, s - s // 4 - s // 2])
 
 
 def _serial(q, k, v, mask, heads):
@@ -48,7 +40,7 @@ def _parallel(q, k, v, mesh, a, mask, heads):
 def test_attention_equals_sdpa_on_the_whole_sequence(mesh, kind, method):
     c, heads, d_h = mesh.depth, 2 * mesh.q, 4
     b, s = 2 * mesh.q, 2 * c * 8
-    mask = _mask(kind, s)
+    mask = context_mask(kind, s)
     a = context.assign(mask, c, method, block=4 if method == "makespan" else None)
     torch.manual_seed(0)
     full = [torch.randn(b, s, heads * d_h, dtype=torch.float64, requires_grad=True) for _ in range(3)]

@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import assert_close, context_mask
 from torch import nn
 
 import optimus2d
@@ -53,19 +53,11 @@ def _on_mesh(block: Block, mesh) -> Block:
     return twin
 
 
-def _mask(kind: str, s: int) -> torch.Tensor:
-    if kind == "causal":
-        return context.causal_mask(s)
-    if kind == "image":
-        return context.image_text_mask(s, [(s // 8, s // 2)])
-    return context.document_mask([s // 4, s // 2, s - s // 4 - s // 2])
-
-
 @pytest.mark.parametrize("kind", ["causal", "image", "documents"])
 def test_block_with_context_parallelism_equals_serial(mesh, kind):
     c, hidden, heads = mesh.depth, 8 * mesh.q, 2 * mesh.q
     b, s = 2 * mesh.q, 2 * c * 8
-    mask = _mask(kind, s)
+    mask = context_mask(kind, s)
     a = context.assign(mask, c, "makespan", block=4)
     torch.manual_seed(0)
     serial = Block(hidden, heads).double()

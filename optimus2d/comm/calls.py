@@ -88,17 +88,25 @@ def refusal(what: str, tensors: list[torch.Tensor], mesh) -> BaseException | Non
                 f"{what}: its input {describe(t)} is on the meta device, which holds no values ({mesh}): pass "
                 f"real tensors, and materialize a model built on meta first (optimus2d.materialize)"
             )
-        given = getattr(t, "_optimus2d_layout", None)
-        if given is not None and given != layout(mesh):
+        other = other_mesh(t, mesh)
+        if other is not None:
             return ValueError(
-                f"{what}: its input is a block of Mesh(q={given[0]}, depth={given[1]}, ranks={list(given[2])}), "
-                f"not of this module's {mesh}: scatter it on the module's mesh"
+                f"{what}: its input is a block of {other}, not of this module's {mesh}: scatter it on the module's mesh"
             )
     first = tensors[0] if tensors else None
     if first is not None and first.numel() == 0 and first.dim() > 0:
         dim = list(first.shape).index(0)
         return ValueError(f"{what}: input of shape {list(first.shape)} is empty along dim {dim} ({mesh})")
     return None
+
+
+def other_mesh(t: torch.Tensor, mesh) -> str | None:
+    """``"Mesh(q=…, depth=…, ranks=[…])"`` where ``t`` is tagged as a block of another layout than
+    ``mesh``'s, else None (untagged, or a block of ``mesh``)."""
+    given = getattr(t, "_optimus2d_layout", None)
+    if given is None or given == layout(mesh):
+        return None
+    return f"Mesh(q={given[0]}, depth={given[1]}, ranks={list(given[2])})"
 
 
 def layout(mesh) -> tuple:

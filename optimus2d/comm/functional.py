@@ -12,7 +12,7 @@ from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
 from optimus2d.comm.agreement import agree_distinct, check_replicated, describe
-from optimus2d.comm.calls import layout, tag
+from optimus2d.comm.calls import layout, other_mesh, tag
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
 
@@ -171,12 +171,11 @@ def _gather_refusal(x: object, mesh: Mesh) -> BaseException | None:
             f"gather expects a local block, but this tensor {tuple(x.shape)} is a full one (it was "
             f"given to scatter or returned by gather) ({mesh})"
         )
-    given = getattr(x, "_optimus2d_layout", None)
-    if given is not None and given != layout(mesh):
+    other = other_mesh(x, mesh)
+    if other is not None:
         return ValueError(
-            f"gather expects a block of {mesh}, but this tensor {tuple(x.shape)} is a block of "
-            f"Mesh(q={given[0]}, depth={given[1]}, ranks={list(given[2])}): gather it on that mesh, or "
-            f"redistribute it to this one first"
+            f"gather expects a block of {mesh}, but this tensor {tuple(x.shape)} is a block of {other}: "
+            f"gather it on that mesh, or redistribute it to this one first"
         )
     if getattr(x, "_optimus2d_kind", None) == "sequence":
         return ValueError(
@@ -184,7 +183,7 @@ def _gather_refusal(x: object, mesh: Mesh) -> BaseException | None:
             f"sequence block [b/q, s/d, ..., h/q] (from optimus2d.context.scatter): gather it with "
             f"optimus2d.context.gather ({mesh})"
         )
-    if given is not None and getattr(x, "_optimus2d_kind", None) == "batch":
+    if getattr(x, "_optimus2d_layout", None) is not None and getattr(x, "_optimus2d_kind", None) == "batch":
         return ValueError(
             f"gather expects an activation block [b/(d·q), ..., h/q], but this tensor {tuple(x.shape)} is a "
             f"batch block [b/(d·q), ...] (from scatter_batch), whole along its last dim ({mesh})"
