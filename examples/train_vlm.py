@@ -3,6 +3,8 @@
     mpiexec -n 4 python examples/train_vlm.py --check                # LLM on 2×2, tower on 1×1×4
     mpiexec -n 4 python examples/train_vlm.py --check --tower same   # both on the 2×2 mesh
     mpiexec -n 9 python examples/train_vlm.py --check                # LLM on 3×3, tower on 1×1×9
+    mpiexec -n 8 python examples/train_vlm.py --check --cp 2         # 2×2 mesh × cp 2: the LLM's sequence split in 2
+    mpiexec -n 4 python examples/train_vlm.py --check --cp 4         # the LLM's sequence split over 4 ranks
 
 Hugging Face's ``LlavaForConditionalGeneration`` from a small random config, on synthetic
 image–text pairs: each image (16×16, 8×8 patches: 4 feature rows once the class token is dropped)
@@ -15,8 +17,12 @@ The layout is heterogeneous: the language model on the q×q (×depth) mesh, and 
 (default) the tower on ``Mesh(1, p)``, every rank a whole tower on its own slice of the images,
 which sends nothing in backward since the tower is frozen: ``parallelize(..., plan={"model.vision_tower":
 tower})`` moves the images to the tower's mesh and the feature layer back. ``--tower same`` keeps the
-tower on the model's mesh. ``--check`` trains the serial twin (the same initial weights, the same
-batches) and asserts the same losses, the same final weights and no gradient in the frozen tower.
+tower on the model's mesh. ``--cp N`` splits the language model's fused sequence over N ranks
+(context parallelism, the mesh's depth axis: q×q×N ranks, ``plan={"model.language_model":
+context.ContextParallel(mesh)}``, causal and balanced head–tail) while the embedding, the projector,
+the head and the loss keep the batch layout; the sequence defaults to 64 tokens. ``--check`` trains
+the serial twin (the same initial weights, the same batches) and asserts the same losses, the same
+final weights and no gradient in the frozen tower.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ def build() -> transformers.LlavaForConditionalGeneration:
         ),
         text_config=transformers.LlamaConfig(
             vocab_size=IMAGE + 1, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
-            num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64,
+            num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=256,
             bos_token_id=0, eos_token_id=0, pad_token_id=0,
         ),
         image_token_id=IMAGE,
@@ -87,7 +93,8 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=None, help="global; default: the number of ranks")
-    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=None, help="tokens a sample; default 16, with --cp 64")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel ranks for the language model")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--tower", choices=["own", "same"], default="own")
     parser.add_argument("--check", action="store_true")
@@ -95,27 +102,37 @@ def main() -> None:
 
     world = optimus2d.init()
     torch.set_num_threads(1)
-    q = math.isqrt(world.size // args.depth)
-    if world.size % args.depth or q * q * args.depth != world.size:
-        parser.error(f"{world.size} ranks are not depth·q² with depth={args.depth}")
+    if args.cp > 1 and args.depth > 1:
+        parser.error("--cp splits the sequence over the mesh's depth axis: give --cp or --depth, not both")
+    depth = max(args.depth, args.cp)
+    q = math.isqrt(world.size // depth)
+    if world.size % depth or q * q * depth != world.size:
+        parser.error(f"{world.size} ranks are not depth·q² with depth={depth}")
     batch = args.batch or world.size
-    if batch % (args.depth * q) or batch % world.size:
-        parser.error(f"--batch {batch} must divide by depth·q = {args.depth * q} and by {world.size} ranks")
+    if batch % (depth * q) or batch % world.size:
+        parser.error(f"--batch {batch} must divide by depth·q = {depth * q} and by {world.size} ranks")
+    args.seq = args.seq or (64 if args.cp > 1 else 16)
     if args.seq < 3 + ROWS:
         parser.error(f"--seq must be at least {3 + ROWS}")
+    if args.seq % (2 * args.cp):
+        parser.error(f"--seq {args.seq} must divide into 2·cp = {2 * args.cp} chunks (head–tail balance)")
 
-    mesh = optimus2d.Mesh(q, args.depth)  # the language model's and the projector's
+    mesh = optimus2d.Mesh(q, depth)  # the language model's and the projector's
     tower = optimus2d.Mesh(1, world.size) if args.tower == "own" else mesh
+    plan = {"model.vision_tower": tower} if tower is not mesh else {}
+    if args.cp > 1:  # the language model's sequence split over depth; the rest in the batch layout
+        plan["model.language_model"] = optimus2d.context.ContextParallel(mesh, mask="causal", balance="head_tail")
     model = build()
     model.model.vision_tower.requires_grad_(False)  # frozen: no gradient, and nothing sent back to it
     serial = copy.deepcopy(model) if args.check else None  # the same initial weights
-    model = optimus2d.parallelize(model, mesh, plan={"model.vision_tower": tower} if tower is not mesh else None)
+    model = optimus2d.parallelize(model, mesh, plan=plan or None)
     opt = adamw(model, args.lr)
     serial_opt = adamw(serial, args.lr) if serial is not None else None
     if world.rank == 0:
         print(
             f"LLaVA: language model and projector on Mesh(q={mesh.q}, depth={mesh.depth}), vision tower "
-            f"(frozen) on Mesh(q={tower.q}, depth={tower.depth}); batch {batch}×{args.seq} tokens",
+            f"(frozen) on Mesh(q={tower.q}, depth={tower.depth}); batch {batch}×{args.seq} tokens"
+            + (f"; the language model's sequence split over cp={args.cp} ranks" if args.cp > 1 else ""),
             flush=True,
         )
 

@@ -22,7 +22,7 @@ BELOW: dict[str, set[str]] = {
     "context": {"comm"},
     "layers": {"comm", "cost"},
     "training": {"comm", "cost", "layers"},
-    "convert": {"comm", "cost", "layers"},
+    "convert": {"comm", "cost", "context", "layers"},
     "families": {"comm", "cost", "layers", "convert"},
     "checkpoint": {"comm", "cost", "layers", "convert"},
     "pipeline": {"comm", "cost", "layers", "convert", "training", "_deprecated"},

@@ -199,6 +199,22 @@ def reduce_scatter(t: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Te
     return out.movedim(0, dim)
 
 
+@torch.compiler.disable  # point-to-point exchanges: run eagerly under torch.compile (a graph break)
+def all_to_all(t: torch.Tensor, mesh: Mesh, axis: str, split_dim: int, cat_dim: int) -> torch.Tensor:
+    """Chunk m of ``t`` along ``split_dim`` to member m of the ``axis`` group; what every member m
+    sends this rank, concatenated along ``cat_dim`` in member order. Counted as the input ``t``."""
+    if mesh.group(axis) is None:
+        return t
+    n, me = mesh.axis_size(axis), mesh.index(axis)
+    _check(mesh, "all_to_all", axis, t, f" from dim {split_dim} to dim {cat_dim}")
+    send = [chunk.contiguous() for chunk in t.chunk(n, split_dim)]
+    received = [torch.empty_like(send[me]) for _ in range(n)]
+    received[me] = send[me]
+    record("all_to_all", axis, t)
+    _exchange(mesh, axis, send, received)
+    return torch.cat(received, cat_dim)
+
+
 def transpose(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """The ``t`` of rank (k, j, i), received in exchange for this rank's (k, i, j); same shape everywhere.
 

@@ -8,6 +8,13 @@ the weights' gradients over tokens, whichever tokens a depth slice holds — so 
 tokens (attention, ``optimus2d.context.attention``) needs to know. Which tokens depth slice k holds
 is the caller's choice: ``optimus2d.context`` permutes the sequence first (``Assignment``) and
 hands the permuted tensor here, split contiguously.
+
+A module that runs in the sequence layout inside a model that does not (``context.ContextParallel``
+in ``parallelize``'s plan) enters it from the activation layout by ``batch_to_sequence``: on a
+(q, d) mesh rank (k, i, j) holds batch block k·q + i of d·q, every position; one all-to-all over
+depth gives it the samples of blocks m·q + i for m = 0..d−1 (in m order: every depth slice of a
+column the same samples), at the positions of its sequence slice. ``sequence_to_batch`` is the
+inverse. Each sends (d − 1)/d of its block and receives as much; the block keeps its size.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.autograd import Function
 
+from optimus2d.comm import primitives as P
 from optimus2d.comm.agreement import agree, check_replicated, describe
 from optimus2d.comm.calls import tag
 from optimus2d.comm.functional import _describe, _Gather, _Split
@@ -82,6 +91,62 @@ def gather_sequence(x_local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     full[-1] *= mesh.q
     out = _Gather.apply(x_local, mesh, sequence_sharding(full))
     out._optimus2d_full = mesh.size > 1
+    return out
+
+
+class _BatchToSequence(Function):
+    @staticmethod
+    def forward(ctx, x, mesh, permutation):
+        ctx.mesh, ctx.permutation = mesh, permutation
+        return _to_sequence(x, mesh, permutation)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_batch(grad, ctx.mesh, ctx.permutation), None, None
+
+
+class _SequenceToBatch(Function):
+    @staticmethod
+    def forward(ctx, y, mesh, permutation):
+        ctx.mesh, ctx.permutation = mesh, permutation
+        return _to_batch(y, mesh, permutation)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_sequence(grad, ctx.mesh, ctx.permutation), None, None
+
+
+def _to_sequence(x: torch.Tensor, mesh: Mesh, permutation: torch.Tensor) -> torch.Tensor:
+    permuted = x.index_select(1, permutation.to(x.device))
+    return P.all_to_all(permuted, mesh, "depth", split_dim=1, cat_dim=0)
+
+
+def _to_batch(y: torch.Tensor, mesh: Mesh, permutation: torch.Tensor) -> torch.Tensor:
+    permuted = P.all_to_all(y.contiguous(), mesh, "depth", split_dim=0, cat_dim=1)
+    return permuted.index_select(1, torch.argsort(permutation).to(y.device))
+
+
+def batch_to_sequence(x: torch.Tensor, mesh: Mesh, permutation: torch.Tensor) -> torch.Tensor:
+    """A block of the activation or batch layout ``[b/(d·q), s, ...]`` → the sequence layout
+    ``[b/q, s/d, ...]``: the positions ``permutation[k·s/d : (k+1)·s/d]`` (k: this rank's depth
+    index) of the samples of batch blocks m·q + i, m = 0..d−1 (the layout at the top of this file).
+
+    forward: all-to-all over depth; backward: the inverse all-to-all (``sequence_to_batch``).
+    The caller checks the shapes on every rank first: s divisible by d, ``permutation`` of range(s).
+    """
+    out = _BatchToSequence.apply(x, mesh, permutation)
+    tag(out, mesh, agreed=False)
+    out._optimus2d_kind = "sequence"
+    return out
+
+
+def sequence_to_batch(y: torch.Tensor, mesh: Mesh, permutation: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``batch_to_sequence``: ``[b/q, s/d, ...]`` → ``[b/(d·q), s, ...]`` in sequence order.
+
+    forward: all-to-all over depth; backward: ``batch_to_sequence``'s all-to-all.
+    """
+    out = _SequenceToBatch.apply(y, mesh, permutation)
+    tag(out, mesh, agreed=False)
     return out
 
 

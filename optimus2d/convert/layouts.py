@@ -36,26 +36,38 @@ from optimus2d.comm.agreement import agree
 from optimus2d.comm.calls import layout
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.redistribution import redistribute
+from optimus2d.context.parallel import ContextParallel
 from optimus2d.layers.base import ShardedModule
 
 _PER_HEAD = ("attentions", "cross_attentions", "encoder_attentions", "decoder_attentions")
 
 
-def check_plan(plan: Mapping[str, Mesh] | None, mesh: Mesh) -> dict[str, Mesh]:
-    """The plan, checked: every value a ``Mesh`` over the same ranks as ``mesh`` (``ValueError`` otherwise)."""
+def check_plan(plan: Mapping[str, Mesh | ContextParallel] | None, mesh: Mesh) -> dict[str, Mesh]:
+    """The plan's meshes, checked: every value a ``Mesh`` (or a ``context.ContextParallel`` on one)
+    over the same ranks as ``mesh`` (``ValueError`` otherwise)."""
     if plan is None:
         return {}
     if not isinstance(plan, Mapping):
         raise TypeError(f"parallelize: plan= must map module paths to meshes, got {type(plan).__name__}")
+    meshes = {}
     for path, other in plan.items():
-        if not isinstance(path, str) or not isinstance(other, Mesh):
-            raise TypeError(f"parallelize: plan= maps module paths (str) to Mesh, got {path!r}: {type(other).__name__}")
-        if sorted(other.ranks) != sorted(mesh.ranks):
+        if not isinstance(path, str) or not isinstance(other, (Mesh, ContextParallel)):
+            raise TypeError(
+                f"parallelize: plan= maps module paths (str) to Mesh or context.ContextParallel, got "
+                f"{path!r}: {type(other).__name__}"
+            )
+        meshes[path] = other.mesh if isinstance(other, ContextParallel) else other
+        if sorted(meshes[path].ranks) != sorted(mesh.ranks):
             raise ValueError(
-                f"parallelize: plan[{path!r}] is over ranks {sorted(other.ranks)}, not over the model mesh's "
+                f"parallelize: plan[{path!r}] is over ranks {sorted(meshes[path].ranks)}, not over the model mesh's "
                 f"{sorted(mesh.ranks)}: a planned module shares the ranks of the model (colocated)"
             )
-    return dict(plan)
+    return meshes
+
+
+def context_plan(plan: Mapping[str, object] | None) -> dict[str, ContextParallel]:
+    """The plan's keys whose module runs with its sequence split (``context.ContextParallel``)."""
+    return {key: value for key, value in (plan or {}).items() if isinstance(value, ContextParallel)}
 
 
 def describe_plan(plan: object) -> str:
@@ -73,6 +85,8 @@ def describe_plan(plan: object) -> str:
 def _meshed(value: object) -> str:
     if isinstance(value, Mesh):
         return f"Mesh(q={value.q}, depth={value.depth}, ranks={list(value.ranks)})"
+    if isinstance(value, ContextParallel):
+        return repr(value)
     return type(value).__name__
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from optimus2d.comm.agreement import check_same_tensors
 from optimus2d.comm.calls import layout
 from optimus2d.comm.mesh import Mesh
+from optimus2d.context.parallel import ContextParallel
 from optimus2d.convert import blockwise, forward_reader, layouts
 from optimus2d.convert.meta_init import has_meta, record_init
 from optimus2d.convert.tied import tied_embeddings
@@ -165,7 +166,11 @@ def converter_for(module: nn.Module) -> Converter | None:
 
 
 def parallelize(
-    module: nn.Module, mesh: Mesh, *, plan: Mapping[str, Mesh] | None = None, check: bool | None = None
+    module: nn.Module,
+    mesh: Mesh,
+    *,
+    plan: Mapping[str, Mesh | ContextParallel] | None = None,
+    check: bool | None = None,
 ) -> nn.Module:
     """The model on ``mesh``, converted in place from the serial ``module`` and returned.
 
@@ -182,6 +187,8 @@ def parallelize(
     ``plan``: module path (exact, or a glob) → a ``Mesh`` over the same ranks, on which that module
     and everything inside it is converted and runs; tensors crossing its boundary move between the
     meshes' layouts by ``redistribute`` (``optimus2d/layouts.py``). A key naming no module is refused.
+    A ``context.ContextParallel(mesh, ...)`` value converts the module on its mesh and runs it with
+    its sequence split over the mesh's depth axis (context parallelism; ``context/parallel.py``).
     """
     # Checked on this rank (no communication), then agreed with every rank before anything is sent:
     # the plan (its keys and meshes) and any refusal, so a plan or a model that differs on one rank
@@ -189,6 +196,7 @@ def parallelize(
     error, walk = None, None
     try:
         walk = _Walk(mesh, {}, tied_embeddings(module), plan=layouts.check_plan(plan, mesh))
+        walk.contexts = layouts.context_plan(plan)
         walk.check(module, "")
         walk.raise_refused()
     except (TypeError, ValueError) as err:
@@ -277,6 +285,8 @@ class _Walk:
     meshes: dict[int, Mesh] = field(default_factory=dict)  # id(module) → its mesh, where the plan names one
     boundaries: dict[int, layouts.Boundary] = field(default_factory=dict)  # id(planned module) → its hooks
     planned: set[str] = field(default_factory=set)  # the plan's keys that named a module
+    contexts: dict[str, ContextParallel] = field(default_factory=dict)  # plan key → its sequence split
+    split: dict[int, tuple[ContextParallel, str]] = field(default_factory=dict)  # id(module) → (split, path)
 
     def check(
         self,
@@ -296,6 +306,8 @@ class _Walk:
         mesh = hit[1] if hit is not None else outer
         if hit is not None:
             self.planned.add(hit[0])
+            if hit[0] in self.contexts:
+                self.split[id(module)] = (self.contexts[hit[0]], path)
         if mesh is not self.mesh:
             self.meshes[id(module)] = mesh
         called = type(module).forward is not nn.Module.forward  # a ModuleList is never called itself
@@ -334,6 +346,9 @@ class _Walk:
         if id(module) not in self.done:
             self.done[id(module)] = self._convert(module, path, self.meshes.get(id(module), mesh or self.mesh))
             self.seen.append(module)
+            if id(module) in self.split:  # inside the boundary's hooks: its forward in the sequence layout
+                spec, where = self.split[id(module)]
+                spec.install(self.done[id(module)], where)
             if id(module) in self.boundaries:
                 self.boundaries[id(module)].install(self.done[id(module)])
         return self.done[id(module)]

@@ -1,0 +1,162 @@
+"""Context parallelism for one module of a model: ``parallelize(model, mesh, plan={path: ContextParallel(mesh)})``.
+
+Real multimodal systems split the LLM's sequence and not the encoder's: the encoder's inputs are
+bounded, the fused sequence is long. A plan entry ``ContextParallel(mesh, mask=..., balance=...)``
+converts the named module on ``mesh`` (as a ``Mesh`` entry does) and runs it in the sequence layout
+(``comm/sequence.py``, c = ``mesh.depth``), while the rest of the model keeps the activation layout:
+
+* going in, its ``inputs_embeds`` (``[b/(c·q), s, h/q]``) or ``input_ids`` (``[b/(c·q), s]``) move
+  to ``[b/q, s/c, ...]`` by one all-to-all over depth (``batch_to_sequence``), laid out by the
+  ``Assignment`` that ``balance`` makes from the mask for this s (cached per s); ``position_ids``
+  become the tokens' own (``context.positions``), or move alike when given;
+* inside, every attention module computes ``context.attention`` under the mask
+  (``sequence_parallel``); token-wise layers need nothing;
+* coming out, ``last_hidden_state`` and any ``hidden_states`` move back to ``[b/(c·q), s, h/q]`` in
+  sequence order (the inverse all-to-all): the head, the labels and the loss are the whole
+  sequence's, unchanged.
+
+Gradients take the same all-to-alls back. Per rank and boundary crossing it sends (c − 1)/c of its
+block, ``(c − 1)/c · b/(c·q) · s · h/q`` elements, and receives as much; the layout never holds
+more than a block. The module is a Hugging Face base model (``LlamaModel``, ``Qwen2Model``, a
+LLaVA's ``language_model``) called with keywords. Refused, with the same error on every rank:
+a sequence the balance cannot split (pad it), a padding ``attention_mask`` (not all ones: packed
+documents are a ``mask=``), a cache (``past_key_values``; ``use_cache`` is turned off), per-head
+``attentions``, and a mask of another size than the sequence.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from optimus2d.comm import Mesh
+from optimus2d.comm.agreement import agree
+from optimus2d.comm.sequence import batch_to_sequence, sequence_to_batch
+from optimus2d.context.balance import METHODS, Assignment, assign, causal_mask
+from optimus2d.context.hf import sequence_parallel
+
+Mask = str | torch.Tensor | Callable[[int], torch.Tensor]
+
+
+class ContextParallel:
+    """A plan value: the module on ``mesh`` with its sequence split over ``mesh.depth`` ranks.
+
+    ``mask``: "causal", a boolean ``[s, s]`` tensor (query, key; sequence order), or a function of
+    s giving one. ``balance``: how sequence blocks go to ranks (``context.assign``: "head_tail",
+    the default, for causal masks; "makespan" for any mask; "uniform"); ``block``: makespan's
+    block size."""
+
+    def __init__(self, mesh: Mesh, *, mask: Mask = "causal", balance: str = "head_tail", block: int | None = None):
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"ContextParallel: mesh must be an optimus2d.Mesh, got {type(mesh).__name__}")
+        if not (mask == "causal" if isinstance(mask, str) else isinstance(mask, torch.Tensor) or callable(mask)):
+            raise ValueError(
+                f"ContextParallel: mask must be 'causal', a [s, s] bool tensor or a function of s, got {mask!r}"
+            )
+        if balance not in METHODS:
+            raise ValueError(f"ContextParallel: balance {balance!r} is not one of {METHODS}")
+        self.mesh, self.mask, self.balance, self.block = mesh, mask, balance, block
+        self._splits: dict[int, tuple[Assignment, torch.Tensor]] = {}
+
+    def __repr__(self) -> str:
+        mask = self.mask if isinstance(self.mask, str) else type(self.mask).__name__
+        return (
+            f"ContextParallel(Mesh(q={self.mesh.q}, depth={self.mesh.depth}, ranks={list(self.mesh.ranks)}), "
+            f"mask={mask}, balance={self.balance})"
+        )
+
+    def split(self, s: int) -> tuple[Assignment, torch.Tensor]:
+        """The assignment and the mask of a sequence of ``s`` tokens (``ValueError`` if it does not split)."""
+        if s not in self._splits:
+            if isinstance(self.mask, str):
+                mask = causal_mask(s)
+            else:
+                mask = self.mask(s) if callable(self.mask) else self.mask
+            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (s, s):
+                got = f"{mask.dtype}{list(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+                raise ValueError(
+                    f"ContextParallel: the mask for a sequence of {s} tokens must be bool[{s}, {s}], got {got}"
+                )
+            self._splits[s] = (assign(mask, self.mesh.depth, self.balance, block=self.block), mask)
+        return self._splits[s]
+
+    def install(self, module: nn.Module, path: str) -> None:
+        """Run ``module``'s forward in the sequence layout (called by ``parallelize`` once it is converted)."""
+        if "_optimus2d_context_parallel" in module.__dict__:
+            return
+        original = module.forward
+        names = inspect.signature(original).parameters
+
+        def forward(self_, *args, **kwargs):
+            if args:  # bind positional arguments to their names: the hook reads them by name
+                kwargs.update(zip(names, args, strict=False))
+            return _run(self, path, self_, original, kwargs)
+
+        module.forward = types.MethodType(forward, module)
+        module.__dict__["_optimus2d_context_parallel"] = self
+
+
+def _run(spec: ContextParallel, path: str, module: nn.Module, original, kwargs: dict):
+    mesh = spec.mesh
+    where = f"{path or type(module).__name__} with context parallelism on Mesh(q={mesh.q}, depth={mesh.depth})"
+    x = kwargs.get("inputs_embeds")
+    x = kwargs.get("input_ids") if x is None else x
+    error, split = None, None
+    try:
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            raise ValueError(f"{where}: needs input_ids [b, s] or inputs_embeds [b, s, h] by keyword")
+        if kwargs.get("past_key_values") is not None:
+            raise ValueError(f"{where}: a cache (past_key_values) is not supported: it holds the whole sequence's keys")
+        if kwargs.get("output_attentions"):
+            raise ValueError(f"{where}: per-head attentions cannot be returned; do not ask for them")
+        split = spec.split(x.shape[1])
+        padding = kwargs.get("attention_mask")
+        if padding is not None and not bool(padding.all()):
+            raise ValueError(
+                f"{where}: a padding attention_mask (zeros in this rank's block {list(padding.shape)}) is not "
+                f"supported; give packed documents as ContextParallel(mask=...) and drop attention_mask"
+            )
+    except ValueError as err:
+        error = err
+    # every other refusal reads what every rank has alike (shapes, keywords); a padding mask is
+    # this rank's samples': agreed, so that one rank's padding does not leave the others waiting
+    if kwargs.get("attention_mask") is not None and mesh.check != "off" and mesh.size > 1:
+        agree(mesh, "context parallel", description="attention_mask", error=error)
+    elif error is not None:
+        raise error
+    assignment, mask = split
+    order = assignment.permutation()
+    key = "inputs_embeds" if kwargs.get("inputs_embeds") is not None else "input_ids"
+    kwargs[key] = batch_to_sequence(x, mesh, order)
+    given = kwargs.get("position_ids")
+    if given is not None and given.shape[0] > 1:
+        kwargs["position_ids"] = batch_to_sequence(given, mesh, order)
+    else:
+        mine = assignment.positions[mesh.index("depth")].to(x.device)
+        kwargs["position_ids"] = (given[:, mine] if given is not None else mine).reshape(1, -1)
+    kwargs["attention_mask"] = None
+    kwargs["use_cache"] = False
+    with sequence_parallel(module, mesh, assignment, mask):
+        out = original(**kwargs)
+    return _back(out, mesh, order)
+
+
+def _back(out, mesh: Mesh, order: torch.Tensor):
+    """The module's outputs in the activation layout again (hidden states; anything else refused)."""
+    if isinstance(out, torch.Tensor):
+        return sequence_to_batch(out, mesh, order)
+    if isinstance(out, tuple) and not hasattr(out, "keys"):
+        return type(out)(_back(o, mesh, order) if o is not None else None for o in out)
+    for key in list(out.keys()):
+        value = out[key]
+        if key == "past_key_values":
+            out[key] = None
+        elif isinstance(value, torch.Tensor):
+            out[key] = sequence_to_batch(value, mesh, order)
+        elif isinstance(value, (tuple, list)):
+            out[key] = type(value)(sequence_to_batch(t, mesh, order) for t in value)
+    return out

@@ -1,0 +1,145 @@
+"""Context parallelism for one module through ``parallelize(..., plan={path: context.ContextParallel(mesh)})``.
+
+The planned module (a LLaMA body, a LLaVA's language model) runs with its sequence split over the
+mesh's depth axis while the rest of the model keeps the batch layout: the caller scatters the batch
+as usual (``scatter_batch``), the head and the loss are unchanged. Against transformers' serial
+model: logits, the loss, every gradient and every parameter after one AdamW step (float64:
+logits and loss ≤ 1e-6; after the step ≤ 1e-5, transformers' norms computing in float32), and the
+bytes of the boundary's all-to-alls against the formula. Refusals on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_close, compare_step, raises_fast
+
+import optimus2d
+from optimus2d import context
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.mpi, pytest.mark.families]
+
+
+def _llama(q: int):
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32 * q, intermediate_size=32 * q, num_hidden_layers=2,
+        num_attention_heads=4 * q, num_key_value_heads=2 * q, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).double()
+
+
+def _batch(mesh, s: int):
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (2 * mesh.q * mesh.depth, s))
+    return ids, ids.clone()
+
+
+@pytest.mark.parametrize("balance", ["head_tail", "makespan"])
+def test_llama_body_with_context_parallelism_equals_serial(mesh, balance):
+    c = mesh.depth
+    s = 2 * c * 8
+    serial = _llama(mesh.q)
+    spec = context.ContextParallel(mesh, balance=balance)
+    model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": spec})
+    ids, labels = _batch(mesh, s)
+    want = serial(input_ids=ids, labels=labels)
+    want.loss.backward()
+    with optimus2d.count_comm() as counted:
+        got = model(input_ids=optimus2d.scatter_batch(ids, mesh), labels=optimus2d.scatter_batch(labels, mesh))
+    assert_close(optimus2d.gather(got.logits, mesh), want.logits, 1e-6, "logits")
+    assert_close(got.loss, want.loss, 1e-6, "loss")
+    moved = [r for r in counted.records if r.kind == "all_to_all"]
+    tokens = ids.shape[0] // (mesh.q * c) * s
+    # forward: the ids in (the embedding is the body's), the last hidden state out, each the rank's
+    # block; each rank sends (c - 1)/c of it and receives as much
+    assert [r.numel for r in moved] == ([tokens, tokens * serial.config.hidden_size // mesh.q] if c > 1 else [])
+    got.loss.backward()
+    compare_step(serial, model, mesh, tol=1e-5)
+
+
+def test_hidden_states_come_back_in_sequence_order(mesh):
+    serial = _llama(mesh.q)
+    model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": context.ContextParallel(mesh)})
+    ids, _ = _batch(mesh, 4 * mesh.depth)
+    want = serial(input_ids=ids, output_hidden_states=True).hidden_states
+    got = model(input_ids=optimus2d.scatter_batch(ids, mesh), output_hidden_states=True).hidden_states
+    assert len(got) == len(want)
+    for n, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_close(optimus2d.gather(g, mesh), w, 1e-6, f"hidden_states[{n}]")
+
+
+def _llava(q: int):
+    image = 95  # 16×16 images of 8×8 patches: 4 feature rows each (class token dropped)
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(
+            hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6, image_size=16,
+            patch_size=8,
+        ),
+        text_config=transformers.LlamaConfig(
+            vocab_size=96, hidden_size=24 * q, intermediate_size=48 * q, num_hidden_layers=2,
+            num_attention_heads=4 * q, num_key_value_heads=2 * q, max_position_embeddings=128,
+        ),
+        image_token_id=image, vision_feature_layer=-2, vision_feature_select_strategy="default",
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).double()
+    with torch.no_grad():  # every parameter off its init: a wrong block shows
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model, image
+
+
+@pytest.mark.parametrize("tower", ["same", "own"])
+def test_llava_with_its_language_model_context_parallel_equals_serial(mesh, tower):
+    """The image features merged at their tokens in the batch layout, then the fused sequence split
+    over depth in the language model; the frozen tower on the model's mesh or on Mesh(1, p)."""
+    serial, image = _llava(mesh.q)
+    serial.model.vision_tower.requires_grad_(False)
+    plan = {"model.language_model": context.ContextParallel(mesh)}
+    if tower == "own":
+        plan["model.vision_tower"] = optimus2d.Mesh(1, mesh.size) if mesh.size > 1 else mesh
+    model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=plan)
+    b, s = 2 * mesh.q * mesh.depth, 16 * mesh.depth
+    torch.manual_seed(1)
+    ids = torch.randint(1, image, (b, s))
+    for row in range(b):
+        start = 1 + 3 * row % (s - 5)  # the image's 4 tokens at a place that differs by sample
+        ids[row, start : start + 4] = image
+    batch = dict(
+        input_ids=ids, pixel_values=torch.randn(b, 3, 16, 16).double(), labels=ids.masked_fill(ids == image, -100)
+    )
+    want = serial(**batch)
+    want.loss.backward()
+    got = model(**{k: optimus2d.scatter_batch(v, mesh) for k, v in batch.items()})
+    got.loss.backward()
+    assert_close(optimus2d.gather(got.logits.detach(), mesh)[..., :96], want.logits, 1e-6, "logits")
+    assert_close(got.loss, want.loss, 1e-6, "loss")
+    assert all(p.grad is None for p in model.model.vision_tower.parameters())
+    compare_step(serial, model, mesh, tol=1e-5)
+
+
+def test_refusals_on_every_rank(world_mesh):
+    mesh = optimus2d.Mesh(1, world_mesh.size)  # a fresh mesh (a refusal may leave it unusable), c = p
+    model = optimus2d.parallelize(_llama(mesh.q), mesh, plan={"model": context.ContextParallel(mesh)})
+    c = mesh.depth
+    ids, _ = _batch(mesh, 2 * c * 4 + 1)  # head_tail needs 2c chunks
+    raises_fast(
+        ValueError, "pad the sequence to a multiple of", lambda: model(input_ids=optimus2d.scatter_batch(ids, mesh))
+    )
+    ids, _ = _batch(mesh, 2 * c * 4)
+    padding = torch.ones_like(ids)
+    padding[-1, -1] = 0  # the last sample: on the last rank's block only
+    raises_fast(
+        ValueError,
+        "padding attention_mask",
+        lambda: model(
+            input_ids=optimus2d.scatter_batch(ids, mesh), attention_mask=optimus2d.scatter_batch(padding, mesh)
+        ),
+    )
+    with pytest.raises(TypeError, match="ContextParallel"):
+        optimus2d.parallelize(_llama(mesh.q), mesh, plan={"model": "context"})
