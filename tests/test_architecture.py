@@ -19,7 +19,7 @@ BELOW: dict[str, set[str]] = {
     "comm": set(),
     "faults": {"comm"},
     "cost": {"comm"},
-    "context": {"comm"},
+    "context": {"comm", "cost"},
     "layers": {"comm", "cost"},
     "training": {"comm", "cost", "layers"},
     "convert": {"comm", "cost", "context", "layers"},

@@ -27,17 +27,18 @@ def _serial(q, k, v, mask, heads):
     return out.transpose(1, 2).reshape(b, s, hd)
 
 
-def _parallel(q, k, v, mesh, a, mask, heads):
+def _parallel(q, k, v, mesh, a, mask, heads, attention="all_gather"):
     blocks = [context.scatter(t, mesh, a) for t in (q, k, v)]
     b, s_local, hd = blocks[0].shape
     split = lambda t: t.view(b, s_local, heads // mesh.q, hd // (heads // mesh.q)).transpose(1, 2)  # noqa: E731
-    out = context.attention(*(split(t) for t in blocks), mesh, a, mask)
+    out = context.attention(*(split(t) for t in blocks), mesh, a, mask, method=attention)
     return context.gather(out.transpose(1, 2).reshape(b, s_local, hd), mesh, a)
 
 
+@pytest.mark.parametrize("attention", ["all_gather", "ring"])
 @pytest.mark.parametrize("kind", ["causal", "image", "documents"])
 @pytest.mark.parametrize("method", ["uniform", "head_tail", "makespan"])
-def test_attention_equals_sdpa_on_the_whole_sequence(mesh, kind, method):
+def test_attention_equals_sdpa_on_the_whole_sequence(mesh, kind, method, attention):
     c, heads, d_h = mesh.depth, 2 * mesh.q, 4
     b, s = 2 * mesh.q, 2 * c * 8
     mask = context_mask(kind, s)
@@ -50,7 +51,7 @@ def test_attention_equals_sdpa_on_the_whole_sequence(mesh, kind, method):
     grads = [t.grad.clone() for t in full]
     for t in full:
         t.grad = None
-    got = _parallel(*full, mesh, a, mask, heads)
+    got = _parallel(*full, mesh, a, mask, heads, attention)
     (got * weight).sum().backward()
     assert_close(got, want, 1e-10, "output")
     for name, t, g in zip("qkv", full, grads, strict=True):
@@ -72,6 +73,26 @@ def test_the_bytes_are_the_formula(mesh):
     assert by_kind.get(("all_gather", "depth"), 0) == (kv if c > 1 else 0)
     assert by_kind.get(("reduce_scatter", "depth"), 0) == (kv if c > 1 else 0)
     assert counted.count() == (4 if c > 1 else 0)
+    sent = optimus2d.cost.context_attention(b // mesh.q, heads // mesh.q, s // c, d_h, c)["all_gather"]["sent"]
+    assert sent * c == counted.numel * (c - 1)  # each rank sends (c - 1)/c of what is gathered and scattered
+
+
+def test_the_rings_bytes_are_the_formula(mesh):
+    c, heads, d_h, b, s = mesh.depth, 2 * mesh.q, 4, 2 * mesh.q, 2 * mesh.depth * 8
+    mask = context.causal_mask(s)
+    a = context.assign(mask, c, "head_tail")
+    blocks = [torch.randn(b // mesh.q, heads // mesh.q, s // c, d_h, requires_grad=True) for _ in range(3)]
+    with optimus2d.count_comm() as forward:
+        out = context.attention(*blocks, mesh, a, mask, method="ring")
+    with optimus2d.count_comm() as backward:
+        out.sum().backward()
+    kv = 2 * blocks[0].numel()  # one K/V block: what each step sends
+    # forward: the c - 1 K/V blocks that go on; backward: those again, and c dK/dV blocks (the last one home)
+    assert forward.by("kind", "axis").get(("ring", "depth"), 0) == (c - 1) * kv
+    assert backward.by("kind", "axis").get(("ring", "depth"), 0) == ((2 * c - 1) * kv if c > 1 else 0)
+    assert forward.count() + backward.count() == (3 * c - 2 if c > 1 else 0)
+    ring = forward.numel + backward.numel
+    assert ring == optimus2d.cost.context_attention(b // mesh.q, heads // mesh.q, s // c, d_h, c)["ring"]["sent"]
 
 
 def test_positions_are_this_ranks_tokens(mesh):

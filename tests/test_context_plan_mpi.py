@@ -38,12 +38,12 @@ def _batch(mesh, s: int):
     return ids, ids.clone()
 
 
-@pytest.mark.parametrize("balance", ["head_tail", "makespan"])
-def test_llama_body_with_context_parallelism_equals_serial(mesh, balance):
+@pytest.mark.parametrize(("balance", "attention"), [("head_tail", "all_gather"), ("makespan", "ring")])
+def test_llama_body_with_context_parallelism_equals_serial(mesh, balance, attention):
     c = mesh.depth
     s = 2 * c * 8
     serial = _llama(mesh.q)
-    spec = context.ContextParallel(mesh, balance=balance)
+    spec = context.ContextParallel(mesh, balance=balance, attention=attention)
     model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": spec})
     ids, labels = _batch(mesh, s)
     want = serial(input_ids=ids, labels=labels)
@@ -57,8 +57,28 @@ def test_llama_body_with_context_parallelism_equals_serial(mesh, balance):
     # forward: the ids in (the embedding is the body's), the last hidden state out, each the rank's
     # block; each rank sends (c - 1)/c of it and receives as much
     assert [r.numel for r in moved] == ([tokens, tokens * serial.config.hidden_size // mesh.q] if c > 1 else [])
+    kinds = {r.kind for r in counted.records if r.axis == "depth"} & {"all_gather", "ring"}  # K and V
+    assert kinds == ({attention} if c > 1 else set())
     got.loss.backward()
     compare_step(serial, model, mesh, tol=1e-5)
+
+
+def test_auto_takes_the_ring_when_the_gathered_keys_do_not_fit(mesh):
+    """The cost model's pick: the all-gather (fewer bytes) unless its held elements exceed the memory given."""
+    if mesh.depth == 1:
+        pytest.skip("c = 1: no attention communication to pick")
+    serial = _llama(mesh.q)
+    b, s, c = 2 * mesh.q * mesh.depth, 2 * mesh.depth * 8, mesh.depth
+    heads, d_h, n = 4, 32 // 4, s // c  # a rank's heads (4q of them over q), head dim, tokens
+    counts = optimus2d.cost.context_attention(b // mesh.q, heads, n, d_h, c)
+    need = counts["all_gather"]["held"] * 8  # float64
+    for memory, kind in ((need, "all_gather"), (need - 1, "ring")):
+        spec = context.ContextParallel(mesh, memory=memory)
+        model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": spec})
+        ids, _ = _batch(mesh, s)
+        with optimus2d.count_comm() as counted:
+            model(input_ids=optimus2d.scatter_batch(ids, mesh))
+        assert {r.kind for r in counted.records if r.axis == "depth"} & {"all_gather", "ring"} == {kind}, memory
 
 
 def test_hidden_states_come_back_in_sequence_order(mesh):
@@ -104,7 +124,7 @@ def test_llava_with_its_language_model_context_parallel_equals_serial(mesh, towe
     if tower == "own":
         plan["model.vision_tower"] = optimus2d.Mesh(1, mesh.size) if mesh.size > 1 else mesh
     model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=plan)
-    b, s = 2 * mesh.q * mesh.depth, 16 * mesh.depth
+    b, s = mesh.size, 16 * mesh.depth  # the batch divides over q·depth and over Mesh(1, p)
     torch.manual_seed(1)
     ids = torch.randint(1, image, (b, s))
     for row in range(b):

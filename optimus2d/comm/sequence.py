@@ -27,6 +27,7 @@ from torch.autograd import Function
 from optimus2d.comm import primitives as P
 from optimus2d.comm.agreement import agree, check_replicated, describe
 from optimus2d.comm.calls import tag
+from optimus2d.comm.counter import record
 from optimus2d.comm.functional import _describe, _Gather, _Split
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
@@ -170,3 +171,32 @@ def _check_sequence(what: str, x: torch.Tensor, mesh: Mesh) -> None:
             raise ValueError(
                 f"{what}: {name} dim {dim} of tensor {tuple(x.shape)} is not divisible by {axis} = {n} ({mesh})"
             )
+
+
+RING_TAGS = (3, 4)  # point-to-point tags of the ring's two streams (K/V, and dK/dV in backward)
+
+
+class Shift:
+    """One step round the ``axis`` ring, in the background: ``t`` to the next member (index + 1),
+    the previous member's tensor of the same shape into a new buffer; ``wait()`` returns it. Counted
+    as "ring" (the tensor sent). Used by ``context.ring`` to pass K/V blocks and their gradients."""
+
+    def __init__(self, t: torch.Tensor, mesh: Mesh, axis: str, stream: int = 0) -> None:
+        n, me = mesh.axis_size(axis), mesh.index(axis)
+        t = t.contiguous()
+        self.out, self._handles = torch.empty_like(t), []
+        if n == 1:
+            self.out = t
+            return
+        record("ring", axis, t)
+        tag = RING_TAGS[stream]
+        self._handles = [
+            P.isend(t, mesh, axis, (me + 1) % n, tag),
+            P.irecv(self.out, mesh, axis, (me - 1) % n, tag),
+        ]
+
+    def wait(self) -> torch.Tensor:
+        for handle in self._handles:
+            handle.wait()
+        self._handles = []
+        return self.out

@@ -13,7 +13,9 @@ same keys under the same mask entries as serially, in another order (a softmax o
 
 Per rank and layer, forward, it receives 2·(c − 1)/c·(b/q)·s·(h/q) elements (K and V) and sends
 as much back in the backward; it holds K and V of the whole sequence for its heads during the
-product (the ring variant, which passes K/V blocks instead, is not built).
+product, and the scores of its queries against them. ``method="ring"`` passes K/V blocks round the
+depth ring instead (``context/ring.py``): more bytes in backward, a block at a time in memory;
+``optimus2d.cost.context_attention`` counts both.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from optimus2d.comm import Mesh, all_gather
 from optimus2d.comm.agreement import agree, fingerprint
 from optimus2d.comm.sequence import gather_sequence, scatter_sequence, scatter_sequence_batch
 from optimus2d.context.balance import Assignment
+from optimus2d.context.ring import ring_attention
+
+ATTENTION_METHODS = ("all_gather", "ring")
 
 
 def scatter(x: torch.Tensor, mesh: Mesh, assignment: Assignment, *, check: bool | None = None) -> torch.Tensor:
@@ -72,12 +77,15 @@ def attention(
     *,
     scale: float | None = None,
     check: bool | None = None,
+    method: str = "all_gather",
 ) -> torch.Tensor:
     """Attention of this rank's queries ``[b/q, heads/q, s/c, d_h]`` against the whole sequence's
     keys and values (gathered over depth), under ``mask`` (``[s, s]`` bool, True: attends; in
     sequence order, as ``assignment`` was made from). Returns ``[b/q, heads/q, s/c, d_h]``.
 
     forward: all-gather K and V over depth; backward: reduce-scatter dK and dV over depth.
+    ``method="ring"``: forward, K/V blocks passed round the depth ring (c − 1 steps); backward,
+    K/V and dK/dV round it again (``context/ring.py``).
     ``check``: agree on every rank that ``mask`` and ``assignment`` are the same (checksums of both,
     one 5-word all-gather the first time this mask meets this permutation on this mesh; default:
     unless the mesh's check is "off"): ranks that attend under other masks would be silently wrong.
@@ -93,7 +101,13 @@ def attention(
                 f"attention: {name} of shape {tuple(t.shape)} must be [b/q, heads/q, s/c = {mine.numel()}, d_h] "
                 f"on {mesh} (c = depth = {mesh.depth}, s = {s})"
             )
+    if method not in ATTENTION_METHODS:
+        raise ValueError(f"attention: method {method!r} is not one of {ATTENTION_METHODS}")
     _agree_once(mesh, assignment, mask, check)
+    if method == "ring":
+        rows = mask.to(q.device)[mine]
+        blocks = [rows[:, p.to(q.device)] for p in assignment.positions]
+        return ring_attention(q, k, v, mesh, blocks, scale)
     keys = all_gather(k.contiguous(), mesh, "depth", 2)
     values = all_gather(v.contiguous(), mesh, "depth", 2)
     rows = mask.to(q.device)[mine][:, assignment.permutation().to(q.device)]

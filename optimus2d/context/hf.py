@@ -23,19 +23,35 @@ import torch
 from torch import nn
 
 from optimus2d.comm import Mesh
-from optimus2d.context.attention import attention
+from optimus2d.context.attention import ATTENTION_METHODS, attention
 from optimus2d.context.balance import Assignment
+from optimus2d.cost.context import context_attention_method
 
 NAME = "optimus2d_context"
 
 
 @contextlib.contextmanager
-def sequence_parallel(model: nn.Module, mesh: Mesh, assignment: Assignment, mask: torch.Tensor) -> Iterator[None]:
+def sequence_parallel(
+    model: nn.Module,
+    mesh: Mesh,
+    assignment: Assignment,
+    mask: torch.Tensor,
+    *,
+    attention: str = "auto",
+    memory: float | None = None,
+) -> Iterator[None]:
     """Within the block, every attention module of the (converted) transformers ``model`` computes
     ``context.attention`` over ``mesh``'s depth axis, for the tokens ``assignment`` gives each
     depth slice, under ``mask`` (``[s, s]`` bool, sequence order). Restores the model's attention
-    implementation after. Refused (``TypeError``) for a model with no transformers config."""
+    implementation after. Refused (``TypeError``) for a model with no transformers config.
+
+    ``attention``: "all_gather", "ring", or "auto": per layer, what ``cost.context_attention_method``
+    picks for its sizes and ``memory`` (bytes a rank can spare for one layer's attention; None:
+    the all-gather, which sends less)."""
     from transformers import AttentionInterface  # an optional dependency: only a transformers model needs it
+
+    if attention not in ("auto", *ATTENTION_METHODS):
+        raise ValueError(f"sequence_parallel: attention {attention!r} is not 'auto' or one of {ATTENTION_METHODS}")
 
     AttentionInterface.register(NAME, _kernel)
     configs = {
@@ -44,7 +60,7 @@ def sequence_parallel(model: nn.Module, mesh: Mesh, assignment: Assignment, mask
     if not configs:
         raise TypeError(f"sequence_parallel: {type(model).__name__} has no transformers config to route its attention")
     saved = {key: config._attn_implementation for key, config in configs.items()}
-    state = (mesh, assignment, mask)
+    state = (mesh, assignment, mask, attention, memory)
     for module in model.modules():
         module._optimus2d_context = state
     try:
@@ -82,9 +98,14 @@ def _kernel(
         raise ValueError(
             f"sequence_parallel: {type(module).__name__} uses softcapping or a sliding window, not supported"
         )
-    mesh, assignment, mask = state
+    mesh, assignment, mask, method, memory = state
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads in a row
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = attention(query, key, value, mesh, assignment, mask, scale=scaling)
+    if method == "auto":  # the same sizes on every rank: the same pick
+        b, heads, n, d_h = query.shape
+        method = context_attention_method(
+            b, heads, n, d_h, mesh.depth, memory=memory, bytes_per_element=query.element_size()
+        )
+    out = attention(query, key, value, mesh, assignment, mask, scale=scaling, method=method)
     return out.transpose(1, 2).contiguous(), None

@@ -36,6 +36,7 @@ from torch import nn
 from optimus2d.comm import Mesh
 from optimus2d.comm.agreement import agree
 from optimus2d.comm.sequence import batch_to_sequence, sequence_to_batch
+from optimus2d.context.attention import ATTENTION_METHODS
 from optimus2d.context.balance import METHODS, Assignment, assign, causal_mask
 from optimus2d.context.hf import sequence_parallel
 
@@ -48,9 +49,19 @@ class ContextParallel:
     ``mask``: "causal", a boolean ``[s, s]`` tensor (query, key; sequence order), or a function of
     s giving one. ``balance``: how sequence blocks go to ranks (``context.assign``: "head_tail",
     the default, for causal masks; "makespan" for any mask; "uniform"); ``block``: makespan's
-    block size."""
+    block size. ``attention``: "all_gather", "ring" or "auto" (the cost model's pick per layer,
+    given ``memory``: the bytes a rank can spare for one layer's attention; ``sequence_parallel``)."""
 
-    def __init__(self, mesh: Mesh, *, mask: Mask = "causal", balance: str = "head_tail", block: int | None = None):
+    def __init__(
+        self,
+        mesh: Mesh,
+        *,
+        mask: Mask = "causal",
+        balance: str = "head_tail",
+        block: int | None = None,
+        attention: str = "auto",
+        memory: float | None = None,
+    ):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"ContextParallel: mesh must be an optimus2d.Mesh, got {type(mesh).__name__}")
         if not (mask == "causal" if isinstance(mask, str) else isinstance(mask, torch.Tensor) or callable(mask)):
@@ -59,14 +70,17 @@ class ContextParallel:
             )
         if balance not in METHODS:
             raise ValueError(f"ContextParallel: balance {balance!r} is not one of {METHODS}")
+        if attention not in ("auto", *ATTENTION_METHODS):
+            raise ValueError(f"ContextParallel: attention {attention!r} is not 'auto' or one of {ATTENTION_METHODS}")
         self.mesh, self.mask, self.balance, self.block = mesh, mask, balance, block
+        self.attention, self.memory = attention, memory
         self._splits: dict[int, tuple[Assignment, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         mask = self.mask if isinstance(self.mask, str) else type(self.mask).__name__
         return (
             f"ContextParallel(Mesh(q={self.mesh.q}, depth={self.mesh.depth}, ranks={list(self.mesh.ranks)}), "
-            f"mask={mask}, balance={self.balance})"
+            f"mask={mask}, balance={self.balance}, attention={self.attention})"
         )
 
     def split(self, s: int) -> tuple[Assignment, torch.Tensor]:
@@ -140,7 +154,7 @@ def _run(spec: ContextParallel, path: str, module: nn.Module, original, kwargs: 
         kwargs["position_ids"] = (given[:, mine] if given is not None else mine).reshape(1, -1)
     kwargs["attention_mask"] = None
     kwargs["use_cache"] = False
-    with sequence_parallel(module, mesh, assignment, mask):
+    with sequence_parallel(module, mesh, assignment, mask, attention=spec.attention, memory=spec.memory):
         out = original(**kwargs)
     return _back(out, mesh, order)
 
