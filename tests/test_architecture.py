@@ -25,7 +25,7 @@ BELOW: dict[str, set[str]] = {
     "convert": {"comm", "cost", "context", "layers"},
     "families": {"comm", "cost", "layers", "convert"},
     "checkpoint": {"comm", "cost", "layers", "convert"},
-    "pipeline": {"comm", "cost", "layers", "convert", "training", "_deprecated"},
+    "pipeline": {"comm", "cost", "context", "layers", "convert", "training", "_deprecated"},
     "launch": {"comm", "faults", "_deprecated"},
 }
 # imports inside functions that are not there to dodge a cycle: an optional dependency (mpi4py)

@@ -63,13 +63,14 @@ def scatter_sequence_batch(t: torch.Tensor, mesh: Mesh, *, check: bool | None = 
     forward: local slice; backward: all-gather (only float tensors have gradients).
     """
     check_replicated(mesh, "scatter_sequence_batch", t, lambda: _check_ids(t, mesh), check)
-    out = _Split.apply(t, mesh, _batch_sharding(t.shape))
+    out = _Split.apply(t, mesh, sequence_batch_sharding(t.shape))
     tag(out, mesh, agreed=check is not False and mesh.check != "off")
     out._optimus2d_kind = "sequence"
     return out
 
 
-def _batch_sharding(shape: Sequence[int]) -> Sharding:
+def sequence_batch_sharding(shape: Sequence[int]) -> Sharding:
+    """``[b, s, ...]`` (ids, targets): batch over col, sequence over depth, whole over row."""
     return Sharding((("col",), ("depth",), *(() for _ in range(len(shape) - 2))), tuple(shape))
 
 

@@ -60,6 +60,8 @@ from torch.distributed import pipelining
 from optimus2d.comm import replicas, watch
 from optimus2d.comm.functional import activation_sharding, all_reduce, batch_sharding
 from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.sequence import sequence_batch_sharding, sequence_sharding
+from optimus2d.context.parallel import ContextParallel
 from optimus2d.pipeline.data_parallel import DataParallelStage, LaneStage, note_copies, pipeline_groups
 from optimus2d.pipeline.layouts import ToNextStage, stage_shapes
 
@@ -186,6 +188,7 @@ def pipeline_stage(
     input_grad: bool | None = None,
     output_grad: bool = True,
     next_stage: int | None = None,
+    context: ContextParallel | None = None,
 ):
     """torch's ``PipelineStage`` of ``chunk`` (already converted on ``pipe.mesh``), over the lane.
 
@@ -215,7 +218,11 @@ def pipeline_stage(
     (``stage_index + 1`` below ``pipe.stages``, else ``2·pipe.stages − 2 − stage_index``); ignored for
     the last stage, whose output stays on ``pipe.mesh``. Data-parallel copies (``pipe.dp > 1``): a
     ``DataParallelStage``, which averages the gradients over ``pipe.dp_group`` at the step's last
-    backward (``pipeline/data_parallel.py``). Every step of a torch schedule on these stages first
+    backward (``pipeline/data_parallel.py``). ``context``: the chunk runs with its sequence split
+    over ``pipe.mesh``'s depth (``context.ContextParallel(pipe.mesh)``; a chunk that knows how, with a
+    ``context`` attribute: ``LlamaStage``), and receives and sends sequence blocks
+    ``[b/(n·q), s/d, ..., h/q]`` (ids ``[b/(n·q), s/d]``: ``context.scatter_batch``); every stage mesh
+    of one shape. Every step of a torch schedule on these stages first
     agrees over the whole pipeline (``pipeline/agreement.py``): one schedule, one micro-batch count,
     each stage mesh fed alike in every copy and its first stage fed ``n`` of ``microbatch_shape``;
     else the same ``ValueError`` on every rank, before anything is sent.
@@ -233,6 +240,11 @@ def pipeline_stage(
     out_mesh = _receiving_mesh(pipe, stage_index, num_stages, next_stage)
     device = mesh.device
     output_shape = output_shape or microbatch_shape
+    if context is not None:  # sequence blocks in and out
+        ids = input_layout == "batch"
+        grad = stage_index > 0 if input_grad is None else input_grad
+        ends = ((microbatch_shape, input_dtype or dtype, ids, grad), (output_shape, dtype, False, output_grad))
+        return _sequence_stage(chunk, pipe, context, ends, (stage_index, num_stages), out_mesh)
     # meta tensors: torch reads shape, dtype and requires_grad (whether a gradient travels back: from every
     # output, and to the input of every stage but the first)
     shape = tuple(int(size) for size in microbatch_shape)
@@ -248,6 +260,36 @@ def pipeline_stage(
     args = (chunk, stage_index, num_stages, device)
     kwargs = {"input_args": inputs, "output_args": outputs, "group": pipe.lane, "pipe": pipe}
     if pipe.dp_group is not None:  # data-parallel copies: gradients averaged over them
+        return DataParallelStage(*args, **kwargs, dp_group=pipe.dp_group, mesh=mesh)
+    return LaneStage(*args, **kwargs)
+
+
+def _sequence_stage(chunk, pipe: StageMesh, context, ends, place: tuple[int, int], out_mesh: Mesh):
+    """``pipeline_stage`` of a chunk that takes and returns sequence blocks (context parallelism);
+    ``ends``: (full shape, dtype, ids or not, gradient or not) of its input and of its output."""
+    mesh = pipe.mesh
+    if not isinstance(context, ContextParallel) or context.mesh is not mesh:
+        raise ValueError(f"pipeline_stage: context= must be a context.ContextParallel on this stage's mesh {mesh}")
+    if (out_mesh.q, out_mesh.depth) != (mesh.q, mesh.depth):
+        raise ValueError("pipeline_stage: a context-parallel pipeline needs every stage mesh of one shape")
+    if not hasattr(chunk, "context"):
+        raise TypeError(f"pipeline_stage: {type(chunk).__name__} does not say how to run with its sequence split")
+    chunk.context = context
+    blocks = []
+    for what, (shape, dtype, ids, grad) in zip(("microbatch_shape", "output_shape"), ends, strict=True):
+        shape = tuple(int(n) for n in shape)
+        splits = [(0, mesh.q), (1, mesh.depth)] + ([] if ids else [(len(shape) - 1, mesh.q)])
+        if len(shape) < 2 or any(shape[dim] % n for dim, n in splits):
+            raise ValueError(
+                f"pipeline_stage: {what}={shape} must be [b, s, ...] with b divisible by q = {mesh.q}, s by depth "
+                f"= {mesh.depth}{'' if ids else f' and h by q = {mesh.q}'} (sequence blocks, {mesh})"
+            )
+        layout = sequence_batch_sharding if ids else sequence_sharding
+        grad = bool(grad) and dtype.is_floating_point
+        blocks.append(torch.empty(layout(shape).local_shape(mesh), dtype=dtype, device="meta", requires_grad=grad))
+    args = (chunk, *place, mesh.device)
+    kwargs = {"input_args": blocks[0], "output_args": blocks[1], "group": pipe.lane, "pipe": pipe}
+    if pipe.dp_group is not None:
         return DataParallelStage(*args, **kwargs, dp_group=pipe.dp_group, mesh=mesh)
     return LaneStage(*args, **kwargs)
 

@@ -39,6 +39,9 @@ from torch import nn
 from optimus2d.comm import scatter_batch
 from optimus2d.comm.agreement import describe
 from optimus2d.comm.mesh import Mesh
+from optimus2d.context.attention import scatter_batch as context_scatter_batch
+from optimus2d.context.hf import sequence_parallel
+from optimus2d.context.parallel import ContextParallel
 from optimus2d.convert.parallelizer import register_converter
 from optimus2d.layers.loss import cross_entropy
 from optimus2d.pipeline.agreement import copies_sum
@@ -68,10 +71,20 @@ class LlamaStage(nn.Module):
         self.model.norm = body.norm if last else None
         self.model.rotary_emb = body.rotary_emb
         self.lm_head = lm.lm_head if last else None
+        self.context: ContextParallel | None = None  # pipeline_stage(..., context=): sequence blocks in and out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.context is None:
+            return self._forward(x, None)
+        mesh = self.context.mesh  # a sequence block [b/q, s/c(, h/q)]: the positions are this rank's tokens'
+        split, mask = self.context.split(x.shape[1] * mesh.depth)
+        positions = split.positions[mesh.index("depth")].to(x.device).unsqueeze(0)
+        with sequence_parallel(self, mesh, split, mask, attention=self.context.attention, memory=self.context.memory):
+            return self._forward(x, positions)
+
+    def _forward(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         hidden = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x
-        hidden = decoder_layers(self.config, self.model.rotary_emb, self.model.layers.values(), hidden)
+        hidden = decoder_layers(self.config, self.model.rotary_emb, self.model.layers.values(), hidden, positions)
         if self.model.norm is not None:
             hidden = self.model.norm(hidden)
         if self.lm_head is not None:
@@ -91,10 +104,18 @@ def causal_mask(config, hidden: torch.Tensor, positions: torch.Tensor):
     )
 
 
-def decoder_layers(config, rotary_emb: nn.Module, layers, hidden: torch.Tensor) -> torch.Tensor:
+def decoder_layers(
+    config, rotary_emb: nn.Module, layers, hidden: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """LLaMA-shaped decoder ``layers`` in turn on ``hidden`` ``[b, s, h]`` (a block ``[b/(d·q), s, h/q]``),
     at positions ``0 .. s-1`` under the causal mask, as the serial model runs them without an
-    ``attention_mask`` (no padding, no cache)."""
+    ``attention_mask`` (no padding, no cache). ``positions`` ``[1, s/c]`` (context parallelism: the
+    attention kernel is ``context.attention``, which brings its own mask): the tokens' own."""
+    if positions is not None:
+        rotary = rotary_emb(hidden, position_ids=positions)
+        for layer in layers:
+            hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+        return hidden
     positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
     mask = causal_mask(config, hidden, positions)
     rotary = rotary_emb(hidden, position_ids=positions)
@@ -128,7 +149,7 @@ def llama_stages(lm: nn.Module, stages: int) -> list[LlamaStage]:
 
 
 def causal_lm_targets(
-    labels: torch.Tensor, mesh: Mesh | StageMesh, ignore_index: int = -100
+    labels: torch.Tensor, mesh: Mesh | StageMesh, ignore_index: int = -100, *, context: ContextParallel | None = None
 ) -> tuple[torch.Tensor, int]:
     """(this rank's block ``[b/(d·q), s]`` of the next-token targets, the number of targets of the whole batch).
 
@@ -139,10 +160,15 @@ def causal_lm_targets(
     the batch), of every copy: summed over ``pipe.dp_group`` in one all-gather of 6 words, after which
     the copies agree on the labels' dtype and shape (then collective over the copies: every copy's
     ranks call it at the same point; a disagreement is the same ``ValueError`` on each).
+    ``context``: the stages' ``ContextParallel``: the block is the sequence block ``[b/q, s/c]`` of the
+    shifted targets (``context.scatter_batch``), shifted in sequence order first.
     """
     mesh = mesh.mesh if isinstance(mesh, StageMesh) else mesh
     shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    block = scatter_batch(shifted.contiguous(), mesh)
+    if context is not None:
+        block = context_scatter_batch(shifted.contiguous(), mesh, context.split(labels.shape[1])[0])
+    else:
+        block = scatter_batch(shifted.contiguous(), mesh)
     count = int((shifted != ignore_index).sum())
     copies = copies_of(mesh)
     if copies[0] > 1:
