@@ -4,7 +4,8 @@ A Hugging Face LLaMA cut into 2 stages (``llama_stages``), each converted on a M
 axis splits the sequence (``pipeline_stage(..., context=context.ContextParallel(pipe.mesh))``): the
 ids and the targets enter as sequence blocks (``context.scatter_batch``, ``causal_lm_targets(...,
 context=)``), the stages pass sequence blocks ``[b/(n·q), s/c, h/q]``, each stage's attention gathers
-its keys over depth (or passes them round the ring). Under torch's 1F1B and GPipe schedules the loss,
+its keys over depth (or passes them round the ring), under a causal, an image–text or a
+packed-document mask. Under torch's 1F1B and GPipe schedules the loss,
 every gradient and one AdamW step equal the serial ``LlamaForCausalLM``'s (float64, ``nn.RMSNorm``
 for HF's float32 norm: 1e-10, the step 1e-6). 4 ranks: 2 stages × c 2; 8: × 2 data-parallel copies.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import as_serial, assert_chunks_match, assert_close, stage_pipe
+from helpers import as_serial, assert_chunks_match, assert_close, context_mask, stage_pipe
 from torch import nn
 
 import optimus2d
@@ -47,8 +48,11 @@ def _llama() -> nn.Module:
     return lm
 
 
-@pytest.mark.parametrize(("name", "attention"), [("1F1B", "all_gather"), ("GPipe", "ring")])
-def test_context_parallel_stages_match_serial(world, name, attention):
+@pytest.mark.parametrize(
+    ("name", "attention", "kind"),
+    [("1F1B", "all_gather", "causal"), ("GPipe", "ring", "image"), ("1F1B", "ring", "documents")],
+)
+def test_context_parallel_stages_match_serial(world, name, attention, kind):
     if world.size not in SHAPES:
         pytest.skip(f"runs on {sorted(SHAPES)} ranks")
     dp = SHAPES[world.size]
@@ -59,7 +63,9 @@ def test_context_parallel_stages_match_serial(world, name, attention):
     mine = ids[B // dp * pipe.dp_rank : B // dp * (pipe.dp_rank + 1)] if dp > 1 else ids
     b = mine.shape[0]
 
-    spec = context.ContextParallel(pipe.mesh, attention=attention)
+    mask = context_mask(kind, S)
+    balance = "head_tail" if kind == "causal" else "makespan"
+    spec = context.ContextParallel(pipe.mesh, mask=mask, balance=balance, block=2, attention=attention)
     chunk = optimus2d.parallelize(llama_stages(serial, 2)[pipe.stage], pipe.mesh)
     first, last = pipe.stage == 0, pipe.stage == 1
     stage = pipeline_stage(
@@ -78,7 +84,8 @@ def test_context_parallel_stages_match_serial(world, name, attention):
     state = as_serial(chunk, lambda p: p.data)
 
     opt = torch.optim.AdamW(serial.parameters(), lr=1e-2)
-    logits = serial(input_ids=ids, use_cache=False).logits
+    bias = torch.zeros(S, S, dtype=torch.float64).masked_fill(~mask, float("-inf"))[None, None].expand(B, 1, S, S)
+    logits = serial(input_ids=ids, use_cache=False, attention_mask=bias if kind != "causal" else None).logits
     loss_ref = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     loss_ref.backward()
     grads_ref = {k: p.grad.clone() for k, p in serial.named_parameters()}
