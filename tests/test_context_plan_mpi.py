@@ -81,6 +81,25 @@ def test_auto_takes_the_ring_when_the_gathered_keys_do_not_fit(mesh):
         assert {r.kind for r in counted.records if r.axis == "depth"} & {"all_gather", "ring"} == {kind}, memory
 
 
+def test_gpt2_learned_positions_follow_the_split(mesh):
+    """GPT-2 reads a learned position table at ``position_ids``: the tokens' own, wherever they sit."""
+    config = transformers.GPT2Config(
+        vocab_size=96, n_embd=16 * mesh.q, n_layer=2, n_head=2 * mesh.q, n_positions=64, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    serial = transformers.GPT2LMHeadModel(config).double()
+    plan = {"transformer": context.ContextParallel(mesh, attention="ring")}
+    model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=plan)
+    ids, labels = _batch(mesh, 4 * mesh.depth)
+    want = serial(input_ids=ids, labels=labels)
+    want.loss.backward()
+    got = model(input_ids=optimus2d.scatter_batch(ids, mesh), labels=optimus2d.scatter_batch(labels, mesh))
+    got.loss.backward()
+    assert_close(got.loss, want.loss, 1e-6, "loss")
+    compare_step(serial, model, mesh, tol=1e-5)
+
+
 def test_hidden_states_come_back_in_sequence_order(mesh):
     serial = _llama(mesh.q)
     model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": context.ContextParallel(mesh)})
