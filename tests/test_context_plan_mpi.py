@@ -81,6 +81,34 @@ def test_auto_takes_the_ring_when_the_gathered_keys_do_not_fit(mesh):
         assert {r.kind for r in counted.records if r.axis == "depth"} & {"all_gather", "ring"} == {kind}, memory
 
 
+_ALL_DEPTH = {}
+
+
+def test_the_split_module_on_a_mesh_of_its_own(mesh):
+    """The body on Mesh(1, p) (c = p), the embedding's caller and the head on the model's mesh:
+    ``redistribute`` moves the ids to the body's mesh, the all-to-all splits their sequence."""
+    if mesh.size == 1 or mesh.depth == mesh.size:
+        pytest.skip("needs a model mesh other than Mesh(1, p)")
+    if mesh.size not in _ALL_DEPTH:
+        _ALL_DEPTH[mesh.size] = optimus2d.Mesh(1, mesh.size)
+    cp = _ALL_DEPTH[mesh.size]
+    serial = _llama(mesh.q)  # the head on the model's mesh: sizes divide by its q
+    model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": context.ContextParallel(cp)})
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (mesh.size, 4 * cp.depth))  # the batch divides over both meshes
+    labels = ids.clone()
+    want = serial(input_ids=ids, labels=labels)
+    want.loss.backward()
+    got = model(input_ids=optimus2d.scatter_batch(ids, mesh), labels=optimus2d.scatter_batch(labels, mesh))
+    got.loss.backward()
+    assert_close(got.loss, want.loss, 1e-6, "loss")
+    for m in (serial, model):
+        torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-3).step()
+    state = optimus2d.serial_state_dict(model)  # blocks of both meshes
+    for key, value in serial.state_dict().items():
+        assert_close(state[key], value, 1e-5, key)
+
+
 def test_gpt2_learned_positions_follow_the_split(mesh):
     """GPT-2 reads a learned position table at ``position_ids``: the tokens' own, wherever they sit."""
     config = transformers.GPT2Config(
