@@ -189,10 +189,32 @@ def test_checks_benchmark_counts_the_agreement_exchanges_then_reports(tmp_path):
 
 
 def test_long_benchmark_reports_the_pairs_of_each_split(tmp_path):
-    out = _bench(tmp_path, 2, "--depth", "2", "long", "--seq", "512", "--cp", "2", "4", "--image", "48")
-    rows = json.loads((tmp_path / "long-p2-q1d2.json").read_text())["rows"]
+    out = _bench(tmp_path, 2, "--depth", "2", "long", "--seq", "512", "--cp", "2", "4", "--image", "48", "--skip-train")
+    result = json.loads((tmp_path / "long-p2-q1d2.json").read_text())
+    rows = result["rows"]
+    assert "train" not in result
     assert len(rows) == 3 * 2 * 3  # masks × sizes × splits
     causal = {(r["c"], r["method"]): r for r in rows if r["mask"] == "causal"}
     assert causal[(4, "head_tail")]["imbalance"] == 1.0 and causal[(4, "uniform")]["imbalance"] > 1.7
     assert all(sum(r["pairs"]) == sum(rows[0]["pairs"]) for r in rows if r["mask"] == "causal")
     assert "max / mean" in out
+
+
+def test_long_benchmark_trains_llama_in_three_layouts_and_finds_the_longest_sequence_under_the_cap(tmp_path):
+    tiny = ["--layers", "1", "--hidden", "32", "--heads", "4", "--vocab", "64", "--train-seq", "64", "--rounds", "1"]
+    search = ["--memory-cap-mb", "2", "--start-seq", "64", "--max-seq", "512", "--bisect", "1"]
+    _bench(tmp_path, 4, "long", "--seq", "256", "--cp", "2", "--image", "16", *tiny, *search)
+    train = json.loads((tmp_path / "long-p4-q2d1.json").read_text())["train"]
+    rows = {r["layout"]: r for r in train["rows"]}
+    assert list(rows) == ["2D (c = 1)", "CP alone", "DTensor 1D + SP"] and train["divisor"] == 8  # 2c, c = 4
+    assert rows["CP alone"]["mesh"] == "Mesh(1, depth=4)" and rows["2D (c = 1)"]["mesh"] == "Mesh(2, depth=1)"
+    cap = 2 * 2**20
+    for r in rows.values():  # the same losses (checked in the run), a time, a longest sequence under the cap
+        assert r["step_ms"] > 0 and r["longest_seq"] % 8 == 0 and r["longest_seq"] >= 64
+        peaks = {int(s): b for s, b in r["peak_bytes"].items()}  # every longer sequence tried went over
+        assert peaks[r["longest_seq"]] <= cap and all(b > cap for s, b in peaks.items() if s > r["longest_seq"])
+    assert rows["DTensor 1D + SP"]["comm_bytes"] is None and rows["DTensor 1D + SP"]["step_vs_dtensor"] == 1.0
+    s, h, b = 64, 32, 4  # CP alone: ids (int64) and the hidden state in, its gradient back; K, V over c = 4
+    cp = rows["CP alone"]["comm_bytes"]
+    assert cp["all_to_all"] == 8 * s * b // 4 + 2 * 4 * s * h * b // 4
+    assert cp["all_gather"] == cp["reduce_scatter"] == 2 * 4 * b * s * h  # one layer, the whole batch per rank
