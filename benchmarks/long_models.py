@@ -6,7 +6,9 @@ from a small random ``LlamaConfig``, fp32, causal) and the same global batch (p 
   divides p; c = 1 is 2D alone), the model through ``optimus2d.parallelize(model, mesh,
   plan={"model": context.ContextParallel(mesh)})``, ids and labels through ``optimus2d.scatter_batch``,
   the loss from ``labels=``;
-* "CP alone": the same on ``Mesh(1, depth=p)``;
+* "CP alone": the same on ``Mesh(1, depth=p)`` (attention "auto": the all-gather of K/V, as the cost
+  model picks with no memory bound), and "CP alone, ring" (K/V passed round the depth ring; ``--no-ring``
+  leaves it out);
 * "DTensor 1D + SP": torch's tensor parallelism on a 1D ``DeviceMesh`` of the p ranks, torchtitan's
   LLaMA plan on transformers' modules (``parallelize_module``): the embedding row-parallel into
   sequence shards; per layer the norms ``SequenceParallel``, q/k/v and gate/up column-parallel
@@ -38,6 +40,7 @@ from optimus2d import context
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("training (a LLaMA decoder, three layouts)")
     group.add_argument("--skip-train", action="store_true", help="the balance table only")
+    group.add_argument("--no-ring", action="store_true", help="leave out CP alone with ring attention")
     group.add_argument("--layers", type=int, default=2)
     group.add_argument("--hidden", type=int, default=128)
     group.add_argument("--heads", type=int, default=8)
@@ -95,8 +98,8 @@ def _llama(args: argparse.Namespace):
     return transformers.LlamaForCausalLM(config)
 
 
-def _optimus(name: str, serial: nn.Module, mesh: optimus2d.Mesh) -> Layout:
-    spec = context.ContextParallel(mesh)
+def _optimus(name: str, serial: nn.Module, mesh: optimus2d.Mesh, attention: str = "auto") -> Layout:
+    spec = context.ContextParallel(mesh, attention=attention)
     model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": spec})
     held: dict[str, torch.Tensor] = {}
 
@@ -194,7 +197,10 @@ def layouts(args: argparse.Namespace, p: int, device: torch.device) -> list[Layo
     if q is not None and q > 1:
         c = p // (q * q)
         found.append(_optimus("2D + CP" if c > 1 else "2D (c = 1)", serial, optimus2d.Mesh(q, depth=c)))
-    found.append(_optimus("CP alone", serial, optimus2d.Mesh(1, depth=p)))
+    alone = optimus2d.Mesh(1, depth=p)
+    found.append(_optimus("CP alone", serial, alone))  # "auto" with no memory given: the all-gather
+    if not args.no_ring:  # K/V passed round the ring: more bytes, a block at a time in memory
+        found.append(_optimus("CP alone, ring", serial, alone, attention="ring"))
     found.append(_dtensor(serial, p, device))
     for layout in found:
         layout.optimizer = torch.optim.AdamW(layout.model.parameters(), lr=1e-4)

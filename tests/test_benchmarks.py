@@ -206,7 +206,7 @@ def test_long_benchmark_trains_llama_in_three_layouts_and_finds_the_longest_sequ
     _bench(tmp_path, 4, "long", "--seq", "256", "--cp", "2", "--image", "16", *tiny, *search)
     train = json.loads((tmp_path / "long-p4-q2d1.json").read_text())["train"]
     rows = {r["layout"]: r for r in train["rows"]}
-    assert list(rows) == ["2D (c = 1)", "CP alone", "DTensor 1D + SP"] and train["divisor"] == 8  # 2c, c = 4
+    assert list(rows) == ["2D (c = 1)", "CP alone", "CP alone, ring", "DTensor 1D + SP"] and train["divisor"] == 8
     assert rows["CP alone"]["mesh"] == "Mesh(1, depth=4)" and rows["2D (c = 1)"]["mesh"] == "Mesh(2, depth=1)"
     cap = 2 * 2**20
     for r in rows.values():  # the same losses (checked in the run), a time, a longest sequence under the cap
@@ -218,3 +218,5 @@ def test_long_benchmark_trains_llama_in_three_layouts_and_finds_the_longest_sequ
     cp = rows["CP alone"]["comm_bytes"]
     assert cp["all_to_all"] == 8 * s * b // 4 + 2 * 4 * s * h * b // 4
     assert cp["all_gather"] == cp["reduce_scatter"] == 2 * 4 * b * s * h  # one layer, the whole batch per rank
+    ring = rows["CP alone, ring"]["comm_bytes"]  # (6c - 4) K or V blocks of b·(s/c)·h, fp32: sent, not gathered
+    assert ring["ring"] == (6 * 4 - 4) * 4 * b * (s // 4) * h and "all_gather" not in ring

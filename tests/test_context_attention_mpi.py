@@ -77,6 +77,28 @@ def test_the_bytes_are_the_formula(mesh):
     assert sent * c == counted.numel * (c - 1)  # each rank sends (c - 1)/c of what is gathered and scattered
 
 
+@pytest.mark.parametrize("attention", ["all_gather", "ring"])
+def test_a_query_that_sees_no_key_gets_what_torch_gives(mesh, attention):
+    """Rows of the mask with no True (a padding query): torch's CPU attention gives 0 and no gradient."""
+    c, heads, d_h = mesh.depth, 2 * mesh.q, 4
+    b, s = 2 * mesh.q, 2 * c * 4
+    mask = context.causal_mask(s)
+    mask[[0, s // 2, s - 1]] = False
+    a = context.assign(context.causal_mask(s), c, "head_tail")
+    torch.manual_seed(0)
+    full = [torch.randn(b, s, heads * d_h, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    want = _serial(*full, mask, heads)
+    want.sum().backward()
+    grads = [t.grad.clone() for t in full]
+    for t in full:
+        t.grad = None
+    got = _parallel(*full, mesh, a, mask, heads, attention)
+    got.sum().backward()
+    assert_close(got, want, 1e-10, "output")
+    for name, t, g in zip("qkv", full, grads, strict=True):
+        assert_close(t.grad, g, 1e-10, f"d{name}")
+
+
 def test_the_rings_bytes_are_the_formula(mesh):
     c, heads, d_h, b, s = mesh.depth, 2 * mesh.q, 4, 2 * mesh.q, 2 * mesh.depth * 8
     mask = context.causal_mask(s)

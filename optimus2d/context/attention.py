@@ -78,6 +78,7 @@ def attention(
     scale: float | None = None,
     check: bool | None = None,
     method: str = "all_gather",
+    cache: dict | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries ``[b/q, heads/q, s/c, d_h]`` against the whole sequence's
     keys and values (gathered over depth), under ``mask`` (``[s, s]`` bool, True: attends; in
@@ -110,8 +111,25 @@ def attention(
         return ring_attention(q, k, v, mesh, blocks, scale)
     keys = all_gather(k.contiguous(), mesh, "depth", 2)
     values = all_gather(v.contiguous(), mesh, "depth", 2)
-    rows = mask.to(q.device)[mine][:, assignment.permutation().to(q.device)]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=rows, scale=scale)
+    if mesh.depth == 1 and _causal_in_order(mask, assignment):
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
+    key = (id(mask), mesh.index("depth"), q.dtype, q.device)
+    bias = cache.get(key) if cache is not None else None
+    if bias is None:
+        rows = mask.to(q.device)[mine][:, assignment.permutation().to(q.device)]
+        bias = torch.zeros(rows.shape, dtype=q.dtype, device=q.device).masked_fill_(~rows, float("-inf"))
+        if cache is not None:
+            cache[key] = bias
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale)
+
+
+def _causal_in_order(mask: torch.Tensor, assignment: Assignment) -> bool:
+    """``mask`` is the causal mask and the assignment keeps the sequence order (known once per mask)."""
+    known = mask.__dict__.get("_optimus2d_causal")
+    if known is None:
+        known = mask.__dict__["_optimus2d_causal"] = bool(torch.equal(mask, torch.ones_like(mask).tril()))
+    s = mask.shape[0]
+    return known and torch.equal(assignment.permutation(), torch.arange(s))
 
 
 def _agree_once(mesh: Mesh, assignment: Assignment, mask: torch.Tensor, check: bool | None) -> None:

@@ -60,7 +60,7 @@ def sequence_parallel(
     if not configs:
         raise TypeError(f"sequence_parallel: {type(model).__name__} has no transformers config to route its attention")
     saved = {key: config._attn_implementation for key, config in configs.items()}
-    state = (mesh, assignment, mask, attention, memory)
+    state = (mesh, assignment, mask, attention, memory, {})  # the dict: the mask rows, made once a call
     for module in model.modules():
         module._optimus2d_context = state
     try:
@@ -98,7 +98,7 @@ def _kernel(
         raise ValueError(
             f"sequence_parallel: {type(module).__name__} uses softcapping or a sliding window, not supported"
         )
-    mesh, assignment, mask, method, memory = state
+    mesh, assignment, mask, method, memory, cache = state
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads in a row
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -107,5 +107,5 @@ def _kernel(
         method = context_attention_method(
             b, heads, n, d_h, mesh.depth, memory=memory, bytes_per_element=query.element_size()
         )
-    out = attention(query, key, value, mesh, assignment, mask, scale=scaling, method=method)
+    out = attention(query, key, value, mesh, assignment, mask, scale=scaling, method=method, cache=cache)
     return out.transpose(1, 2).contiguous(), None
