@@ -238,3 +238,23 @@ def test_pure_data_parallel_replicas_checkpoint_once(world):
     assert sorted(n for n in os.listdir(path) if n.endswith(".distcp")) == ["__0_0.distcp"]
     saved = checkpoint.read(path)["model"]
     assert all(torch.equal(saved[k], v) for k, v in serial_state_dict(model).items())
+
+
+def test_a_device_mesh_is_taken_wherever_a_mesh_is(world):
+    """``parallelize``, its ``plan=``, a layer's ``mesh=``, ``scatter``/``gather`` and ``ContextParallel``
+    take torch's DeviceMesh (dims "depth", "row", "col"): the same Mesh each time, results as on it."""
+    depth, q = SHAPES[world.size][0]
+    dm = init_device_mesh("cpu", (depth, q, q), mesh_dim_names=DIMS)
+    mesh = optimus2d.comm.mesh.as_mesh(dm)
+    assert optimus2d.comm.mesh.as_mesh(init_device_mesh("cpu", (depth, q, q), mesh_dim_names=DIMS)) is mesh
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(4 * q, 8 * q), nn.GELU(), nn.Linear(8 * q, 4 * q))
+    model = parallelize(copy.deepcopy(serial), dm, plan={"2": dm})
+    assert model[0].mesh is mesh and model[2].mesh is mesh
+    x = torch.randn(2 * depth * q, 3, 4 * q)
+    assert_close(gather(model(scatter(x, dm)), dm), serial(x), 1e-6, "output")
+    layer = optimus2d.layers.Linear2D(4 * q, 4 * q, mesh=dm)
+    assert layer.mesh is mesh
+    assert optimus2d.context.ContextParallel(dm).mesh is mesh
+    with pytest.raises(TypeError, match=r"parallelize's mesh must be an optimus2d.Mesh or a torch DeviceMesh"):
+        parallelize(nn.Linear(2, 2), "mesh")

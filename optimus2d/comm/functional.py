@@ -13,7 +13,7 @@ from torch.autograd import Function
 from optimus2d.comm import primitives as P
 from optimus2d.comm.agreement import agree_distinct, check_replicated, describe
 from optimus2d.comm.calls import layout, other_mesh, tag
-from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.mesh import Mesh, as_mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
 
 
@@ -113,6 +113,7 @@ def scatter(x: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> torch.
     its whole gradient on every rank. ``check``: verify that ``x`` is the same on every rank (one
     5-word all-gather of its shape and checksum; default: unless the mesh's check is "off").
     """
+    mesh = as_mesh(mesh, "scatter's mesh")  # a torch DeviceMesh: its Mesh
     check_replicated(mesh, "scatter", x, lambda: _check_activation("scatter", x, mesh), check)
     out = _Split.apply(x, mesh, activation_sharding(x.shape))
     if mesh.size > 1:  # a later gather(x) or scatter(out) is refused: x is not a block, out is one
@@ -135,6 +136,7 @@ def gather(x_local: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> t
     full tensor, which gather would tile. Blocks that really are the same on every rank pass with
     ``check=False``, which skips every check.
     """
+    mesh = as_mesh(mesh, "gather's mesh")  # a torch DeviceMesh: its Mesh
     error, tagged = _gather_refusal(x_local, mesh), False
     if error is None:
         tagged = getattr(x_local, "_optimus2d_layout", None) == layout(mesh)
@@ -197,6 +199,7 @@ def scatter_batch(t: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> 
     forward: local slice; backward: all-gather (only float tensors have gradients). ``check``: as
     in ``scatter``.
     """
+    mesh = as_mesh(mesh, "scatter_batch's mesh")  # a torch DeviceMesh: its Mesh
     check_replicated(mesh, "scatter_batch", t, lambda: _check_batch(t, mesh), check)
     out = _Split.apply(t, mesh, batch_sharding(t.shape))
     tag(out, mesh, agreed=check is not False and mesh.check != "off")

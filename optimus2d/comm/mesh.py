@@ -353,3 +353,23 @@ def _axis(axis: str) -> str:
 def _fitting_shapes(p: int) -> str:
     shapes = [f"Mesh(q={q}, depth={p // (q * q)})" for q in range(1, math.isqrt(p) + 1) if p % (q * q) == 0]
     return f"{p} ranks fit " + ", ".join(shapes)
+
+
+_OF_DEVICE_MESH: dict = {}  # DeviceMesh → its Mesh: equal DeviceMeshes (a slice taken twice) share one
+
+
+def as_mesh(mesh: Mesh | DeviceMesh, what: str = "mesh") -> Mesh:
+    """``mesh`` itself, or the ``Mesh`` of a torch ``DeviceMesh`` with dims "depth", "row" and "col"
+    (any others data-parallel replicas: ``Mesh.from_device_mesh``), built the first time it is
+    given and the same object after (collective then, as ``Mesh`` is: every rank passes it at the
+    same point). ``TypeError`` naming ``what`` for anything else."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    if isinstance(mesh, DeviceMesh):
+        if mesh not in _OF_DEVICE_MESH:
+            _OF_DEVICE_MESH[mesh] = Mesh.from_device_mesh(mesh)
+        return _OF_DEVICE_MESH[mesh]
+    raise TypeError(
+        f"{what} must be an optimus2d.Mesh or a torch DeviceMesh with dims named ('depth', 'row', 'col') "
+        f"(init_device_mesh(device, (d, q, q), mesh_dim_names=('depth', 'row', 'col'))), got {type(mesh).__name__}"
+    )

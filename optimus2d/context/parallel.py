@@ -35,6 +35,7 @@ from torch import nn
 
 from optimus2d.comm import Mesh
 from optimus2d.comm.agreement import agree
+from optimus2d.comm.mesh import as_mesh
 from optimus2d.comm.sequence import batch_to_sequence, sequence_to_batch
 from optimus2d.context.attention import ATTENTION_METHODS
 from optimus2d.context.balance import METHODS, Assignment, assign, causal_mask
@@ -62,8 +63,7 @@ class ContextParallel:
         attention: str = "auto",
         memory: float | None = None,
     ):
-        if not isinstance(mesh, Mesh):
-            raise TypeError(f"ContextParallel: mesh must be an optimus2d.Mesh, got {type(mesh).__name__}")
+        mesh = as_mesh(mesh, "ContextParallel's mesh")  # a torch DeviceMesh: its Mesh
         if not (mask == "causal" if isinstance(mask, str) else isinstance(mask, torch.Tensor) or callable(mask)):
             raise ValueError(
                 f"ContextParallel: mask must be 'causal', a [s, s] bool tensor or a function of s, got {mask!r}"

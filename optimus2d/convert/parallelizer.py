@@ -13,10 +13,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from optimus2d.comm.agreement import check_same_tensors
 from optimus2d.comm.calls import layout
-from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.mesh import Mesh, as_mesh
 from optimus2d.context.parallel import ContextParallel
 from optimus2d.convert import blockwise, forward_reader, layouts
 from optimus2d.convert.meta_init import has_meta, record_init
@@ -184,12 +185,18 @@ def parallelize(
     differ are named in a ``ValueError`` on every rank (``check=False``, or a mesh built with
     ``check="off"``, skips this one all-gather).
 
+    ``mesh`` (and a plan's meshes) may be torch's ``DeviceMesh`` with dims named "depth", "row" and
+    "col" (``Mesh.from_device_mesh``; any other dims are data-parallel replicas).
+
     ``plan``: module path (exact, or a glob) → a ``Mesh`` over the same ranks, on which that module
     and everything inside it is converted and runs; tensors crossing its boundary move between the
     meshes' layouts by ``redistribute`` (``optimus2d/layouts.py``). A key naming no module is refused.
     A ``context.ContextParallel(mesh, ...)`` value converts the module on its mesh and runs it with
     its sequence split over the mesh's depth axis (context parallelism; ``context/parallel.py``).
     """
+    mesh = as_mesh(mesh, "parallelize's mesh")  # a torch DeviceMesh: its Mesh (collective, every rank alike)
+    if isinstance(plan, Mapping):
+        plan = {key: as_mesh(value) if isinstance(value, DeviceMesh) else value for key, value in plan.items()}
     # Checked on this rank (no communication), then agreed with every rank before anything is sent:
     # the plan (its keys and meshes) and any refusal, so a plan or a model that differs on one rank
     # is one error on every rank, not a rank left waiting for the others (layouts.agree_plan)

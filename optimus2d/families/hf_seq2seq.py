@@ -103,6 +103,7 @@ class HeadTable2D(ShardedModule):
 
     def __init__(self, embedding: nn.Embedding, mesh: Mesh) -> None:
         super().__init__(mesh)
+        mesh = self.mesh  # a DeviceMesh given: its Mesh
         self.padding_idx = embedding.padding_idx
         self.declare("weight", Sharding(((), ("row",)), tuple(embedding.weight.shape)), device="meta")
         fill_from_serial(self, embedding)

@@ -80,6 +80,7 @@ class PatchConv2D(ShardedModule):
 
     def __init__(self, conv: nn.Conv2d, mesh: Mesh) -> None:
         super().__init__(mesh)
+        mesh = self.mesh  # a DeviceMesh given: its Mesh
         if conv.groups != 1 or conv.padding_mode != "zeros":
             raise ValueError(
                 f"PatchConv2D: only groups=1 and padding_mode='zeros' are supported, got groups={conv.groups}, "
@@ -131,6 +132,7 @@ class PositionEmbedding2D(ShardedModule):
 
     def __init__(self, embedding: nn.Embedding, mesh: Mesh) -> None:
         super().__init__(mesh)
+        mesh = self.mesh  # a DeviceMesh given: its Mesh
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
             raise ValueError("PositionEmbedding2D: max_norm, scale_grad_by_freq and sparse are not supported")
         if embedding.embedding_dim % mesh.q:

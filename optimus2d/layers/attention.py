@@ -47,6 +47,7 @@ class MultiheadAttention2D(ShardedModule):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(mesh)
+        mesh = self.mesh  # a DeviceMesh given: its Mesh
         q = mesh.q
         num_kv_heads = num_kv_heads or num_heads
         if embed_dim % num_heads:

@@ -9,9 +9,10 @@ import weakref
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from optimus2d.comm.calls import check_call, mark_agreed, refusal, tag
-from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.mesh import Mesh, as_mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
 from optimus2d.comm.watch import PeerFailedError
 
@@ -33,9 +34,9 @@ class ShardedModule(nn.Module):
     mesh: Mesh
     shardings: dict[str, Sharding]
 
-    def __init__(self, mesh: Mesh) -> None:
+    def __init__(self, mesh: Mesh | DeviceMesh) -> None:
         super().__init__()
-        self.mesh, self.shardings = mesh, {}
+        self.mesh, self.shardings = as_mesh(mesh, f"{type(self).__name__}(mesh=)"), {}
 
     def declare(self, name: str, sharding: Sharding, param: nn.Parameter | None = None, **device_dtype) -> nn.Parameter:
         """Register the parameter ``name``: this rank's block of a serial tensor laid out as

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.mesh import Mesh, as_mesh
 from optimus2d.comm.rng import shard_rng
 
 
@@ -17,7 +17,7 @@ class Dropout2D(nn.Module):
         super().__init__()
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
-        self.p, self.mesh = p, mesh
+        self.p, self.mesh = p, as_mesh(mesh, "Dropout2D(mesh=)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:

@@ -37,6 +37,7 @@ class Embedding2D(ShardedModule):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(mesh)
+        mesh = self.mesh  # a DeviceMesh given: its Mesh
         if embedding_dim % mesh.q:
             raise ValueError(f"Embedding2D: embedding_dim={embedding_dim} is not divisible by q={mesh.q} ({mesh})")
         if padding_idx is not None:

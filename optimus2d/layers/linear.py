@@ -51,6 +51,7 @@ class Linear2D(ShardedModule):
         algorithm: str = "auto",
     ) -> None:
         super().__init__(mesh)
+        mesh = self.mesh  # a DeviceMesh given: its Mesh
         if algorithm not in ALGORITHMS:
             raise ValueError(f"Linear2D: algorithm {algorithm!r} is not one of {ALGORITHMS}")
         self.algorithm = algorithm
@@ -148,6 +149,7 @@ class TransposedLinear2D(ShardedModule):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(mesh)
+        mesh = self.mesh  # a DeviceMesh given: its Mesh
         if parts is not None and sum(parts) != out_features:
             raise ValueError(f"TransposedLinear2D: parts {parts} do not add up to out_features={out_features}")
         for name, n in (("in_features", in_features), *(("a part", p) for p in parts or (out_features,))):

@@ -75,6 +75,7 @@ class _Norm2D(Function):
 class _Norm2DBase(ShardedModule):
     def __init__(self, normalized_shape, eps, elementwise_affine, bias, *, mesh, device, dtype) -> None:
         super().__init__(mesh)
+        mesh = self.mesh  # a DeviceMesh given: its Mesh
         shape = (normalized_shape,) if isinstance(normalized_shape, numbers.Integral) else tuple(normalized_shape)
         name = type(self).__name__
         if len(shape) != 1:
