@@ -239,3 +239,77 @@ def test_refusals_on_every_rank(world_mesh):
     )
     with pytest.raises(TypeError, match="ContextParallel"):
         optimus2d.parallelize(_llama(mesh.q), mesh, plan={"model": "context"})
+
+
+def test_a_deep_copy_runs_its_own_weights(mesh):
+    """An EMA twin (``copy.deepcopy``) of a converted model runs its own body, split as the original's."""
+    serial = _llama(mesh.q)
+    model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": context.ContextParallel(mesh)})
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.model.parameters():
+            p.mul_(0.5)
+        for p in serial.model.parameters():
+            p.mul_(0.5)
+    ids, _ = _batch(mesh, 2 * mesh.depth * 4)
+    got = twin(input_ids=optimus2d.scatter_batch(ids, mesh)).logits
+    assert_close(optimus2d.gather(got.detach(), mesh), serial(input_ids=ids).logits, 1e-6, "the twin's logits")
+
+
+def test_each_samples_own_position_ids_follow_it(mesh):
+    """position_ids ``[b, s]`` per sample (here each shifted by its index), one sample a rank or more."""
+    serial = _llama(mesh.q)
+    model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": context.ContextParallel(mesh)})
+    s = 2 * mesh.depth * 4
+    for b in (mesh.q * mesh.depth, 2 * mesh.q * mesh.depth):  # a rank's batch block of 1, then of 2
+        torch.manual_seed(b)
+        ids = torch.randint(0, 96, (b, s))
+        positions = torch.arange(s)[None] + 5 * torch.arange(b)[:, None]
+        want = serial(input_ids=ids, position_ids=positions).logits
+        local = {k: optimus2d.scatter_batch(v, mesh) for k, v in (("input_ids", ids), ("position_ids", positions))}
+        assert_close(optimus2d.gather(model(**local).logits.detach(), mesh), want, 1e-6, f"logits, b = {b}")
+
+
+def test_an_encoder_attends_both_ways_or_is_refused(mesh):
+    """BERT (``is_causal=False``) under the default causal mask: refused on every rank; under the
+    all-true mask it equals serial."""
+    config = transformers.BertConfig(
+        vocab_size=96, hidden_size=16 * mesh.q, intermediate_size=32 * mesh.q, num_hidden_layers=2,
+        num_attention_heads=2 * mesh.q, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    serial = transformers.BertForMaskedLM(config).double()
+    s = 2 * mesh.depth * 4
+    ids, _ = _batch(mesh, s)
+    refused = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"bert": context.ContextParallel(mesh)})
+    with pytest.raises(ValueError, match=r"BertSelfAttention attends both ways \(is_causal=False\)"):
+        refused(input_ids=optimus2d.scatter_batch(ids, mesh))
+    spec = context.ContextParallel(mesh, mask=torch.ones(s, s, dtype=torch.bool), balance="uniform")
+    model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"bert": spec})
+    got = model(input_ids=optimus2d.scatter_batch(ids, mesh)).logits
+    assert_close(optimus2d.gather(got.detach(), mesh)[..., :96], serial(input_ids=ids).logits, 1e-6, "logits")
+
+
+def test_more_refusals_on_every_rank(world_mesh):
+    mesh = optimus2d.Mesh(1, world_mesh.size)
+    model = optimus2d.parallelize(_llama(1), mesh, plan={"model": context.ContextParallel(mesh)})
+    ids, _ = _batch(mesh, 2 * mesh.depth * 4)
+    model.gradient_checkpointing_enable()
+    raises_fast(
+        ValueError, "gradient checkpointing recomputes", lambda: model(input_ids=optimus2d.scatter_batch(ids, mesh))
+    )
+    model.gradient_checkpointing_disable()
+    raises_fast(
+        ValueError,
+        r"\['token_type_ids'\] would stay in the batch layout",
+        lambda: model.model(
+            input_ids=optimus2d.scatter_batch(ids, mesh), token_type_ids=optimus2d.scatter_batch(ids, mesh)
+        ),
+    )
+    # a memory bound that differs on one rank would pick another attention there: refused at parallelize
+    memory = 1.0 if optimus2d.comm.mesh.as_mesh(mesh).coord[0] == 0 else None
+    raises_fast(
+        ValueError,
+        "parallelize",
+        lambda: optimus2d.parallelize(_llama(1), mesh, plan={"model": context.ContextParallel(mesh, memory=memory)}),
+    )

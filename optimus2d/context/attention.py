@@ -113,7 +113,7 @@ def attention(
     values = all_gather(v.contiguous(), mesh, "depth", 2)
     if mesh.depth == 1 and _causal_in_order(mask, assignment):
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
-    key = (id(mask), mesh.index("depth"), q.dtype, q.device)
+    key = (id(mask), id(assignment), mesh.index("depth"), q.dtype, q.device)
     bias = cache.get(key) if cache is not None else None
     if bias is None:
         rows = mask.to(q.device)[mine][:, assignment.permutation().to(q.device)]
@@ -125,9 +125,10 @@ def attention(
 
 def _causal_in_order(mask: torch.Tensor, assignment: Assignment) -> bool:
     """``mask`` is the causal mask and the assignment keeps the sequence order (known once per mask)."""
-    known = mask.__dict__.get("_optimus2d_causal")
-    if known is None:
-        known = mask.__dict__["_optimus2d_causal"] = bool(torch.equal(mask, torch.ones_like(mask).tril()))
+    version, known = mask.__dict__.get("_optimus2d_causal", (None, None))
+    if version != mask._version:  # first seen, or changed in place since
+        known = bool(torch.equal(mask, torch.ones_like(mask).tril()))
+        mask.__dict__["_optimus2d_causal"] = (mask._version, known)
     s = mask.shape[0]
     return known and torch.equal(assignment.permutation(), torch.arange(s))
 
@@ -139,7 +140,7 @@ def _agree_once(mesh: Mesh, assignment: Assignment, mask: torch.Tensor, check: b
     if check is False or (check is None and mesh.check == "off") or mesh.size == 1 or torch.compiler.is_compiling():
         return
     seen = mask.__dict__.setdefault("_optimus2d_agreed_with", set())  # {(mesh uid, the permutation's bytes)}
-    key = (mesh.uid, assignment.permutation().numpy().tobytes())
+    key = (mesh.uid, mask._version, assignment.permutation().numpy().tobytes())  # a mask changed in place: again
     if key in seen:
         return
     flat = mask.reshape(-1)

@@ -99,6 +99,12 @@ def _kernel(
             f"sequence_parallel: {type(module).__name__} uses softcapping or a sliding window, not supported"
         )
     mesh, assignment, mask, method, memory, cache = state
+    if getattr(module, "is_causal", None) is False and _causal_only(mask, cache):
+        raise ValueError(
+            f"sequence_parallel: {type(module).__name__} attends both ways (is_causal=False), but the mask given "
+            f"lets no query see a later key: give the model's own mask (ContextParallel(mask=torch.ones(s, s, "
+            f"dtype=torch.bool)), or a document mask, for an encoder)"
+        )
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads in a row
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -109,3 +115,11 @@ def _kernel(
         )
     out = attention(query, key, value, mesh, assignment, mask, scale=scaling, method=method, cache=cache)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _causal_only(mask: torch.Tensor, cache: dict) -> bool:
+    """No query sees a later key, and some query misses a key: a causal mask (once a call)."""
+    key = ("causal only", id(mask))
+    if key not in cache:
+        cache[key] = not bool(mask.triu(1).any()) and not bool(mask.all())
+    return cache[key]

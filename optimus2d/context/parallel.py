@@ -80,7 +80,8 @@ class ContextParallel:
         mask = self.mask if isinstance(self.mask, str) else type(self.mask).__name__
         return (
             f"ContextParallel(Mesh(q={self.mesh.q}, depth={self.mesh.depth}, ranks={list(self.mesh.ranks)}), "
-            f"mask={mask}, balance={self.balance}, attention={self.attention})"
+            f"mask={mask}, balance={self.balance}, block={self.block}, attention={self.attention}, "
+            f"memory={self.memory})"
         )
 
     def split(self, s: int) -> tuple[Assignment, torch.Tensor]:
@@ -102,13 +103,14 @@ class ContextParallel:
         """Run ``module``'s forward in the sequence layout (called by ``parallelize`` once it is converted)."""
         if "_optimus2d_context_parallel" in module.__dict__:
             return
-        original = module.forward
-        names = inspect.signature(original).parameters
+        func = module.forward.__func__  # the class's forward: a deep copy of the module calls its own
+        names = list(inspect.signature(module.forward).parameters)
 
         def forward(self_, *args, **kwargs):
             if args:  # bind positional arguments to their names: the hook reads them by name
                 kwargs.update(zip(names, args, strict=False))
-            return _run(self, path, self_, original, kwargs)
+            spec = self_.__dict__["_optimus2d_context_parallel"]  # the copy's own, read at the call
+            return _run(spec, path, self_, types.MethodType(func, self_), kwargs)
 
         module.forward = types.MethodType(forward, module)
         module.__dict__["_optimus2d_context_parallel"] = self
@@ -127,6 +129,29 @@ def _run(spec: ContextParallel, path: str, module: nn.Module, original, kwargs: 
             raise ValueError(f"{where}: a cache (past_key_values) is not supported: it holds the whole sequence's keys")
         if kwargs.get("output_attentions"):
             raise ValueError(f"{where}: per-head attentions cannot be returned; do not ask for them")
+        unknown = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _INPUTS]
+        if unknown:
+            raise ValueError(
+                f"{where}: {unknown} would stay in the batch layout while the sequence is split; give only "
+                f"{list(_INPUTS)}"
+            )
+        given = kwargs.get("position_ids")
+        if given is not None and (
+            given.dim() != 2 or given.shape[0] not in (1, x.shape[0]) or given.shape[1] != x.shape[1]
+        ):
+            raise ValueError(
+                f"{where}: position_ids {list(given.shape)} must be [1, s] or this rank's block [b, s] of the "
+                f"ids {list(x.shape[:2])}"
+            )
+        if (
+            module.training
+            and torch.is_grad_enabled()
+            and any(getattr(m, "gradient_checkpointing", False) for m in module.modules())
+        ):
+            raise ValueError(
+                f"{where}: gradient checkpointing recomputes the layers in backward, outside the sequence split "
+                f"(their attention would see this rank's tokens alone): turn it off (gradient_checkpointing_disable())"
+            )
         split = spec.split(x.shape[1])
         padding = kwargs.get("attention_mask")
         if padding is not None and not bool(padding.all()):
@@ -147,29 +172,40 @@ def _run(spec: ContextParallel, path: str, module: nn.Module, original, kwargs: 
     key = "inputs_embeds" if kwargs.get("inputs_embeds") is not None else "input_ids"
     kwargs[key] = batch_to_sequence(x, mesh, order)
     given = kwargs.get("position_ids")
-    if given is not None and given.shape[0] > 1:
+    if given is not None and given.shape[0] == x.shape[0]:  # this rank's samples' own: laid out alike
         kwargs["position_ids"] = batch_to_sequence(given, mesh, order)
-    else:
+    else:  # none (the tokens' own) or one row for every sample
         mine = assignment.positions[mesh.index("depth")].to(x.device)
         kwargs["position_ids"] = (given[:, mine] if given is not None else mine).reshape(1, -1)
     kwargs["attention_mask"] = None
     kwargs["use_cache"] = False
+    if "cache_position" in kwargs:  # the whole sequence's numbering: the model numbers its own slice (no cache)
+        kwargs["cache_position"] = None
     with sequence_parallel(module, mesh, assignment, mask, attention=spec.attention, memory=spec.memory):
         out = original(**kwargs)
     return _back(out, mesh, order)
 
 
+_HIDDEN = ("last_hidden_state", "hidden_states")
+_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "cache_position")
+
+
 def _back(out, mesh: Mesh, order: torch.Tensor):
-    """The module's outputs in the activation layout again (hidden states; anything else refused)."""
+    """The module's hidden states in the activation layout again; any other output is refused
+    (its layout is not known: a router's logits, a cache)."""
     if isinstance(out, torch.Tensor):
         return sequence_to_batch(out, mesh, order)
-    if isinstance(out, tuple) and not hasattr(out, "keys"):
-        return type(out)(_back(o, mesh, order) if o is not None else None for o in out)
-    for key in list(out.keys()):
-        value = out[key]
-        if key == "past_key_values":
-            out[key] = None
-        elif isinstance(value, torch.Tensor):
+    if not hasattr(out, "keys"):
+        raise ValueError(f"ContextParallel: the module returned a {type(out).__name__}; a model output is expected")
+    others = [key for key in out.keys() if key not in _HIDDEN and out[key] is not None]
+    if others:
+        raise ValueError(
+            f"ContextParallel: the module returned {others}, whose layout on the sequence split is not known; "
+            f"only last_hidden_state and hidden_states come back"
+        )
+    for key in _HIDDEN:
+        value = out.get(key)
+        if isinstance(value, torch.Tensor):
             out[key] = sequence_to_batch(value, mesh, order)
         elif isinstance(value, (tuple, list)):
             out[key] = type(value)(sequence_to_batch(t, mesh, order) for t in value)

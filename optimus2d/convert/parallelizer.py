@@ -9,9 +9,11 @@ serial. Like torch's ``parallelize_module``, the conversion happens in place.
 from __future__ import annotations
 
 import contextvars
+import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -206,6 +208,8 @@ def parallelize(
         walk.contexts = layouts.context_plan(plan)
         walk.check(module, "")
         walk.raise_refused()
+        if _current.get() is None:
+            _rehearse(module, mesh, walk)
     except (TypeError, ValueError) as err:
         error = err
     if _current.get() is None:  # a converter's own parallelize() of a part: the whole was agreed
@@ -231,6 +235,41 @@ def parallelize(
     if records is not None:
         out._optimus2d_init = records
     return out
+
+
+def _rehearse(module: nn.Module, mesh: Mesh, walk: _Walk) -> None:
+    """Convert a copy of ``module`` whose tensors are on the meta device first, so that whatever a
+    converter refuses (a size that does not divide the mesh, a head count, a vocabulary) is raised
+    before the model itself changes: a refused model stays whole and runs as before. The copy
+    shares no storage and allocates nothing; the random state is restored after. What only meta
+    tensors cannot do (an error other than ``ValueError``/``TypeError``) is left to the conversion
+    itself."""
+    memo: dict = {}
+    for t in (*module.parameters(), *module.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    rehearsal = _Walk(mesh, {}, {}, plan=walk.plan, rehearsing=True)
+    rehearsal.contexts = walk.contexts
+    token = _current.set(rehearsal)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            twin = copy.deepcopy(module, memo)
+            rehearsal.tied = tied_embeddings(twin)
+            rehearsal.check(twin, "")
+            rehearsal.convert(twin, "")
+    except (TypeError, ValueError):
+        raise
+    except Exception:  # meta tensors cannot do it: the conversion itself will tell
+        return
+    finally:
+        _current.reset(token)
+    errors = rehearsal.errors
+    if len(errors) == 1 and str(errors[0]).startswith("parallelize"):
+        raise errors[0]  # a converter's own walk refused its part: its error names the modules
+    if errors:
+        lines = "\n  ".join(dict.fromkeys(rehearsal.refused))
+        kind = TypeError if all(isinstance(e, TypeError) for e in errors) else ValueError
+        raise kind(f"parallelize: {len(errors)} module(s) do not fit the mesh; nothing was changed:\n  {lines}")
 
 
 def convert_children(module: nn.Module, mesh: Mesh) -> None:
@@ -294,6 +333,8 @@ class _Walk:
     planned: set[str] = field(default_factory=set)  # the plan's keys that named a module
     contexts: dict[str, ContextParallel] = field(default_factory=dict)  # plan key → its sequence split
     split: dict[int, tuple[ContextParallel, str]] = field(default_factory=dict)  # id(module) → (split, path)
+    rehearsing: bool = False  # converting a meta copy first: collect the refusals (_rehearse)
+    errors: list[Exception] = field(default_factory=list)  # what they raised, in order
 
     def check(
         self,
@@ -351,7 +392,17 @@ class _Walk:
 
     def convert(self, module: nn.Module, path: str, mesh: Mesh | None = None) -> nn.Module:
         if id(module) not in self.done:
-            self.done[id(module)] = self._convert(module, path, self.meshes.get(id(module), mesh or self.mesh))
+            on = self.meshes.get(id(module), mesh or self.mesh)
+            if self.rehearsing:  # note every module that refuses, and go on with the others
+                try:
+                    self.done[id(module)] = self._convert(module, path, on)
+                except (TypeError, ValueError) as err:
+                    self.refused.append(f"{path or 'the model itself'} ({type(module).__name__}): {err}")
+                    self.errors.append(err)
+                    self.done[id(module)] = module
+                self.seen.append(module)
+                return self.done[id(module)]
+            self.done[id(module)] = self._convert(module, path, on)
             self.seen.append(module)
             if id(module) in self.split:  # inside the boundary's hooks: its forward in the sequence layout
                 spec, where = self.split[id(module)]

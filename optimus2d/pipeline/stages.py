@@ -244,7 +244,7 @@ def pipeline_stage(
         ids = input_layout == "batch"
         grad = stage_index > 0 if input_grad is None else input_grad
         ends = ((microbatch_shape, input_dtype or dtype, ids, grad), (output_shape, dtype, False, output_grad))
-        return _sequence_stage(chunk, pipe, context, ends, (stage_index, num_stages), out_mesh)
+        return _sequence_stage(chunk, pipe, context, ends, (stage_index, num_stages))
     # meta tensors: torch reads shape, dtype and requires_grad (whether a gradient travels back: from every
     # output, and to the input of every stage but the first)
     shape = tuple(int(size) for size in microbatch_shape)
@@ -264,14 +264,15 @@ def pipeline_stage(
     return LaneStage(*args, **kwargs)
 
 
-def _sequence_stage(chunk, pipe: StageMesh, context, ends, place: tuple[int, int], out_mesh: Mesh):
+def _sequence_stage(chunk, pipe: StageMesh, context, ends, place: tuple[int, int]):
     """``pipeline_stage`` of a chunk that takes and returns sequence blocks (context parallelism);
     ``ends``: (full shape, dtype, ids or not, gradient or not) of its input and of its output."""
     mesh = pipe.mesh
     if not isinstance(context, ContextParallel) or context.mesh is not mesh:
         raise ValueError(f"pipeline_stage: context= must be a context.ContextParallel on this stage's mesh {mesh}")
-    if (out_mesh.q, out_mesh.depth) != (mesh.q, mesh.depth):
+    if any((m.q, m.depth) != (mesh.q, mesh.depth) for m in pipe.meshes):  # the same answer on every stage
         raise ValueError("pipeline_stage: a context-parallel pipeline needs every stage mesh of one shape")
+    context.split(int(ends[0][0][1]))  # a sequence the split refuses: refused here, on every stage alike
     if not hasattr(chunk, "context"):
         raise TypeError(f"pipeline_stage: {type(chunk).__name__} does not say how to run with its sequence split")
     chunk.context = context
