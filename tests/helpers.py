@@ -262,3 +262,17 @@ def context_mask(kind: str, s: int) -> torch.Tensor:
     if kind == "image":
         return context.image_text_mask(s, [(s // 8, s // 2)])
     return context.document_mask([s // 4, s // 2, s - s // 4 - s // 2])
+
+
+def torch_rms_norms(model, hidden: int, cls_name: str):
+    """``model`` with every Hugging Face ``cls_name`` norm (which computes in float32 whatever the
+    dtype: 1e-8 apart from float64) replaced by ``nn.RMSNorm`` in float64, weights ``1 + 0.3·randn``
+    (a norm at 1 would hide a wrong scale), so a float64 model stays exact against serial."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child).__name__ == cls_name:
+                norm = torch.nn.RMSNorm(hidden, eps=child.variance_epsilon, dtype=torch.float64)
+                with torch.no_grad():
+                    norm.weight.copy_(1 + 0.3 * torch.randn(hidden, dtype=torch.float64))
+                setattr(module, name, norm)
+    return model

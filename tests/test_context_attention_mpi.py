@@ -43,9 +43,15 @@ def test_attention_equals_sdpa_on_the_whole_sequence(mesh, kind, method, attenti
     b, s = 2 * mesh.q, 2 * c * 8
     mask = context_mask(kind, s)
     a = context.assign(mask, c, method, block=4 if method == "makespan" else None)
+    _compare(mesh, a, mask, heads, (b, s, heads * d_h), attention, weighted=True)
+
+
+def _compare(mesh, a, mask, heads, shape, attention, weighted):
+    """Outputs and the gradients of q, k, v (through ``context.scatter``'s backward) against torch's
+    attention on the whole sequence, float64, to 1e-10; ``weighted``: the loss weighs every output."""
     torch.manual_seed(0)
-    full = [torch.randn(b, s, heads * d_h, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-    weight = torch.randn(b, s, heads * d_h, dtype=torch.float64)
+    full = [torch.randn(*shape, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    weight = torch.randn(*shape, dtype=torch.float64) if weighted else torch.ones(*shape, dtype=torch.float64)
     want = _serial(*full, mask, heads)
     (want * weight).sum().backward()
     grads = [t.grad.clone() for t in full]
@@ -85,18 +91,7 @@ def test_a_query_that_sees_no_key_gets_what_torch_gives(mesh, attention):
     mask = context.causal_mask(s)
     mask[[0, s // 2, s - 1]] = False
     a = context.assign(context.causal_mask(s), c, "head_tail")
-    torch.manual_seed(0)
-    full = [torch.randn(b, s, heads * d_h, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-    want = _serial(*full, mask, heads)
-    want.sum().backward()
-    grads = [t.grad.clone() for t in full]
-    for t in full:
-        t.grad = None
-    got = _parallel(*full, mesh, a, mask, heads, attention)
-    got.sum().backward()
-    assert_close(got, want, 1e-10, "output")
-    for name, t, g in zip("qkv", full, grads, strict=True):
-        assert_close(t.grad, g, 1e-10, f"d{name}")
+    _compare(mesh, a, mask, heads, (b, s, heads * d_h), attention, weighted=False)
 
 
 def test_the_rings_bytes_are_the_formula(mesh):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import as_serial, assert_chunks_match, assert_close, context_mask, stage_pipe
+from helpers import as_serial, assert_chunks_match, assert_close, context_mask, stage_pipe, torch_rms_norms
 from torch import nn
 
 import optimus2d
@@ -38,13 +38,7 @@ def _llama() -> nn.Module:
     )  # fmt: skip
     torch.manual_seed(0)
     lm = transformers.LlamaForCausalLM(config).double()
-    for module in list(lm.modules()):
-        for name, child in list(module.named_children()):
-            if type(child).__name__ == "LlamaRMSNorm":
-                norm = nn.RMSNorm(H, eps=child.variance_epsilon, dtype=torch.float64)
-                with torch.no_grad():
-                    norm.weight.copy_(1 + 0.3 * torch.randn(H, dtype=torch.float64))
-                setattr(module, name, norm)
+    torch_rms_norms(lm, H, "LlamaRMSNorm")
     return lm
 
 

@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_close, compare_step, raises_fast
+from helpers import assert_close, compare_step, raises_fast, torch_rms_norms
 
 import optimus2d
 from optimus2d import context
@@ -139,13 +139,7 @@ def test_qwen2_with_its_sequence_split_equals_serial(mesh):
     )  # fmt: skip
     torch.manual_seed(0)
     serial = transformers.Qwen2ForCausalLM(config).double()
-    for module in list(serial.modules()):  # HF's RMSNorm computes in float32: torch's keeps float64 exact
-        for name, child in list(module.named_children()):
-            if type(child).__name__ == "Qwen2RMSNorm":
-                norm = torch.nn.RMSNorm(config.hidden_size, eps=child.variance_epsilon, dtype=torch.float64)
-                with torch.no_grad():
-                    norm.weight.copy_(1 + 0.3 * torch.randn(config.hidden_size, dtype=torch.float64))
-                setattr(module, name, norm)
+    torch_rms_norms(serial, config.hidden_size, "Qwen2RMSNorm")
     model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": context.ContextParallel(mesh)})
     ids, labels = _batch(mesh, 2 * mesh.depth * 4)
     want = serial(input_ids=ids, labels=labels)

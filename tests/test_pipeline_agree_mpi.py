@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import as_serial, assert_close, raises_fast, stage_pipe
+from helpers import as_serial, assert_close, raises_fast, stage_pipe, torch_rms_norms
 from torch import nn
 
 import optimus2d
@@ -138,13 +138,7 @@ def _llama() -> nn.Module:
     )  # fmt: skip
     torch.manual_seed(0)
     lm = transformers.LlamaForCausalLM(config).double()
-    for module in list(lm.modules()):  # HF's RMSNorm computes in float32: nn.RMSNorm keeps serial exact
-        for name, child in list(module.named_children()):
-            if type(child).__name__ == "LlamaRMSNorm":
-                norm = nn.RMSNorm(HL, eps=child.variance_epsilon, dtype=torch.float64)
-                with torch.no_grad():
-                    norm.weight.copy_(1 + 0.3 * torch.randn(HL, dtype=torch.float64))
-                setattr(module, name, norm)
+    torch_rms_norms(lm, HL, "LlamaRMSNorm")  # HF's computes in float32: nn.RMSNorm keeps serial exact
     return lm
 
 

@@ -18,6 +18,7 @@ from helpers import (
     check_stage_checkpoints,
     shared_tmp,
     stage_pipe,
+    torch_rms_norms,
 )
 from torch import nn
 
@@ -50,13 +51,7 @@ def _llama() -> nn.Module:
     )  # fmt: skip
     torch.manual_seed(0)
     lm = transformers.LlamaForCausalLM(config).double()
-    for module in list(lm.modules()):
-        for name, child in list(module.named_children()):
-            if type(child).__name__ == "LlamaRMSNorm":
-                norm = nn.RMSNorm(H, eps=child.variance_epsilon, dtype=torch.float64)
-                with torch.no_grad():  # norms at 1 would hide a wrong scale
-                    norm.weight.copy_(1 + 0.3 * torch.randn(H, dtype=torch.float64))
-                setattr(module, name, norm)
+    torch_rms_norms(lm, H, "LlamaRMSNorm")
     return lm
 
 

@@ -96,26 +96,18 @@ def gather_sequence(x_local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return out
 
 
-class _BatchToSequence(Function):
+class _Resplit(Function):
+    """``batch_to_sequence`` (``to_sequence``) or its inverse; backward is the other direction."""
+
     @staticmethod
-    def forward(ctx, x, mesh, permutation):
-        ctx.mesh, ctx.permutation = mesh, permutation
-        return _to_sequence(x, mesh, permutation)
+    def forward(ctx, x, mesh, permutation, to_sequence):
+        ctx.mesh, ctx.permutation, ctx.to_sequence = mesh, permutation, to_sequence
+        return (_to_sequence if to_sequence else _to_batch)(x, mesh, permutation)
 
     @staticmethod
     def backward(ctx, grad):
-        return _to_batch(grad, ctx.mesh, ctx.permutation), None, None
-
-
-class _SequenceToBatch(Function):
-    @staticmethod
-    def forward(ctx, y, mesh, permutation):
-        ctx.mesh, ctx.permutation = mesh, permutation
-        return _to_batch(y, mesh, permutation)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _to_sequence(grad, ctx.mesh, ctx.permutation), None, None
+        back = _to_batch if ctx.to_sequence else _to_sequence
+        return back(grad, ctx.mesh, ctx.permutation), None, None, None
 
 
 def _to_sequence(x: torch.Tensor, mesh: Mesh, permutation: torch.Tensor) -> torch.Tensor:
@@ -136,7 +128,7 @@ def batch_to_sequence(x: torch.Tensor, mesh: Mesh, permutation: torch.Tensor) ->
     forward: all-to-all over depth; backward: the inverse all-to-all (``sequence_to_batch``).
     The caller checks the shapes on every rank first: s divisible by d, ``permutation`` of range(s).
     """
-    out = _BatchToSequence.apply(x, mesh, permutation)
+    out = _Resplit.apply(x, mesh, permutation, True)
     tag(out, mesh, agreed=False)
     out._optimus2d_kind = "sequence"
     return out
@@ -147,7 +139,7 @@ def sequence_to_batch(y: torch.Tensor, mesh: Mesh, permutation: torch.Tensor) ->
 
     forward: all-to-all over depth; backward: ``batch_to_sequence``'s all-to-all.
     """
-    out = _SequenceToBatch.apply(y, mesh, permutation)
+    out = _Resplit.apply(y, mesh, permutation, False)
     tag(out, mesh, agreed=False)
     return out
 
