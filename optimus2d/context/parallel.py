@@ -21,7 +21,10 @@ more than a block. The module is a Hugging Face base model (``LlamaModel``, ``Qw
 LLaVA's ``language_model``) called with keywords. Refused, with the same error on every rank:
 a sequence the balance cannot split (pad it), a padding ``attention_mask`` (not all ones: packed
 documents are a ``mask=``), a cache (``past_key_values``; ``use_cache`` is turned off), per-head
-``attentions``, and a mask of another size than the sequence.
+``attentions``, a mask of another size than the sequence, ``position_ids`` of another shape, any
+other tensor argument (it would stay in the batch layout), gradient checkpointing (its recompute
+would run outside the split), outputs other than hidden states, and (``context/hf.py``) an
+attention module that attends both ways (``is_causal=False``) under a causal-only mask.
 """
 
 from __future__ import annotations

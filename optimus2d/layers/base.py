@@ -6,15 +6,18 @@ import contextvars
 import copy
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from optimus2d.comm.calls import check_call, mark_agreed, refusal, tag
 from optimus2d.comm.mesh import Mesh, as_mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
 from optimus2d.comm.watch import PeerFailedError
+
+if TYPE_CHECKING:  # a type only: layers/ calls nothing of torch.distributed
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
