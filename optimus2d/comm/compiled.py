@@ -129,7 +129,16 @@ def _agree(t: torch.Tensor | None, mesh: int, what: str, axis: str, description:
     return torch.empty(0)  # nothing: a tensor only because inductor handles effectful ops with outputs best
 
 
-for _op in (_broadcast, _reduce, _all_reduce, _all_gather, _reduce_scatter, _transpose, _blocks, _partial_sums, _agree):
+@custom_op("optimus2d::refuse_if", mutates_args=())
+def _refuse_if(flag: torch.Tensor, error: str) -> torch.Tensor:
+    if bool(flag.any()):  # a value of this rank, the same on every rank (the caller reduced it)
+        kind, _, message = error.partition(": ")
+        raise _ERRORS.get(kind, ValueError)(message)
+    return torch.empty(0)
+
+
+_OPERATORS = (_broadcast, _reduce, _all_reduce, _all_gather, _reduce_scatter, _transpose, _blocks, _partial_sums)
+for _op in (*_OPERATORS, _agree, _refuse_if):
     _ordered(_op)
 
 
@@ -176,4 +185,9 @@ def _(stacked, mesh, axis):
 
 @_agree.register_fake
 def _(t, mesh, what, axis, description, error):
+    return torch.empty(0)
+
+
+@_refuse_if.register_fake
+def _(flag, error):
     return torch.empty(0)

@@ -75,3 +75,11 @@ def agree(mesh, what: str, axis: str, description: str, t: torch.Tensor | None, 
     """``agreement.agree`` (with ``t``'s checksum as content when given) as a step of the graph."""
     text = f"{type(error).__name__}: {error}" if error is not None else ""
     torch.ops.optimus2d.agree.default(t, mesh.uid, what, axis, description, text)
+
+
+def refuse_if(flag: torch.Tensor, error: str) -> None:
+    """Raise ``error`` (its text: "ValueError: ..." or "TypeError: ...", a constant of the graph)
+    where ``flag`` holds a nonzero entry when the graph runs: a refusal found by a collective (the
+    same flag on every rank) without a value read on the host while tracing, so without a graph
+    break. Eager code raises its own error from the value instead."""
+    torch.ops.optimus2d.refuse_if.default(flag, error)

@@ -10,6 +10,7 @@ from optimus2d.comm import primitives as P
 from optimus2d.comm import reduce_grad, reduce_scatter, summa_abt
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
+from optimus2d.comm.traced import refuse_if
 from optimus2d.layers.base import ShardedModule, fill_from_serial
 
 
@@ -104,7 +105,9 @@ class Embedding2D(ShardedModule):
             table[mesh.index("mesh")] = mine
         for axis in ("row", "depth"):  # the other columns, then the other depth slices
             P.all_reduce(table, mesh, axis)
-        if table[:, 0].any().item():  # a value read on the host (under torch.compile: a graph break)
+        if torch.compiler.is_compiling():  # a step of the graph that raises when it runs: no host read, no break
+            refuse_if(table[:, 0], _outside(n, mesh))
+        elif table[:, 0].any().item():
             raise self._out_of_range(table)
         if mesh.q == 1:  # the whole table is here: torch's own lookup
             return F.embedding(ids, reduce_grad(self.weight, mesh, ("depth",)), self.padding_idx)
@@ -231,6 +234,16 @@ def bias_sharding(num_embeddings: int) -> Sharding:
 
 
 _DIMS = 4  # the dims of a rank's ids an out-of-range error names (more: flat)
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: a constant of the graph, made while tracing
+def _outside(n: int, mesh: Mesh) -> str:
+    """The compiled check's error, raised on every rank alike after the same collectives; the ranks
+    and places of the ids are known only to the eager check, which reads them on the host."""
+    where = "run the step eagerly to see where"
+    return f"ValueError: Embedding2D(num_embeddings={n}): token ids outside [0, {n}) on some rank ({mesh}); {where}"
+
+
 _WORDS = 3 + _DIMS  # a rank's report of its ids out of range: how many, the first, where, their shape
 
 

@@ -10,6 +10,7 @@ from torch.autograd.function import once_differentiable
 from optimus2d.comm import all_reduce
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.traced import refuse_if
 from optimus2d.layers.base import compute_dtype
 
 
@@ -162,5 +163,15 @@ class _SplitVocabCrossEntropy(Function):
 
 
 def _raise_if(bad: torch.Tensor, vocab: int, mesh: Mesh) -> None:
-    if bool(bad > 0):
-        raise ValueError(f"cross_entropy: a target class is outside [0, {vocab}) ({mesh})")
+    """Raise, on every rank alike (``bad``, a count or flag, is the same everywhere), when a target
+    class is outside the vocabulary. Under ``torch.compile`` the check is a step of
+    the graph (``optimus2d::refuse_if``, the same error when it runs), not a value read on the host."""
+    if torch.compiler.is_compiling():
+        refuse_if(bad, f"ValueError: {_outside(vocab, mesh)}")
+    elif bool(bad > 0):
+        raise ValueError(_outside(vocab, mesh))
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: a constant of the graph, made while tracing
+def _outside(vocab: int, mesh: Mesh) -> str:
+    return f"cross_entropy: a target class is outside [0, {vocab}) ({mesh})"
