@@ -34,6 +34,27 @@ def acts_elementwise(module: nn.Module) -> bool:
     """A parameter-free leaf whose output on each half of the last dim is its output on that half."""
     if list(module.children()) or any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
         return False
+    return _halves_agree(module)
+
+
+def acts_elementwise_with_scalars(module: nn.Module) -> bool:
+    """A leaf whose parameters and buffers each hold one value (xIELU's alphas, beta and eps) and whose
+    output on each half of the last dim is its output on that half: kept whole on every rank
+    (``replicated``: each rank's gradient of a scalar covers its own elements, summed over the mesh)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if list(module.children()) or not tensors or any(t.numel() != 1 for t in tensors):
+        return False
+    if any(t.is_meta for t in tensors):  # built on meta: probe a copy holding values
+        g = torch.Generator().manual_seed(0)
+        params, buffers = (
+            {n: torch.rand(t.shape, generator=g).to(t.dtype) for n, t in named}
+            for named in (module.named_parameters(recurse=False), module.named_buffers(recurse=False))
+        )
+        module = _copy_with(module, params, buffers)
+    return _halves_agree(module)
+
+
+def _halves_agree(module: nn.Module) -> bool:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 8, generator=g, dtype=torch.float64) * 3
     try:
@@ -76,6 +97,34 @@ def _eps(module: nn.Module) -> float | None:
         value = getattr(module, name, None)
         if isinstance(value, float):
             return value
+    return None
+
+
+def as_weightless_norm(module: nn.Module) -> nn.Module | None:
+    """The serial ``nn.LayerNorm``/``nn.RMSNorm`` without weight (``elementwise_affine=False``) that
+    computes what ``module`` computes, or None: a leaf holding no tensors whose ``normalized_shape``
+    names the width (OLMo's LayerNorm), probed at two scales (where eps shows) against torch's."""
+    shape = getattr(module, "normalized_shape", None)
+    if list(module.children()) or [*module.parameters(), *module.buffers()] or not isinstance(shape, (tuple, list)):
+        return None
+    if len(shape) != 1 or not isinstance(shape[0], int):
+        return None
+    n, found = shape[0], _eps(module)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 3, n, generator=g) * s for s in (1.0, 1e-3)]
+    try:
+        with torch.no_grad():
+            outs = [module(x) for x in xs]
+    except Exception:
+        return None
+    for eps in [found] if found is not None else [1e-5, 1e-6, 1e-8]:
+        for cls, fn in ((nn.LayerNorm, lambda x, e=eps: F.layer_norm(x, (n,), None, None, e)),
+                        (nn.RMSNorm, lambda x, e=eps: F.rms_norm(x, (n,), None, e))):  # fmt: skip
+            if all(
+                isinstance(o, torch.Tensor) and o.shape == x.shape and torch.allclose(o, fn(x), 1e-5, 1e-5)
+                for o, x in zip(outs, xs, strict=True)
+            ):
+                return cls(n, eps=eps, elementwise_affine=False, device="meta")
     return None
 
 

@@ -453,6 +453,12 @@ def _plan(module: nn.Module, parent: nn.Module | None, mesh: Mesh) -> Converter 
         return lambda _module, mesh: norm_2d.from_serial(norm, mesh)
     if not module._modules and blockwise.independent_of_hidden(module):  # a rotary table: replicated
         return _as_is
+    if blockwise.acts_elementwise_with_scalars(module):  # xIELU: scalars summed over the mesh in backward
+        return blockwise.replicated
+    weightless = blockwise.as_weightless_norm(module)
+    if weightless is not None:  # OLMo's LayerNorm with no weight
+        norm_2d = RMSNorm2D if isinstance(weightless, nn.RMSNorm) else LayerNorm2D
+        return lambda _module, mesh: norm_2d.from_serial(weightless, mesh)
     own = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]
     if own:
         return f"holds {', '.join(own)} and has no converter (a module that reads the full hidden size)"
