@@ -18,6 +18,7 @@ keeps a module it has no converter for only when one of these says so:
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -81,15 +82,25 @@ def independent_of_hidden(module: nn.Module) -> bool:
     if any(t.is_meta for t in module.buffers()):  # built on meta: probe a copy with values
         buffers = {n: torch.rand(t.shape, generator=g).to(t.dtype) for n, t in module.named_buffers(recurse=False)}
         probe = _copy_with(module, {}, buffers)
-    try:
-        with torch.no_grad():
-            a, b = (probe(torch.randn(2, 3, n, generator=g), positions) for n in (8, 4))
-    except Exception:
+    # A table per layer type (OLMo 3's ``forward(x, position_ids, layer_type)`` reads the buffer
+    # ``{layer_type}_inv_freq``): probed for every type its buffers name
+    keys = [n.removesuffix("_inv_freq") for n, _ in module.named_buffers(recurse=False) if n.endswith("_inv_freq")]
+    needs_key = len([p for p in inspect.signature(module.forward).parameters.values() if p.default is p.empty]) == 3
+    extra = [(k,) for k in keys if k and not k.endswith("original")] if needs_key else [()]
+    if not extra:
         return False
-    a, b = (list(t) if isinstance(t, (tuple, list)) else [t] for t in (a, b))
-    return len(a) == len(b) > 0 and all(
-        isinstance(x, torch.Tensor) and x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True)
-    )
+    for more in extra:
+        try:
+            with torch.no_grad():
+                a, b = (probe(torch.randn(2, 3, n, generator=g), positions, *more) for n in (8, 4))
+        except Exception:
+            return False
+        a, b = (list(t) if isinstance(t, (tuple, list)) else [t] for t in (a, b))
+        if not (len(a) == len(b) > 0 and all(
+            isinstance(x, torch.Tensor) and x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True)
+        )):  # fmt: skip
+            return False
+    return True
 
 
 def _eps(module: nn.Module) -> float | None:
