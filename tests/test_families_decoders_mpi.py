@@ -104,7 +104,19 @@ def test_a_llama_shaped_family_converts_exactly(mesh, family):
 
 # Families named nowhere in optimus2d, nor above: each must be exact or refused (never wrong); those in
 # _CONVERTED must convert (the reader vouches for them: dropout, partial rotary, fused per-head qkv).
-_CONVERTED = {"cohere", "nemotron", "smollm3", "starcoder2", "gpt_neox", "phi", "exaone4", "olmo", "apertus", "olmo3"}
+_CONVERTED = {
+    "cohere",
+    "nemotron",
+    "smollm3",
+    "starcoder2",
+    "gpt_neox",
+    "phi",
+    "exaone4",
+    "olmo",
+    "apertus",
+    "olmo3",
+    "granite_swa",
+}
 _UNSEEN = {
     "cohere": ("CohereConfig", {}, "CohereForCausalLM"),  # LayerNorm without bias, tied head
     "nemotron": ("NemotronConfig", {"head_dim": 12, "partial_rotary_factor": 1.0}, "NemotronForCausalLM"),
@@ -117,6 +129,7 @@ _UNSEEN = {
     "olmo": ("OlmoConfig", {}, "OlmoForCausalLM"),  # LayerNorm with no weight (probed: its normalized_shape)
     "apertus": ("ApertusConfig", {}, "ApertusForCausalLM"),  # xIELU: scalar parameters, element by element
     "olmo3": ("Olmo3Config", {"sliding_window": 4}, "Olmo3ForCausalLM"),  # a rotary table per layer type
+    "granite_swa": ("GraniteSWAConfig", {"sliding_window": 4}, "GraniteSWAForCausalLM"),  # a sink per head
 }
 
 

@@ -25,9 +25,12 @@ import torch
 from torch import nn
 
 from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.sharding import Sharding
 from optimus2d.convert.blockwise import forward_problems
 from optimus2d.convert.parallelizer import Converter, keep, register_converter, register_recogniser
+from optimus2d.families.vision import sum_grad_over_replicas
 from optimus2d.layers import Embedding2D, Linear2D
+from optimus2d.layers.base import replace_by_block
 from optimus2d.layers.dropout import Dropout2D
 from optimus2d.layers.linear import TransposedLinear2D
 
@@ -169,6 +172,30 @@ def _fused_qkv_attention(module: nn.Module) -> Converter | None:
     return convert
 
 
+def _per_head_parameters(module: nn.Module) -> Converter | None:
+    """An attention holding, besides its children, only 1-D parameters of one entry per attention
+    head (GraniteSWA's and GPT-OSS's learned sinks), whose forward the reader passes: each rank
+    keeps the entries of its own heads (block j of the heads, as the projections' output block j
+    holds them), their gradients summed over col and depth, where the batch is split."""
+    config, own = getattr(module, "config", None), dict(module.named_parameters(recurse=False))
+    heads = getattr(config, "num_attention_heads", None)
+    if not own or list(module.buffers(recurse=False)) or not isinstance(heads, int):
+        return None
+    if not isinstance(getattr(module, "head_dim", None), int) or any(p.shape != (heads,) for p in own.values()):
+        return None
+    if forward_problems(module):
+        return None
+
+    def convert(attn: nn.Module, mesh: Mesh) -> nn.Module:
+        if heads % mesh.q:
+            raise ValueError(f"parallelize: num_attention_heads={heads} is not divisible by q={mesh.q} ({mesh})")
+        for name in own:
+            sum_grad_over_replicas(replace_by_block(attn, name, Sharding((("row",),), (heads,)), mesh), mesh)
+        return keep(attn, mesh)
+
+    return convert
+
+
 def register() -> None:
     """Register the Hugging Face converters (needs ``transformers``)."""
 
@@ -185,3 +212,4 @@ def register() -> None:
     register_recogniser(_scaled_embedding)
     register_recogniser(_fused_gate_up_mlp)
     register_recogniser(_fused_qkv_attention)
+    register_recogniser(_per_head_parameters)
