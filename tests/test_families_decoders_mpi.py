@@ -130,6 +130,8 @@ _UNSEEN = {
     "apertus": ("ApertusConfig", {}, "ApertusForCausalLM"),  # xIELU: scalar parameters, element by element
     "olmo3": ("Olmo3Config", {"sliding_window": 4}, "Olmo3ForCausalLM"),  # a rotary table per layer type
     "granite_swa": ("GraniteSWAConfig", {"sliding_window": 4}, "GraniteSWAForCausalLM"),  # a sink per head
+    "cwm": ("CwmConfig", {"sliding_window": 4}, "CwmForCausalLM"),  # mask_kwargs.copy(): a dict it builds
+    "gemma3_text": ("Gemma3TextConfig", {"head_dim": 8, "sliding_window": 4}, "Gemma3ForCausalLM"),
 }
 
 

@@ -262,6 +262,11 @@ def _indexed(self, x):
     return y * y[:, :, 3:4]
 
 
+def _through_a_dict(self, x):  # a dict the forward builds may be copied; what comes out is still judged
+    kwargs = {"y": self.proj(x)}
+    return kwargs.copy()["y"].mean(-1, keepdim=True) * x
+
+
 def _live_branch(self, x):
     y = self.proj(x)
     if self.proj is not None:
@@ -292,6 +297,7 @@ def _live_branch(self, x):
         (_method_through_an_alias, "not called through self"),
         (_reduced_head, ".softmax()"),
         (_mask_total, ".sum()"),
+        (_through_a_dict, ".mean()"),
     ],
     ids=[
         "method",
@@ -314,6 +320,7 @@ def _live_branch(self, x):
         "alias",
         "reduced-head",
         "mask-total",
+        "dict-copy",
     ],
 )
 def test_a_forward_that_mixes_the_split_dim_is_refused_however_written(mesh, forward, named):

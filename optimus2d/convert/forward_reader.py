@@ -72,6 +72,9 @@ class Reading:
     draws: bool = False
 
 
+_DICT_METHODS = frozenset({"copy", "get", "items", "keys", "values", "update", "setdefault", "pop"})
+
+
 def read_forward(module: nn.Module) -> Reading:
     """Read ``type(module).forward`` (and the methods it calls on ``self``) for this instance."""
     reading = Reading()
@@ -303,6 +306,9 @@ def _call_problem(node, module, children, fn, env: Names, reading: Reading, seen
         resolved = resolve(func, fn)
         if resolved is not None and resolved is not UNKNOWN:
             return _function_problem(node, resolved, module, env, reading)
+        if func.attr in _DICT_METHODS and isinstance(base, ast.Name) and env.direct.get(base.id):
+            if all(isinstance(v, ast.Dict) for v in env.direct[base.id]):
+                return None  # a dict this forward builds (Cwm's mask_kwargs.copy()): its values are judged where used
         if func.attr in MIXING_METHODS:
             if env.clean(base) and (func.attr in ("any", "all") or _not_over_rows(node)):
                 return None  # a mask's own dims, not its rows (split over the mesh): cumsum(dim=1), sum(-1)
