@@ -152,3 +152,66 @@ def test_a_norm_over_one_heads_features_is_kept_whole_and_its_gradient_summed(me
     serial(x).square().sum().backward()
     optimus2d.gather(parallel(optimus2d.scatter(x, mesh)), mesh).square().sum().backward()
     assert_close(parallel.q_norm.weight.grad, serial.q_norm.weight.grad, 1e-5, "q_norm.weight.grad")
+
+
+class Weightless(nn.Module):  # OLMo's habit: a norm with no weight, its width in normalized_shape
+    def __init__(self, h, rms=False):
+        super().__init__()
+        self.normalized_shape, self.rms = (h,), rms
+
+    def forward(self, x):
+        if self.rms:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # no eps attribute: tried
+        return F.layer_norm(x, self.normalized_shape, None, None, 1e-5)
+
+
+class ScaledSquare(nn.Module):  # xIELU's habit: scalar parameters and buffers, element by element
+    def __init__(self):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor([0.7]))
+        self.register_buffer("beta", torch.tensor(0.3))
+
+    def forward(self, x):
+        return self.alpha * x * x.abs() + self.beta * x
+
+
+class Tempered(nn.Module):  # a scalar parameter, but a softmax over the last dim: refused
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return torch.softmax(x * self.t, -1)
+
+
+class MaxScaled(nn.Module):  # a width in normalized_shape, but not a norm torch has: refused
+    def __init__(self, h):
+        super().__init__()
+        self.normalized_shape = (h,)
+
+    def forward(self, x):
+        return x / x.abs().amax(-1, keepdim=True)
+
+
+def test_weightless_norms_and_scalar_activations_convert_exactly(mesh):
+    torch.manual_seed(0)
+    serial = nn.Sequential(
+        nn.Linear(E, E), Weightless(E), nn.Linear(E, FF), ScaledSquare(), nn.Linear(FF, E), Weightless(E, rms=True)
+    )
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    assert type(parallel[1]) is optimus2d.layers.LayerNorm2D and parallel[1].weight is None
+    assert type(parallel[5]) is optimus2d.layers.RMSNorm2D and parallel[5].eps == 1e-6
+    assert type(parallel[3]) is ScaledSquare  # whole on every rank, alpha's gradient summed over the mesh
+    check_against_serial(serial, parallel, _x(mesh), mesh)  # outputs, input gradients, alpha after a step
+    assert parallel[3].alpha.item() != 0.7
+
+
+def test_lookalikes_of_scalar_activations_and_weightless_norms_are_refused(mesh):
+    model = nn.Sequential(nn.Linear(E, E), Tempered(), MaxScaled(E), nn.Linear(E, E))
+    with pytest.raises(TypeError) as err:
+        parallelize(model, mesh)
+    text = str(err.value)
+    assert "2 module(s) cannot be converted" in text
+    assert "1 (Tempered): holds t and has no converter" in text
+    assert "2 (MaxScaled): is not known to act element by element" in text
+    assert type(model[0]) is nn.Linear

@@ -159,6 +159,27 @@ def test_an_unseen_family_is_exact_or_refused(mesh, family):
         assert_close(state[key], value, 1e-4, f"{family} {key} after AdamW")
 
 
+def test_a_sink_per_head_whose_heads_do_not_split_is_refused_before_any_change(mesh):
+    """GraniteSWA's learned sinks, one per head, split with the heads: heads that q does not divide are
+    refused, naming the count and the mesh, and the model is left as it was."""
+    if mesh.q == 1:
+        pytest.skip("every head count splits over q = 1")
+    heads = mesh.q + 1  # 3 on q = 2, 4 on q = 3: the hidden size 48 still divides
+    config = transformers.GraniteSWAConfig(
+        **_COMMON, num_attention_heads=heads, num_key_value_heads=heads, sliding_window=4, attn_implementation="eager"
+    )
+    torch.manual_seed(0)
+    serial = transformers.GraniteSWAForCausalLM(config)
+    before = copy.deepcopy(serial.state_dict())
+    expected = rf"GraniteSWAAttention has num_attention_heads={heads}, one sinks entry per head, not divisible by "
+    expected += rf"q={mesh.q}"
+    with pytest.raises(ValueError, match=expected):
+        parallelize(serial, mesh)
+    assert type(serial.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    for key, value in serial.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
 def test_a_refused_family_taught_in_one_line_converts_exactly(mesh):
     """Ministral-3's attention scales its queries by ``get_llama_4_attn_scale(positions, ...)``, a
     function of positions the reader does not know, so it refuses; its author declares it, and it is

@@ -188,7 +188,10 @@ def _per_head_parameters(module: nn.Module) -> Converter | None:
 
     def convert(attn: nn.Module, mesh: Mesh) -> nn.Module:
         if heads % mesh.q:
-            raise ValueError(f"parallelize: num_attention_heads={heads} is not divisible by q={mesh.q} ({mesh})")
+            raise ValueError(
+                f"parallelize: {type(attn).__name__} has num_attention_heads={heads}, one {' and '.join(own)} "
+                f"entry per head, not divisible by q={mesh.q} ({mesh})"
+            )
         for name in own:
             sum_grad_over_replicas(replace_by_block(attn, name, Sharding((("row",),), (heads,)), mesh), mesh)
         return keep(attn, mesh)

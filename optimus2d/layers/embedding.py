@@ -106,7 +106,7 @@ class Embedding2D(ShardedModule):
         for axis in ("row", "depth"):  # the other columns, then the other depth slices
             P.all_reduce(table, mesh, axis)
         if torch.compiler.is_compiling():  # a step of the graph that raises when it runs: no host read, no break
-            refuse_if(table[:, 0], _outside(n, mesh))
+            refuse_if(table[:, 0], f"ValueError: {_outside(n, mesh)}")
         elif table[:, 0].any().item():
             raise self._out_of_range(table)
         if mesh.q == 1:  # the whole table is here: torch's own lookup
@@ -241,7 +241,7 @@ def _outside(n: int, mesh: Mesh) -> str:
     """The compiled check's error, raised on every rank alike after the same collectives; the ranks
     and places of the ids are known only to the eager check, which reads them on the host."""
     where = "run the step eagerly to see where"
-    return f"ValueError: Embedding2D(num_embeddings={n}): token ids outside [0, {n}) on some rank ({mesh}); {where}"
+    return f"Embedding2D(num_embeddings={n}): token ids outside [0, {n}) on some rank ({mesh}); {where}"
 
 
 _WORDS = 3 + _DIMS  # a rank's report of its ids out of range: how many, the first, where, their shape
