@@ -3,7 +3,8 @@
 ``parallelizer.py`` walks the model and replaces each module through the converter registry
 (``register_converter``, ``register_recogniser``, ``register_library`` for a library's converters
 registered when its first module is met); ``blockwise.py``, ``forward_reader.py`` and
-``forward_values.py`` judge which forwards are correct on blocks as they are; ``tied.py`` keeps
+``forward_values.py`` judge which forwards are correct on blocks as they are; ``positions.py``
+converts a learned position table that computes its ids from a mask; ``tied.py`` keeps
 shared embedding tables shared; ``layouts.py`` moves tensors between per-module meshes
 (``plan=``); ``meta_init.py`` initialises a model built on the meta device block by block.
 
@@ -23,6 +24,9 @@ from optimus2d.convert.parallelizer import (
     register_library,
     register_recogniser,
 )
+from optimus2d.convert.positions import positions_from_inputs
+
+register_recogniser(positions_from_inputs)  # a learned position table computing its ids (OPT's, BioGPT's)
 
 __all__ = [
     "ELEMENTWISE",

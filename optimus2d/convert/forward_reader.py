@@ -79,9 +79,17 @@ def read_forward(module: nn.Module) -> Reading:
     """Read ``type(module).forward`` (and the methods it calls on ``self``) for this instance."""
     reading = Reading()
     _read_method(module, "forward", set(module._modules), reading, set())
-    if hasattr(module, "lm_head") and hasattr(module, "generate"):  # families/hf_causal_lm replaces it
+    head = getattr(module, "lm_head", None) or _output_embeddings(module)
+    if isinstance(head, nn.Module) and hasattr(module, "generate"):  # families/hf_causal_lm replaces it
         reading.problems = [p for p in reading.problems if "self.loss_function()" not in p]
     return reading
+
+
+def _output_embeddings(module: nn.Module):
+    try:
+        return module.get_output_embeddings() if callable(getattr(module, "get_output_embeddings", None)) else None
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def forward_problems(module: nn.Module) -> list[str]:
@@ -218,6 +226,8 @@ def _subscript_problem(node: ast.Subscript, env: Names) -> str | None:
     if _rooted_at_self(node.value):  # self.layers[:n]: a child's slice, a config's entry
         return None
     if isinstance(node.value, ast.Name) and node.value.id in env.containers():  # causal_mask_mapping[kind]
+        return None
+    if env.of_cache(node.value):  # cache.layers[self.layer_idx]: a layer of a KV cache, not a row
         return None
     if isinstance(node.value, ast.Subscript) or (not isinstance(index, ast.Tuple) and not _plain_item(index)):
         return f"indexes rows, which are split over the mesh ({ast.unparse(node)[:60]})"

@@ -105,6 +105,8 @@ def static_value(expr: ast.expr, module: nn.Module):
     if isinstance(expr, ast.BoolOp):
         values = [static_value(v, module) for v in expr.values]
         stop = isinstance(expr.op, ast.Or)  # `or` stops at the first true value, `and` at the first false
+        if any(v is not UNKNOWN and truth(v) is stop for v in values):  # `self.training and self.p > 0`, p 0
+            return stop  # its truth, whatever the unknown operands hold (they are read, as the test is)
         for value in values:
             if value is UNKNOWN or truth(value) is None:
                 return UNKNOWN
@@ -117,6 +119,8 @@ def static_value(expr: ast.expr, module: nn.Module):
             return UNKNOWN
         ops = {ast.Is: lambda a, b: a is b, ast.IsNot: lambda a, b: a is not b, ast.Eq: lambda a, b: a == b}
         ops |= {ast.NotEq: lambda a, b: a != b, ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
+        ops |= {ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b, ast.Gt: lambda a, b: a > b}
+        ops |= {ast.GtE: lambda a, b: a >= b}
         op = ops.get(type(expr.ops[0]))
         try:
             return UNKNOWN if op is None else op(left, right)
@@ -169,6 +173,20 @@ class Names:
                     if not isinstance(target, ast.Subscript):  # mapping[key] = v fills a container
                         self.direct.setdefault(name, []).append(part)
         self.assigned = assigned
+        notes = getattr(fn, "__annotations__", None) or {}  # the parsed tree has none (_parsed)
+        self._caches = {p for p in params if "Cache" in str(notes.get(p, "")) and p not in self.direct}
+        grown = True
+        while grown:  # curr_cache = cache.self_attention_cache (or cache): a cache too
+            grown = False
+            for name, values in self.direct.items():
+                if (
+                    name not in self._caches
+                    and name not in params
+                    and values
+                    and all(v is not None and self.of_cache(v) for v in values)
+                ):
+                    self._caches.add(name)
+                    grown = True
         sizes = _leading_size_names(live).items()
         self.leading_sizes = {n: p for n, p in sizes if len(assigned.get(n, ())) == 1}
         # the inputs' names are trusted in forward alone: a helper method is passed whatever its caller has
@@ -187,6 +205,13 @@ class Names:
                 if name in self._heads and not all(v is not None and self.per_head(v) for v in values):
                     self._heads.discard(name)
                     changed = True
+
+    def of_cache(self, expr: ast.expr) -> bool:
+        """``expr`` is a KV cache's attribute (``cache.layers``, ``curr_cache.is_updated``): rooted at
+        an argument annotated as a ``Cache`` (a name only ever given it or its attributes)."""
+        while isinstance(expr, ast.Attribute):
+            expr = expr.value
+        return isinstance(expr, ast.Name) and expr.id in self._caches
 
     def containers(self) -> set[str]:
         """Names given only dict, list or tuple displays (or clean values): their items, not rows."""

@@ -1,7 +1,7 @@
 """Converters for model families from other libraries, registered when a model from them is met.
 
 ``hf``: Hugging Face ``transformers`` (LLaMA and the decoders shaped like it, GPT-2, BERT, T5/BART,
-ViT/CLIP, LLaVA); ``timm``: timm's ``VisionTransformer``. Importing this package registers each
+ViT/CLIP, LLaVA, OPT, BLOOM and MPT); ``timm``: timm's ``VisionTransformer``. Importing this package registers each
 library with ``convert.register_library``: the files of a library are imported, and their
 ``register()`` run, only when ``parallelize`` first meets a module of that library.
 """
@@ -16,7 +16,10 @@ from optimus2d.comm.mesh import Mesh
 from optimus2d.convert.parallelizer import register_library
 
 # library → the files that register its classes
-_FILES = {"transformers": ("hf", "hf_causal_lm", "hf_vision", "hf_bert", "hf_seq2seq", "hf_llava"), "timm": ("timm",)}
+_FILES = {
+    "transformers": ("hf", "hf_causal_lm", "hf_vision", "hf_bert", "hf_seq2seq", "hf_llava", "hf_opt", "hf_alibi"),
+    "timm": ("timm",),
+}
 
 
 def _each(library: str, what: str):

@@ -49,6 +49,14 @@ _HF_ELEMENTWISE = (
 )
 
 
+def local_heads(attn: nn.Module, name: str, mesh: Mesh) -> int:
+    """The heads of ``attn`` one rank holds (its attribute ``name`` counts them all), or a refusal."""
+    heads = getattr(attn, name)
+    if heads % mesh.q:
+        raise ValueError(f"parallelize: {type(attn).__name__} {name}={heads} is not divisible by q={mesh.q} ({mesh})")
+    return heads // mesh.q
+
+
 def _gpt2_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
     if isinstance(attn.c_attn, TransposedLinear2D):  # converted already
         return attn

@@ -56,13 +56,25 @@ def finish(root: nn.Module, mesh: Mesh) -> None:
             _install(module)
 
 
+def output_head(module: nn.Module) -> nn.Module | None:
+    """The causal LM's head: ``lm_head``, or what ``get_output_embeddings()`` names (BioGPT's
+    ``output_projection``)."""
+    head = getattr(module, "lm_head", None)
+    if head is None and callable(getattr(module, "get_output_embeddings", None)):
+        try:
+            head = module.get_output_embeddings()
+        except (AttributeError, NotImplementedError):
+            return None
+    return head if isinstance(head, nn.Module) else None
+
+
 def _is_causal_lm(module: nn.Module) -> bool:
     from transformers import GenerationMixin, PreTrainedModel
 
     return (
         isinstance(module, PreTrainedModel)
         and isinstance(module, GenerationMixin)
-        and isinstance(getattr(module, "lm_head", None), nn.Module)
+        and isinstance(output_head(module), nn.Module)
         and hasattr(type(module), "loss_function")
         and not getattr(module.config, "is_encoder_decoder", False)  # decoder-only: no encoder inputs to split
     )
@@ -85,7 +97,7 @@ def _install(lm: nn.Module) -> None:
 
 def _head(lm: nn.Module, what: str) -> tuple[Mesh, int]:
     """(mesh, vocabulary V) of the converted ``lm_head``, whose logits are ``[b/(d·q), s, ⌈V/q⌉]``."""
-    head = lm.lm_head
+    head = output_head(lm)
     if isinstance(head, Linear2D):
         return head.mesh, head.out_features
     if isinstance(head, TiedHead2D):
