@@ -557,6 +557,7 @@ def test_every_layer_is_built_by_declaring_its_blocks_and_filling_them(mesh):
     parameter's owner is the module that declared it, ``requires_grad`` follows the serial tensor,
     and ``from_serial`` of a serial module on meta allocates nothing (its blocks stay on meta, for
     ``materialize``). Every ShardedModule class optimus2d defines is built here."""
+    from optimus2d.convert.positions import PositionsFromInputs2D
     from optimus2d.families import hf
     from optimus2d.families.hf_seq2seq import HeadTable2D, LearnedPositionalEmbedding2D, ScaledEmbedding2D
     from optimus2d.families.vision import PatchConv2D, PositionEmbedding2D
@@ -568,6 +569,10 @@ def test_every_layer_is_built_by_declaring_its_blocks_and_filling_them(mesh):
         def __init__(self):
             super().__init__()
             self.weight, self.bias = nn.Parameter(torch.empty(E, 3 * E)), nn.Parameter(torch.empty(3 * E))
+
+    class OffsetPositions(nn.Embedding):  # OPT's: ids computed from the mask
+        def forward(self, attention_mask):
+            return super().forward(attention_mask.cumsum(dim=1) + 1)
 
     def embedding(**attrs):  # BART's, with their attributes
         module = nn.Embedding(10, E)
@@ -594,6 +599,7 @@ def test_every_layer_is_built_by_declaring_its_blocks_and_filling_them(mesh):
             ScaledEmbedding2D: (embedding(embed_scale=2.0), {}),
             LearnedPositionalEmbedding2D: (embedding(offset=2), {}),
             hf.ScaledEmbedding2D: (table, {}),  # Gemma's: an Embedding2D given this class
+            PositionsFromInputs2D: (OffsetPositions(10, E), {}),
         }
     for serial, _ in serials.values():
         next(serial.parameters()).requires_grad_(False)  # a frozen tensor stays frozen

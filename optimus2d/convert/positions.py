@@ -52,6 +52,13 @@ class PositionsFromInputs2D(Embedding2D):
 
     _ids_of: nn.Module
 
+    @classmethod
+    def from_serial(cls, table: nn.Embedding, mesh: Mesh) -> PositionsFromInputs2D:
+        """``table`` (an ``nn.Embedding`` subclass computing its ids) on the mesh."""
+        out = super().from_serial(table, mesh)
+        out.__dict__["_ids_of"] = _stand_in(table)  # not a child: it holds nothing
+        return out
+
     def input_refusal(self, args: tuple, kwargs: dict) -> BaseException | None:
         return None  # the inputs are a mask and positions; the ids are checked in the lookup
 
@@ -124,10 +131,4 @@ def positions_from_inputs(module: nn.Module) -> Converter | None:
     if not _rows_independent(_stand_in(module)):
         return None
 
-    def convert(table: nn.Module, mesh: Mesh) -> nn.Module:
-        out = Embedding2D.from_serial(table, mesh)
-        out.__class__ = PositionsFromInputs2D
-        out.__dict__["_ids_of"] = _stand_in(table)  # not a child: it holds nothing
-        return out
-
-    return convert
+    return PositionsFromInputs2D.from_serial

@@ -27,6 +27,7 @@ from torch import nn
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
 from optimus2d.convert.blockwise import forward_problems
+from optimus2d.convert.forward_reader import draw_per_shard
 from optimus2d.convert.parallelizer import Converter, keep, register_converter, register_recogniser
 from optimus2d.families.vision import sum_grad_over_replicas
 from optimus2d.layers import Embedding2D, Linear2D
@@ -55,6 +56,13 @@ def local_heads(attn: nn.Module, name: str, mesh: Mesh) -> int:
     if heads % mesh.q:
         raise ValueError(f"parallelize: {type(attn).__name__} {name}={heads} is not divisible by q={mesh.q} ({mesh})")
     return heads // mesh.q
+
+
+def keep_drawing_per_shard(module: nn.Module, mesh: Mesh) -> nn.Module:
+    """``keep``, for a forward that calls ``F.dropout`` itself: its masks drawn per shard."""
+    keep(module, mesh)
+    draw_per_shard(module, mesh)
+    return module
 
 
 def _gpt2_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:

@@ -28,7 +28,7 @@ from torch import nn
 from optimus2d.comm.mesh import Mesh
 from optimus2d.convert.forward_reader import draw_per_shard
 from optimus2d.convert.parallelizer import keep, register_converter
-from optimus2d.families.hf import local_heads
+from optimus2d.families.hf import keep_drawing_per_shard, local_heads
 from optimus2d.layers import Linear2D
 
 
@@ -74,9 +74,7 @@ def _bloom_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
 
 def _bloom_mlp(mlp: nn.Module, mesh: Mesh) -> nn.Module:
     _refuse_tp_slices(mlp, mesh)
-    keep(mlp, mesh)
-    draw_per_shard(mlp, mesh)
-    return mlp
+    return keep_drawing_per_shard(mlp, mesh)
 
 
 def _mpt_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
@@ -90,12 +88,6 @@ def _mpt_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
     return attn
 
 
-def _drawing(module: nn.Module, mesh: Mesh) -> nn.Module:
-    keep(module, mesh)
-    draw_per_shard(module, mesh)
-    return module
-
-
 def register() -> None:
     """Register BLOOM's and MPT's classes (needs ``transformers``)."""
     bloom = importlib.import_module("transformers.models.bloom.modeling_bloom")
@@ -106,6 +98,6 @@ def register() -> None:
         register_converter(cls, keep=True)
     mpt = importlib.import_module("transformers.models.mpt.modeling_mpt")
     register_converter(mpt.MptAttention, _mpt_attention, converts_children=True)
-    register_converter(mpt.MptMLP, _drawing, converts_children=True)
+    register_converter(mpt.MptMLP, keep_drawing_per_shard, converts_children=True)
     for cls in (mpt.MptBlock, mpt.MptModel, mpt.MptForCausalLM):
         register_converter(cls, keep=True)

@@ -22,9 +22,8 @@ import importlib
 from torch import nn
 
 from optimus2d.comm.mesh import Mesh
-from optimus2d.convert.forward_reader import draw_per_shard
 from optimus2d.convert.parallelizer import keep, register_converter
-from optimus2d.families.hf import local_heads
+from optimus2d.families.hf import keep_drawing_per_shard, local_heads
 
 
 def _attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
@@ -32,12 +31,6 @@ def _attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
     keep(attn, mesh)
     attn.num_heads = heads  # this instance's heads: the reshape then yields the local ones
     return attn
-
-
-def _layer(layer: nn.Module, mesh: Mesh) -> nn.Module:
-    keep(layer, mesh)
-    draw_per_shard(layer, mesh)  # F.dropout(hidden_states, p=self.dropout): a mask per shard
-    return layer
 
 
 def _decoder(decoder: nn.Module, mesh: Mesh) -> nn.Module:
@@ -61,7 +54,7 @@ def register() -> None:
     """Register OPT's classes (needs ``transformers``)."""
     opt = importlib.import_module("transformers.models.opt.modeling_opt")
     register_converter(opt.OPTAttention, _attention, converts_children=True)
-    register_converter(opt.OPTDecoderLayer, _layer, converts_children=True)
+    register_converter(opt.OPTDecoderLayer, keep_drawing_per_shard, converts_children=True)
     register_converter(opt.OPTDecoder, _decoder, converts_children=True)
     for cls in (opt.OPTModel, opt.OPTForCausalLM):
         register_converter(cls, keep=True)
