@@ -9,10 +9,10 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import check_against_serial
 from torch import nn
 
-from optimus2d import gather, parallelize, scatter, scatter_batch
+from optimus2d import parallelize, scatter, scatter_batch
 from optimus2d.convert.positions import PositionsFromInputs2D, positions_from_inputs
 
 pytestmark = pytest.mark.mpi
@@ -65,7 +65,17 @@ class WithPositions(nn.Module):
         return self.proj(x + self.positions(attention_mask))
 
 
+class _WithMask(nn.Module):  # the model with its mask given: one input, as check_against_serial wants
+    def __init__(self, model: nn.Module, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.model, self.mask = model, mask
+
+    def forward(self, x):
+        return self.model(x, self.mask)
+
+
 def test_a_table_computing_its_ids_is_exact_on_padded_rows(mesh):
+    """Outputs, input gradients and the table and projection after a step, rows padded 0 to 2 tokens."""
     torch.manual_seed(0)
     serial = WithPositions()
     parallel = parallelize(copy.deepcopy(serial), mesh)
@@ -74,9 +84,7 @@ def test_a_table_computing_its_ids_is_exact_on_padded_rows(mesh):
     x, mask = torch.randn(rows, 6, E), torch.ones(rows, 6, dtype=torch.long)
     for r in range(rows):
         mask[r, : r % 3] = 0
-    want = serial(x, mask)
-    got = gather(parallel(scatter(x, mesh), scatter_batch(mask, mesh)).detach(), mesh)
-    assert_close(got, want.detach(), 1e-5, "positions from a padded mask")
+    check_against_serial(_WithMask(serial, mask), _WithMask(parallel, scatter_batch(mask, mesh)), x, mesh)
 
 
 def test_a_lookalike_table_is_refused_before_any_change(mesh):
@@ -127,9 +135,16 @@ def test_a_branch_that_cannot_run_and_a_cache_by_layer_convert_exactly(mesh):
     torch.manual_seed(0)
     for serial in (LayerDrop(0.0), CachedByLayer()):
         parallel = parallelize(copy.deepcopy(serial), mesh)
-        x = torch.randn(2 * mesh.depth * mesh.q, 3, E)
-        got = gather(parallel(scatter(x, mesh)).detach(), mesh)
-        assert_close(got, serial(x).detach(), 1e-5, type(serial).__name__)
+        check_against_serial(serial, parallel, torch.randn(2 * mesh.depth * mesh.q, 3, E), mesh)
+
+
+def test_layerdrop_set_after_conversion_stops_the_forward(mesh):
+    """The branch was read as dead with layerdrop 0: with 0.1 the forward raises, on every rank,
+    before its layers run (a collective among them)."""
+    parallel = parallelize(LayerDrop(0.0), mesh)
+    parallel.layerdrop = 0.1
+    with pytest.raises(RuntimeError, match=r"LayerDrop.forward was judged correct on blocks with `self.training and"):
+        parallel(scatter(torch.randn(2 * mesh.depth * mesh.q, 3, E), mesh))
 
 
 @pytest.mark.parametrize(

@@ -79,17 +79,21 @@ def read_forward(module: nn.Module) -> Reading:
     """Read ``type(module).forward`` (and the methods it calls on ``self``) for this instance."""
     reading = Reading()
     _read_method(module, "forward", set(module._modules), reading, set())
-    head = getattr(module, "lm_head", None) or _output_embeddings(module)
-    if isinstance(head, nn.Module) and hasattr(module, "generate"):  # families/hf_causal_lm replaces it
+    if output_head(module) is not None and hasattr(module, "generate"):  # families/hf_causal_lm replaces it
         reading.problems = [p for p in reading.problems if "self.loss_function()" not in p]
     return reading
 
 
-def _output_embeddings(module: nn.Module):
-    try:
-        return module.get_output_embeddings() if callable(getattr(module, "get_output_embeddings", None)) else None
-    except (AttributeError, NotImplementedError):
-        return None
+def output_head(module: nn.Module) -> nn.Module | None:
+    """A language model's head: its ``lm_head``, or what ``get_output_embeddings()`` names (BioGPT's
+    ``output_projection``); None if it has neither."""
+    head = getattr(module, "lm_head", None)
+    if head is None and callable(getattr(module, "get_output_embeddings", None)):
+        try:
+            head = module.get_output_embeddings()
+        except (AttributeError, NotImplementedError):
+            return None
+    return head if isinstance(head, nn.Module) else None
 
 
 def forward_problems(module: nn.Module) -> list[str]:

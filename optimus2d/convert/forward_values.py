@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import re
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +130,17 @@ def static_value(expr: ast.expr, module: nn.Module):
     return UNKNOWN
 
 
+def _names_only_caches(annotation) -> bool:
+    """An annotation naming KV caches and nothing else (``Cache | None``, ``EncoderDecoderCache``; not
+    ``Cache | torch.Tensor``), as an object or as the text of a postponed annotation."""
+    if annotation is None:
+        return False
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None) or str(annotation)
+    names = [n.rpartition(".")[2] for n in re.findall(r"[A-Za-z_][\w.]*", text)]
+    names = [n for n in names if n not in ("None", "NoneType", "Optional", "Union", "typing")]
+    return bool(names) and all(n.endswith("Cache") for n in names)
+
+
 def _same(a, b) -> bool:
     try:
         return bool(a == b)
@@ -174,7 +186,7 @@ class Names:
                         self.direct.setdefault(name, []).append(part)
         self.assigned = assigned
         notes = getattr(fn, "__annotations__", None) or {}  # the parsed tree has none (_parsed)
-        self._caches = {p for p in params if "Cache" in str(notes.get(p, "")) and p not in self.direct}
+        self._caches = {p for p in params if _names_only_caches(notes.get(p)) and p not in self.direct}
         grown = True
         while grown:  # curr_cache = cache.self_attention_cache (or cache): a cache too
             grown = False

@@ -5,7 +5,7 @@ head once and hands them to each attention. On the mesh a rank holds heads block
 the projections' output it holds, ``mesh.index("row")``), so its attention takes the slice of the
 biases of those heads, and its instance counts them (``num_heads / q``; heads q does not divide are
 refused). Everything else is read and declared here class by class, as for GPT-2 (``hf.py``), and
-each is exact against the serial model in ``tests/test_families_decoders_mpi.py``:
+each is exact against the serial model in ``tests/test_families_positions_mpi.py``:
 
 - BLOOM: ``query_key_value`` holds, per head, its q, k and v rows side by side (``view(b, s, heads,
   3, head_dim)``): head block j is the contiguous block j of its rows, a plain ``Linear2D``. The

@@ -35,6 +35,7 @@ from torch import nn
 
 from optimus2d.comm import gather, scatter, scatter_batch
 from optimus2d.comm.mesh import Mesh
+from optimus2d.convert.forward_reader import output_head
 from optimus2d.layers.base import serial_shape
 from optimus2d.layers.embedding import Embedding2D, TiedHead2D
 from optimus2d.layers.linear import Linear2D
@@ -54,18 +55,6 @@ def finish(root: nn.Module, mesh: Mesh) -> None:
     for module in root.modules():
         if _is_causal_lm(module):
             _install(module)
-
-
-def output_head(module: nn.Module) -> nn.Module | None:
-    """The causal LM's head: ``lm_head``, or what ``get_output_embeddings()`` names (BioGPT's
-    ``output_projection``)."""
-    head = getattr(module, "lm_head", None)
-    if head is None and callable(getattr(module, "get_output_embeddings", None)):
-        try:
-            head = module.get_output_embeddings()
-        except (AttributeError, NotImplementedError):
-            return None
-    return head if isinstance(head, nn.Module) else None
 
 
 def _is_causal_lm(module: nn.Module) -> bool:

@@ -1,7 +1,7 @@
 """OPT (``OPTForCausalLM``): learned positions, heads counted in the attention, LayerDrop.
 
 Read and declared here, class by class, as for GPT-2 (``hf.py``); each is exact against the serial
-model in ``tests/test_families_decoders_mpi.py``:
+model in ``tests/test_families_positions_mpi.py``:
 
 - ``OPTAttention`` reshapes with ``self.num_heads`` (``view(bsz, -1, self.num_heads,
   self.head_dim)``): its projections become ``Linear2D`` and the instance is given its local count,
