@@ -16,6 +16,7 @@ from torch import nn
 
 from optimus2d.comm import all_reduce
 from optimus2d.comm import primitives as P
+from optimus2d.comm.dtensor import local
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers.base import param_sharding
 
@@ -100,20 +101,20 @@ def clip_over(
     ``copies``: parameters whose gradient that many ranks of the lane hold alike (a tied table's
     copies on the first and last stages), each counted 1/copies times so the table counts once."""
     copies = {id(p): n for p, n in (copies or {}).items()}
-    grads = [(p.grad, _replicas(p, mesh) * copies.get(id(p), 1)) for p in params if p.grad is not None]
+    grads = [(local(p.grad), _replicas(p, mesh) * copies.get(id(p), 1)) for p in params if p.grad is not None]
     device = grads[0][0].device if grads else torch.device("cpu")
     if norm_type == float("inf"):
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        local = max((g.detach().abs().max().double() for g, _ in grads), default=zero)
-        total = local.reshape(1).clone()
+        mine = max((g.detach().abs().max().double() for g, _ in grads), default=zero)
+        total = mine.reshape(1).clone()
         P.all_reduce_max(total, mesh, "mesh")
         P.all_reduce_group(total, mesh, lane, "lane", op=dist.ReduceOp.MAX)
         total = total[0]
     else:
-        local = torch.zeros((), dtype=torch.float64, device=device)
+        mine = torch.zeros((), dtype=torch.float64, device=device)
         for g, replicas in grads:
-            local = local + g.detach().double().abs().pow(norm_type).sum() / replicas
-        total = all_reduce(local.reshape(1), mesh, ("mesh",))
+            mine = mine + g.detach().double().abs().pow(norm_type).sum() / replicas
+        total = all_reduce(mine.reshape(1), mesh, ("mesh",))
         P.all_reduce_group(total, mesh, lane, "lane")
         total = total[0] ** (1.0 / norm_type)
     clip = max_norm / (total + 1e-6)  # in float64, rounded once to each gradient's dtype

@@ -11,12 +11,25 @@ import torch
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max |want| (0 when both are zero), computed in fp64."""
+    """max |got - want| / max |want| (0 when both are zero), computed in fp64. A DTensor (a
+    converted model's parameter or gradient) is compared as the serial tensor it stands for, or as
+    this rank's block where ``want`` has the block's shape."""
+    got, want = _as_compared(got, want), _as_compared(want, got)
     got, want = got.detach().double(), want.detach().double()
     assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
     scale = want.abs().max().item()
     diff = (got - want).abs().max().item()
     return diff / scale if scale else diff
+
+
+def _as_compared(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(got, DTensor):
+        return got
+    if isinstance(want, DTensor):  # two of one layout (a compiled model's and an eager one's): blocks
+        return got.to_local()
+    return got.full_tensor() if got.shape == want.shape else got.to_local()
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-5, what: str = "") -> None:
@@ -69,13 +82,15 @@ def assert_grads_like_serial(serial, parallel, mesh, tol: float = 1e-4) -> float
     within ``tol`` of its own size, or of 1e-3 of the largest (an attention key bias has none but
     rounding). Returns the largest serial gradient element."""
     from optimus2d.comm import unshard
+    from optimus2d.comm.dtensor import local
     from optimus2d.layers.base import param_sharding
 
     grads = {}
     for name, p in parallel.named_parameters():
         if p.grad is not None:
             sharding = param_sharding(p)
-            grads[name] = unshard(p.grad.contiguous(), mesh, sharding) if sharding is not None else p.grad
+            grad = local(p.grad)
+            grads[name] = unshard(grad.contiguous(), mesh, sharding) if sharding is not None else grad
     want = {name: p.grad for name, p in serial.named_parameters() if p.grad is not None}
     assert set(grads) == set(want)
     scale = max(g.abs().max().item() for g in want.values())
@@ -123,13 +138,15 @@ def as_serial(chunks, tensors=None) -> dict:
     the chunks' serial keys, full: collective over the chunks' mesh. Works through wrappers that
     rewrite keys (``serial_state_dict`` finds each tensor's owner)."""
     from optimus2d import serial_state_dict
+    from optimus2d.comm.dtensor import local
 
     tensors = tensors or (lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
     out = {}
     for chunk in chunks if isinstance(chunks, (list, tuple)) else [chunks]:
         twin = copy.deepcopy(chunk)  # the mesh is shared, not copied
         for p, twin_p in zip(chunk.parameters(), twin.parameters(), strict=True):  # a deep copy drops .grad
-            twin_p.data = tensors(p)
+            with torch.no_grad():  # into the block (a DTensor's .data would not reach its local tensor)
+                local(twin_p).copy_(local(tensors(p)))
         out.update(serial_state_dict(twin))
     return out
 

@@ -17,6 +17,7 @@ from torch import nn
 
 import optimus2d
 from optimus2d import checkpoint, clip_grad_norm_, parallelize, scatter, scatter_batch, serial_state_dict
+from optimus2d.comm.dtensor import local
 from optimus2d.layers.base import ShardedModule, param_sharding
 
 pytestmark = pytest.mark.mpi
@@ -35,6 +36,8 @@ def _check_copy(original: nn.Module, twin: nn.Module, mesh) -> None:
     assert tags == _tags(original)
     assert all(owner is mesh for _, owner in tags.values())
     for (name, p), t in zip(original.named_parameters(), twin.parameters(), strict=True):
+        assert type(p) is type(t), name  # a DTensor's copy is one too
+        p, t = local(p), local(t)
         assert p is not t and p.data_ptr() != t.data_ptr() and torch.equal(p, t), name
     assert copy.deepcopy(mesh) is mesh and copy.copy(mesh) is mesh
     with pytest.raises(TypeError, match="cannot be pickled"):

@@ -15,6 +15,7 @@ from torch import nn
 
 import optimus2d
 from optimus2d import gather, parallelize, scatter, scatter_batch, serial_state_dict
+from optimus2d.comm.dtensor import local as block_of
 from optimus2d.families.hf_seq2seq import HeadTable2D, LearnedPositionalEmbedding2D, ScaledEmbedding2D
 from optimus2d.layers import Embedding2D, Linear2D, TiedHead2D
 
@@ -139,9 +140,9 @@ def test_bert_masked_lm_labels_and_one_step(mesh, vocab, tied):
     if tied:  # one table, one bias block: the optimizer sees each once
         assert isinstance(head.decoder, TiedHead2D) and head.decoder.bias is head.bias
         assert head.decoder.weight is parallel.bert.embeddings.word_embeddings.weight
-        assert head.bias.shape == (-(-vocab // mesh.q),)
+        assert block_of(head.bias).shape == (-(-vocab // mesh.q),)
     else:
-        assert isinstance(head.decoder, Linear2D) and head.bias.shape == (vocab // mesh.q,)
+        assert isinstance(head.decoder, Linear2D) and block_of(head.bias).shape == (vocab // mesh.q,)
     b = 2 * mesh.depth * mesh.q
     ids, mask, labels = _text(b, vocab)
 
@@ -173,7 +174,7 @@ def test_bart_shared_table_labels_and_one_step(mesh, vocab):
     assert isinstance(parallel.lm_head, TiedHead2D) and parallel.lm_head.weight is table
     assert isinstance(model.decoder.embed_positions, LearnedPositionalEmbedding2D)
     assert model.decoder.layers[0].encoder_attn.num_heads == 6 // mesh.q
-    assert parallel.final_logits_bias.shape == (1, -(-vocab // mesh.q))
+    assert block_of(parallel.final_logits_bias).shape == (1, -(-vocab // mesh.q))
     b = 2 * mesh.depth * mesh.q
     ids, mask, labels = _text(b, vocab)
 
@@ -198,7 +199,8 @@ def test_t5_relative_bias_labels_and_one_step(mesh, vocab, ff, tied):
     assert isinstance(parallel.lm_head, TiedHead2D if tied else Linear2D)
     attention = parallel.decoder.block[0].layer[0].SelfAttention
     assert isinstance(attention.relative_attention_bias, HeadTable2D)
-    assert attention.relative_attention_bias.weight.shape == (8, 6 // mesh.q) and attention.n_heads == 6 // mesh.q
+    assert block_of(attention.relative_attention_bias.weight).shape == (8, 6 // mesh.q)
+    assert attention.n_heads == 6 // mesh.q
     b = 2 * mesh.depth * mesh.q
     ids, mask, labels = _text(b, vocab)
 

@@ -14,6 +14,7 @@ from torch import nn
 import optimus2d.comm.stationary as stationary
 import optimus2d.comm.summa as summa
 from optimus2d import Mesh, count_comm, parallelize, scatter
+from optimus2d.comm.dtensor import local
 from optimus2d.layers import Linear2D
 
 pytestmark = pytest.mark.mpi
@@ -23,7 +24,7 @@ class Saved:
     """Bytes of tensors autograd keeps for backward, parameters apart (a view of one costs nothing)."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.params = {local(p).untyped_storage().data_ptr() for p in module.parameters()}
         self.activation_bytes = 0
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 

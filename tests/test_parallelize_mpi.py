@@ -195,6 +195,24 @@ def test_frozen_parameters_stay_frozen_and_unchanged(mesh):
             assert torch.equal(after[key], before[key]), key
 
 
+def test_a_model_converted_in_eval_mode_stays_in_eval_mode(mesh):
+    """Every module keeps its serial module's mode (a converter's new modules their ancestor's): a
+    GPT-2 converted in eval mode runs no dropout, as serial does (before, its Dropout2D were made in
+    training mode and the logits were 0.23 off, silently)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=96, n_embd=24, n_layer=1, n_head=6, n_positions=16)
+    serial = transformers.GPT2LMHeadModel(cfg).double().eval()
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    ids = torch.randint(0, 96, (2 * mesh.depth * mesh.q, 6))
+    got = gather(parallel(input_ids=optimus2d.scatter_batch(ids, mesh)).logits.detach(), mesh)
+    assert_close(got, serial(input_ids=ids).logits, 1e-12, "logits in eval mode")
+    serial.transformer.h[0].mlp.train()  # one part in training mode: it stays so (its dropout drawn)
+    modes = {path: m.training for path, m in parallelize(copy.deepcopy(serial), mesh).named_modules()}
+    assert modes["transformer.h.0.mlp"] and modes["transformer.h.0.mlp.dropout"]
+    assert not any(mode for path, mode in modes.items() if not path.startswith("transformer.h.0.mlp"))
+
+
 def test_a_model_without_parameters_converts(mesh):
     model = parallelize(nn.Sequential(nn.GELU(), nn.Identity()), mesh)  # nothing to compare: no exchange fails
     x = torch.randn(2 * mesh.depth * mesh.q, 3, 4 * mesh.q)

@@ -42,6 +42,7 @@ from optimus2d.checkpoint import integrity
 from optimus2d.checkpoint.progress import Progress, mib, on
 from optimus2d.checkpoint.serial import _owners
 from optimus2d.comm import primitives as P
+from optimus2d.comm.dtensor import DTensor, like, local, stored_state_dict
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, Slices, block_slices
 from optimus2d.convert.meta_init import materialize
@@ -73,7 +74,12 @@ class _Tensor:
 
     @property
     def serial_shape(self) -> tuple[int, ...]:
-        return self.sharding.full_shape if self.sharding is not None else tuple(self.tensor.shape)
+        return self.sharding.full_shape if self.sharding is not None else tuple(self.block.shape)
+
+    @property
+    def block(self) -> torch.Tensor:
+        """The block itself (a DTensor parameter's local tensor), to read into."""
+        return local(self.tensor)
 
 
 def _volume(slices: Slices) -> int:
@@ -83,7 +89,9 @@ def _volume(slices: Slices) -> int:
 def _tensors(model: nn.Module) -> list[_Tensor]:
     """The model's tensors in state_dict order, each once (aliases grouped under its first key)."""
     owners, by_id, out = _owners(model), {}, []
-    for key, value in model.state_dict(keep_vars=True).items():
+    with stored_state_dict():
+        state = model.state_dict(keep_vars=True)
+    for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"optimus2d.pretrained: {key} is not a tensor (a module's extra state)")
         if id(value) in by_id:
@@ -195,8 +203,8 @@ def _plan_load(model, tensors, mesh, path, strict) -> list[tuple[_Tensor, str, s
             shapes.append(f"{key}: checkpoint {list(stored)}, model {list(t.serial_shape)}")
         if dtype not in _CODES.values():
             shapes.append(f"{key}: dtype {dtype} is not one torch reads")
-        if t.sharding is not None and tuple(t.tensor.shape) != t.sharding.local_shape(t.mesh):
-            got, want = list(t.tensor.shape), list(t.sharding.local_shape(t.mesh))
+        if t.sharding is not None and tuple(t.block.shape) != t.sharding.local_shape(t.mesh):
+            got, want = list(t.block.shape), list(t.sharding.local_shape(t.mesh))
             shapes.append(f"{key}: the model's block is {got}, its Sharding's {want}")
         plan.append((t, renamed[key], files[renamed[key]]))
     ignore_missing, ignore_unexpected = _ignored(model, "missing"), _ignored(model, "unexpected")
@@ -259,6 +267,7 @@ def _install(t: _Tensor, block: torch.Tensor) -> None:
     try:
         swap_block(old, block)
     except RuntimeError:  # weak references to it (swap_tensors refuses): a new tensor in every holder
+        block = like(old, block) if isinstance(old, DTensor) else block
         new = nn.Parameter(block, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else block
         new.__dict__.update(old.__dict__)  # optimus2d's marks
         for module, name in t.holders:
@@ -323,11 +332,11 @@ def load_pretrained(
                 for t, key in items:  # the file opened per run of rows: its pages leave memory at once
                     if t.tensor.is_meta:
                         where = device or (t.mesh.device if t.mesh is not None else "cpu")
-                        block = torch.empty(t.tensor.shape, dtype=t.tensor.dtype, device=where)
+                        block = torch.empty(t.block.shape, dtype=t.tensor.dtype, device=where)
                         _read_block(name, key, t, block, checked.verify)
                         _install(t, block)
                     else:
-                        _read_block(name, key, t, t.tensor, checked.verify)
+                        _read_block(name, key, t, t.block, checked.verify)
                     bar.update()
     except Exception as err:  # every rank learns of it (none is left waiting): raised below
         error = err

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from optimus2d.comm.dtensor import local, stored_state_dict
 from optimus2d.layers.base import load_serial_tensor, serial_shape, serial_tensor
 
 
@@ -25,7 +26,9 @@ def _owners(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
                 owners[f"{prefix}.{name}" if prefix else name] = (sub, name)
                 if not t.is_meta:
                     by_tensor.setdefault(_signature(t), (sub, name))
-    for key, value in module.state_dict(keep_vars=True).items():
+    with stored_state_dict():
+        state = module.state_dict(keep_vars=True)
+    for key, value in state.items():
         if key not in owners and isinstance(value, torch.Tensor) and not value.is_meta:
             if _signature(value) in by_tensor:
                 owners[key] = by_tensor[_signature(value)]
@@ -33,6 +36,7 @@ def _owners(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
 
 
 def _signature(t: torch.Tensor) -> tuple:
+    t = local(t)
     return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
@@ -44,12 +48,14 @@ def serial_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """
     owners = _owners(module)
     out = {}
-    for key, value in module.state_dict().items():
+    with stored_state_dict():
+        state = module.state_dict()
+    for key, value in state.items():
         owner, name = owners.get(key, (None, None))
         if not isinstance(value, torch.Tensor):  # a module's extra state: passed through as it is
             out[key] = value
         else:
-            out[key] = serial_tensor(owner, name).clone() if owner is not None else value.detach().clone()
+            out[key] = serial_tensor(owner, name).clone() if owner is not None else local(value).detach().clone()
     return out
 
 
@@ -60,7 +66,8 @@ def load_serial_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Ten
     that does not fit raises ``ValueError`` and leaves the model unchanged.
     """
     owners = _owners(module)
-    own_keys = list(module.state_dict().keys())
+    with stored_state_dict():
+        own_keys = list(module.state_dict().keys())
     missing = [k for k in own_keys if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own_keys]
     if strict and (missing or unexpected):

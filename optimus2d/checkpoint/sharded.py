@@ -40,31 +40,34 @@ from optimus2d.checkpoint import integrity
 from optimus2d.checkpoint.progress import Progress, mib, on
 from optimus2d.checkpoint.serial import _owners
 from optimus2d.comm import replicas
+from optimus2d.comm.dtensor import MESH_DIMS, like, local, stored_state_dict
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
 from optimus2d.layers.base import sharding_of
-
-_MESH_DIMS = {"depth": 0, "col": 1, "row": 2}  # mesh group → the DeviceMesh dim (k, i, j) it varies
 
 
 @dataclass
 class _Entry:
     key: str  # serial state_dict key
-    tensor: torch.Tensor  # this rank's block (a parameter or buffer)
+    tensor: torch.Tensor  # this rank's block (a parameter's or buffer's local tensor)
+    param: torch.Tensor  # the parameter or buffer itself (the optimizer's key)
     sharding: Sharding | None  # None: replicated (plain torch)
     mesh: Mesh | None
 
 
 def _entries(model: nn.Module) -> list[_Entry]:
     owners, out = _owners(model), []
-    for key, value in model.state_dict().items():
+    with stored_state_dict():
+        state = model.state_dict()
+    for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"optimus2d.checkpoint: {key} is not a tensor (a module's extra state); it would not be resharded"
             )
         owner, name = owners[key]
         sharding, mesh = sharding_of(owner, name)
-        out.append(_Entry(key, getattr(owner, name), sharding, mesh))
+        param = getattr(owner, name)
+        out.append(_Entry(key, local(param), param, sharding, mesh))
     return out
 
 
@@ -117,7 +120,7 @@ def _stored_views(local: torch.Tensor, sharding: Sharding | None, mesh: Mesh | N
         placements = [Replicate(), Replicate(), Replicate()]
         for d, axes in enumerate(part.dims):
             for axis in axes:
-                placements[_MESH_DIMS[axis]] = Shard(d)
+                placements[MESH_DIMS[axis]] = Shard(d)
         full = torch.empty(part.full_shape, device="meta")
         views.append(
             DTensor.from_local(
@@ -150,7 +153,7 @@ def _first_alias(entries: list[_Entry]) -> dict[int, _Entry]:
     """A tensor under several keys (a tied head) keeps its optimizer state under its first key."""
     by_param: dict[int, _Entry] = {}
     for e in entries:
-        by_param.setdefault(id(e.tensor), e)
+        by_param.setdefault(id(e.param), e)
     return by_param
 
 
@@ -172,7 +175,7 @@ def _optimizer_tensors(optimizer, entries: list[_Entry]) -> dict[str, tuple[torc
                         f"{tuple(value.shape)}, neither the parameter's block {tuple(p.shape)} nor a scalar: "
                         "it cannot be resharded"
                     )
-                out[f"optim/{entry.key}/{name}"] = (value, entry if like_param else None)
+                out[f"optim/{entry.key}/{name}"] = (local(value), entry if like_param else None)
     return out
 
 
@@ -184,7 +187,7 @@ def _meta(optimizer, entries: list[_Entry]) -> dict:
     ]
     keys: dict[int, list[str]] = {}
     for e in entries:
-        keys.setdefault(id(e.tensor), []).append(e.key)
+        keys.setdefault(id(e.param), []).append(e.key)
     return {
         "format": _files.FORMAT,
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
@@ -472,7 +475,7 @@ def _optimizer_targets(optimizer, entries, metadata, expected, tied: dict[str, s
     the last pipeline stage) reads the state stored under that key."""
     aliases: dict[int, list[_Entry]] = {}
     for e in entries:
-        aliases.setdefault(id(e.tensor), []).append(e)
+        aliases.setdefault(id(e.param), []).append(e)
     targets = []
     for group in optimizer.param_groups:
         on_device = bool(group.get("capturable") or group.get("fused"))
@@ -494,7 +497,7 @@ def _optimizer_targets(optimizer, entries, metadata, expected, tied: dict[str, s
                 if split or tuple(first.size) == serial_shape:  # laid out like the parameter: its dtype
                     for suffix, part in zip(_suffixes(entry.sharding), _parts(entry.sharding), strict=True):
                         expected[f"{prefix}{name}{suffix}"] = part.full_shape if part is not None else tuple(p.shape)
-                    buffer = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+                    buffer = torch.zeros(local(p).shape, dtype=p.dtype, device=p.device)
                     targets.append((f"{prefix}{name}", buffer, entry.sharding, entry.mesh, p))
                 else:  # a scalar such as Adam's step: on the CPU, as torch keeps it, unless capturable/fused
                     expected[f"{prefix}{name}"] = tuple(first.size)
@@ -536,8 +539,10 @@ def _write_back(buffer: torch.Tensor, views: list[torch.Tensor], sharding: Shard
         buffer.copy_(locals_[0])
         return
     pieces = _split_parts(buffer, sharding, None if mesh is None or mesh.size == 1 else mesh)
-    for piece, local in zip(pieces, locals_, strict=True):
-        piece[tuple(slice(0, n) for n in local.shape)].copy_(local.clone())  # local may alias the buffer
+    for piece, piece_local in zip(pieces, locals_, strict=True):
+        piece[tuple(slice(0, n) for n in piece_local.shape)].copy_(
+            piece_local.clone()
+        )  # piece_local may alias the buffer
 
 
 def _install_optimizer_state(optimizer, optim_targets, meta) -> None:
@@ -546,7 +551,8 @@ def _install_optimizer_state(optimizer, optim_targets, meta) -> None:
             optimizer.state.pop(p, None)
     for key, buffer, _, _, param in optim_targets:
         name = key.rpartition("/")[2]
-        optimizer.state[param][name] = buffer
+        like_param = isinstance(param, DTensor) and buffer.dim() > 0  # a DTensor's state is one too
+        optimizer.state[param][name] = like(param, buffer) if like_param else buffer
     saved_groups = meta.get("param_groups", [])
     for group, saved in zip(optimizer.param_groups, saved_groups, strict=False):
         for k, v in saved.items():

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from optimus2d.comm.dtensor import local
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, block_slices
 from optimus2d.layers.base import sharding_of, swap_block
@@ -233,6 +234,7 @@ def materialize(model: nn.Module, *, seed: int, device: torch.device | str | Non
 
 
 def _replay(ops, key: str, seed: int, t: torch.Tensor, sharding: Sharding | None, mesh: Mesh | None):
+    t = local(t)  # a DTensor parameter: its block
     index, full_shape = _global_index(t, sharding, mesh)  # int64 [local shape]; -1 on padding
     valid = index >= 0
     flat = index.clamp(min=0)

@@ -22,6 +22,7 @@ from optimus2d.comm.calls import layout
 from optimus2d.comm.mesh import Mesh, as_mesh
 from optimus2d.context.parallel import ContextParallel
 from optimus2d.convert import blockwise, forward_reader, layouts
+from optimus2d.convert.dtensor_params import distribute_parameters
 from optimus2d.convert.meta_init import has_meta, record_init
 from optimus2d.convert.tied import tied_embeddings
 from optimus2d.layers import (
@@ -223,18 +224,33 @@ def parallelize(
         # blocks of a part converted already differ by rank: only the serial tensors must agree
         tensors = [(name, t) for name, t in named if getattr(t, "_optimus2d_mesh", None) is None]
         check_same_tensors(mesh, "parallelize: the serial weights", tensors, check)
+    modes = {path: m.training for path, m in module.named_modules()} if _current.get() is None else None
     token = _current.set(walk)
     try:
         out = walk.convert(module, "")
     finally:
         _current.reset(token)
+    if modes is not None:
+        keep_modes(out, modes)
     if _current.get() is None:
         for _, (register, finish) in sorted(_LIBRARIES.items()):
             if register is None and finish is not None:  # a library whose modules were met
                 finish(out, mesh)
+        distribute_parameters(out, mesh)  # every parameter a DTensor: torch's tools see serial tensors
     if records is not None:
         out._optimus2d_init = records
     return out
+
+
+def keep_modes(model: nn.Module, modes: dict[str, bool]) -> None:
+    """Give every module of the converted ``model`` the train/eval mode of the serial module at its
+    path, or of its nearest ancestor that had one (a module a converter made): a model converted in
+    eval mode stays in eval mode (no dropout), as ``copy.deepcopy`` would keep it."""
+    for path, m in model.named_modules():
+        at = path
+        while at not in modes and at:
+            at = at.rpartition(".")[0]
+        m.training = modes.get(at, m.training)
 
 
 def _rehearse(module: nn.Module, mesh: Mesh, walk: _Walk) -> None:

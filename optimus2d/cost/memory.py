@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from optimus2d.comm.dtensor import local
+
 
 def saved_activation_bytes(module: nn.Module, *inputs: torch.Tensor, **kwargs) -> int:
     """Bytes of the tensors one forward of ``module`` saves for backward, parameters excluded.
@@ -12,7 +14,7 @@ def saved_activation_bytes(module: nn.Module, *inputs: torch.Tensor, **kwargs) -
     Counted by storage, once each (views of one tensor count once), with
     ``torch.autograd.graph.saved_tensors_hooks``; the graph is freed before returning.
     """
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    params = {local(p).untyped_storage().data_ptr() for p in module.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

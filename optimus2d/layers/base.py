@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from optimus2d.comm.calls import check_call, mark_agreed, refusal, tag
+from optimus2d.comm.dtensor import DTensor, like, local
 from optimus2d.comm.mesh import Mesh, as_mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
 from optimus2d.comm.watch import PeerFailedError
@@ -244,8 +245,8 @@ def sharding_of(module: nn.Module, name: str) -> tuple[Sharding | None, Mesh | N
 def serial_tensor(module: nn.Module, name: str) -> torch.Tensor:
     """The serial tensor ``name`` of ``module`` on every rank (all-gathers its blocks)."""
     sharding, mesh = sharding_of(module, name)
-    local = getattr(module, name).detach()
-    return unshard(local.contiguous(), mesh, sharding) if sharding is not None else local
+    block = local(getattr(module, name)).detach()
+    return unshard(block.contiguous(), mesh, sharding) if sharding is not None else block
 
 
 def load_serial_tensor(module: nn.Module, name: str, full: torch.Tensor) -> None:
@@ -261,7 +262,7 @@ def load_serial_tensor(module: nn.Module, name: str, full: torch.Tensor) -> None
         if target.is_meta:
             swap_block(target, block.clone(memory_format=torch.contiguous_format))
         else:
-            target.copy_(block)
+            local(target).copy_(block)
 
 
 def fill_from_serial(module: nn.Module, serial: nn.Module) -> None:
@@ -302,6 +303,8 @@ def swap_block(t: torch.Tensor, block: torch.Tensor) -> None:
     """Give the tensor ``t`` (on meta, say) the values, dtype and device of ``block``, keeping the
     object (ties, an optimizer-to-be), its attributes and its gradient hooks."""
     hooks = list(t._backward_hooks.values()) if getattr(t, "_backward_hooks", None) else []
+    if isinstance(t, DTensor):  # a parameter told to torch as a DTensor: the block is its local tensor
+        block = like(t, block)
     new = nn.Parameter(block, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else block
     new.__dict__.update(t.__dict__)
     torch.utils.swap_tensors(t, new)
@@ -315,4 +318,4 @@ def swap_block(t: torch.Tensor, block: torch.Tensor) -> None:
 
 def serial_shape(module: nn.Module, name: str) -> tuple[int, ...]:
     sharding, _ = sharding_of(module, name)
-    return sharding.full_shape if sharding is not None else tuple(getattr(module, name).shape)
+    return sharding.full_shape if sharding is not None else tuple(local(getattr(module, name)).shape)

@@ -35,6 +35,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from optimus2d.comm import compat
 from optimus2d.comm import primitives as P
+from optimus2d.comm.dtensor import local
 from optimus2d.comm.mesh import Mesh
 from optimus2d.pipeline.agreement import agree_step
 
@@ -168,7 +169,7 @@ class DataParallelStage(LaneStage):
         super().__init__(*args, **kwargs)
         self.dp_group, self.mesh = dp_group, mesh
         for t in [*self.submod.parameters(), *self.submod.buffers()]:
-            P.broadcast_group(t.data, mesh, dp_group, "dp")
+            P.broadcast_group(local(t).data, mesh, dp_group, "dp")
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
@@ -180,7 +181,7 @@ class DataParallelStage(LaneStage):
 def average_grads(module: nn.Module, group: dist.ProcessGroup, mesh: Mesh) -> None:
     """Each gradient of ``module`` becomes its mean over ``group``: one all-reduce per dtype of the
     flattened gradients (parameters without one are left without one)."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    grads = [local(p.grad) for p in module.parameters() if p.grad is not None]
     size = dist.get_world_size(group)
     for dtype in dict.fromkeys(g.dtype for g in grads):
         same = [g for g in grads if g.dtype == dtype]

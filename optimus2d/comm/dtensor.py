@@ -1,0 +1,174 @@
+"""A block told to torch as what it is: a DTensor of the serial tensor on the mesh's ``DeviceMesh``.
+
+A parameter's ``Sharding`` becomes placements on the DeviceMesh of dims ("depth", "row", "col"):
+the axis "depth" varies dim 0, "col" (the ranks sharing a column, index i) dim 1 and "row" (index
+j) dim 2, so a ``Linear2D`` weight ``[out, in]`` split as ``(("col",), ("row",))`` is
+``(Replicate(), Shard(0), Shard(1))`` and its block ``[out/q, in/q]`` is the DTensor's local tensor.
+
+The DTensor holds the block exactly as the layer stores it, so its global shape is the block's
+shape times the splits ("stored" layout). Where that is the serial tensor laid out as DTensor
+lays out a ``Shard`` (``canonical``), the DTensor *is* the serial tensor. Where it is not — a dim
+that does not divide (padded at its end, where DTensor chunks unevenly), fused parts (q, k, v each
+split on its own), two axes on one dim in another order than the DeviceMesh's — every reduction,
+elementwise update and re-sharding over replicas (a norm, an optimizer step, an EMA, FSDP over
+copies) is still exact, but indexes are not the serial ones: ``serial_dtensor`` gives the serial
+tensor's DTensor for those (``convert/dtensor_params.py`` puts it in ``state_dict``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.sharding import Sharding, block_slices, unshard
+
+MESH_DIMS = {"depth": 0, "col": 1, "row": 2}  # mesh axis → the DeviceMesh dim (k, i, j) it varies
+STORED: contextvars.ContextVar[bool] = contextvars.ContextVar("optimus2d_stored_state_dict", default=False)
+
+
+@contextlib.contextmanager
+def stored_state_dict():
+    """Within it, a converted model's ``state_dict()`` gives each tensor as stored (the DTensor
+    parameter itself, nothing gathered): for the library's own readers that look blocks up by key."""
+    token = STORED.set(True)
+    try:
+        yield
+    finally:
+        STORED.reset(token)
+
+
+def placements(sharding: Sharding | None) -> tuple:
+    """The DeviceMesh placements of a tensor laid out as ``sharding`` (None: replicated)."""
+    out = [Replicate(), Replicate(), Replicate()]
+    for d, axes in enumerate(sharding.dims if sharding is not None else ()):
+        for axis in axes:
+            out[MESH_DIMS[axis]] = Shard(d)
+    return tuple(out)
+
+
+def is_canonical(sharding: Sharding | None, mesh: Mesh) -> bool:
+    """Whether the stored blocks of ``sharding`` are the serial tensor's DTensor shards: no fused
+    parts, every dim divides, and a dim split by two axes splits it in the DeviceMesh's order."""
+    if sharding is None:
+        return True
+    if sharding.parts:
+        return False
+    for d, axes in enumerate(sharding.dims):
+        if sharding.full_shape[d] % sharding.splits(mesh, d):
+            return False
+        order = [MESH_DIMS[a] for a in axes if mesh.axis_size(a) > 1]
+        if order != sorted(order):
+            return False
+    return True
+
+
+def as_dtensor(block: torch.Tensor, sharding: Sharding | None, mesh: Mesh) -> DTensor:
+    """``block`` (this rank's, as stored) as a DTensor on ``mesh.device_mesh``; no communication."""
+    splits = [sharding.splits(mesh, d) if sharding is not None else 1 for d in range(block.dim())]
+    shape = torch.Size(n * s for n, s in zip(block.shape, splits, strict=True))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        block, mesh.device_mesh, placements(sharding), run_check=False, shape=shape, stride=stride
+    )
+
+
+def like(t: DTensor, block: torch.Tensor) -> DTensor:
+    """``block`` as a DTensor of ``t``'s mesh, placements and global shape (no communication)."""
+    return DTensor.from_local(block, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+class _BlockView(torch.autograd.Function):
+    """``DTensor.to_local()`` for a parameter (a contiguous block with the placements it keeps):
+    its backward wraps the gradient with the parameter's own spec instead of building one, which is
+    most of what ``to_local`` costs a small layer (its gradient placements are the parameter's)."""
+
+    @staticmethod
+    def forward(ctx, d: DTensor) -> torch.Tensor:
+        ctx.spec = d._spec
+        block = d._local_tensor
+        return block.view_as(block)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> DTensor:
+        spec = ctx.spec
+        if (
+            grad.is_contiguous()
+            and grad.dtype == spec.tensor_meta.dtype
+            and spec.tensor_meta.stride == _contiguous(spec)
+        ):
+            return DTensor(grad, copy.copy(spec), requires_grad=grad.requires_grad)
+        meta = spec.tensor_meta
+        return DTensor.from_local(
+            grad, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
+        )
+
+
+def _contiguous(spec) -> tuple[int, ...]:
+    shape, stride, n = spec.tensor_meta.shape, [], 1
+    for size in reversed(shape):
+        stride.append(n)
+        n *= size
+    return tuple(reversed(stride))
+
+
+def block_view(t: DTensor) -> torch.Tensor:
+    """``t.to_local()`` for a forward (gradients flow back as DTensors of ``t``'s placements)."""
+    if torch.compiler.is_compiling() or not t._local_tensor.is_contiguous():
+        return t.to_local()
+    return _BlockView.apply(t)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's block of ``t`` as stored (the tensor itself when it is not a DTensor), sharing
+    its storage; outside autograd (to write into, or read)."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def serial_dtensor(t: torch.Tensor, sharding: Sharding, mesh: Mesh) -> DTensor:
+    """The serial tensor of the stored block ``t`` as a DTensor laid out as DTensor lays out its
+    placements (``torch.chunk`` per DeviceMesh dim, in order). A block padded at the end of a dim
+    split by one axis is already that chunk, padding aside: a view of it, nothing sent. Else (fused
+    parts, two axes on a dim) the blocks are all-gathered over ``mesh``: collective."""
+    where = placements(sharding)
+    stride = torch.empty(sharding.full_shape, device="meta").stride()
+    if not sharding.parts and all(sum(mesh.axis_size(a) > 1 for a in axes) <= 1 for axes in sharding.dims):
+        ((_, valid),) = block_slices(sharding, mesh)
+        chunk = local(t).detach()[valid]
+        return DTensor.from_local(
+            chunk, mesh.device_mesh, where, run_check=False, shape=torch.Size(sharding.full_shape), stride=stride
+        )
+    full = unshard(local(t).detach().contiguous(), mesh, sharding)
+    chunk = full
+    for dim, placement in enumerate(where):
+        if isinstance(placement, Shard):
+            n, index = mesh.device_mesh.size(dim), mesh.device_mesh.get_local_rank(dim)
+            pieces = torch.chunk(chunk, n, placement.dim)
+            chunk = pieces[index] if index < len(pieces) else chunk.narrow(placement.dim, 0, 0)
+    stride = torch.empty(full.shape, device="meta").stride()
+    return DTensor.from_local(chunk.clone(), mesh.device_mesh, where, run_check=False, shape=full.shape, stride=stride)
+
+
+def on_local_grad(hook):
+    """A gradient hook on a block (summing it over replicas, say) made a hook on its DTensor: it
+    runs on the gradient's local tensor and gives back a DTensor of the same placements."""
+
+    def run(grad: torch.Tensor):
+        if not isinstance(grad, DTensor):
+            return hook(grad)
+        out = hook(grad.to_local())
+        if out is None:
+            return None
+        return DTensor.from_local(
+            out, grad.device_mesh, grad.placements, run_check=False, shape=grad.shape, stride=grad.stride()
+        )
+
+    run._optimus2d_local_hook = hook
+    return run

@@ -1,0 +1,176 @@
+"""Parameters as DTensors: what ``parallelize`` hands to torch's own tools.
+
+Every parameter of a converted model (and every buffer that is a block) becomes a DTensor on its
+mesh's ``DeviceMesh``, its local tensor the block the layer stores (``comm/dtensor.py`` has the
+placements): ``torch.nn.utils.clip_grad_norm_``, optimizers (``foreach``, ``fused``), an EMA, weight
+decay by shape, FSDP over replicas and ``torch.distributed.checkpoint`` see the serial tensors, not
+one rank's blocks. A plain parameter (a norm's weight run on blocks) is ``Replicate`` everywhere.
+
+The layers keep computing on blocks: while a module runs, its own DTensors are shadowed by their
+local tensors (``to_local()``, a view: gradients come back as DTensors of the same placements), put
+in the module's ``__dict__`` by a forward pre-hook and taken away after the forward, even one that
+raises. A gradient hook a block had (its sum over replicas) runs on the gradient's local tensor.
+
+``state_dict()`` gives each tensor as the serial tensor's DTensor: the parameter's where its
+blocks are DTensor's shards (``is_canonical``), else (a padded vocabulary, fused q/k/v) a copy laid
+out as DTensor lays out its placements, gathered over the mesh (``keep_vars=True`` keeps the tensors
+themselves, as torch does: they are the model's). ``load_state_dict`` takes any of
+these, a DTensor of another layout (DCP's load onto another mesh) or the serial tensor itself, and
+gives every rank its block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from optimus2d.comm.dtensor import (
+    STORED,
+    as_dtensor,
+    block_view,
+    is_canonical,
+    like,
+    local,
+    on_local_grad,
+    serial_dtensor,
+)
+from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.sharding import shard
+from optimus2d.layers.base import sharding_of
+
+__all__ = ["distribute_parameters"]
+
+
+def distribute_parameters(model: nn.Module, mesh: Mesh) -> nn.Module:
+    """Make every parameter of ``model`` and every buffer that is a block a DTensor, in place
+    (a tied parameter once, shared as before). A tensor marked with its mesh goes on that mesh's
+    DeviceMesh, an unmarked parameter on ``mesh``'s, replicated. Nothing is sent but the DeviceMesh's
+    creation (collective over the world, once per mesh). Nothing changes without torch.distributed
+    (one process), nor on meshes that are not the whole world (``_whole_world``)."""
+    if not (dist.is_available() and dist.is_initialized()) or not _whole_world(model, mesh):
+        return model
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        changed = False
+        for name, t in list(module._parameters.items()):
+            if t is None:
+                continue
+            if not isinstance(t, DTensor):
+                if id(t) not in made:
+                    made[id(t)] = _distributed(module, name, t, mesh)
+                module._parameters[name] = made[id(t)]
+            changed = True
+        for name, t in list(module._buffers.items()):
+            if t is not None and not isinstance(t, DTensor) and sharding_of(module, name)[0] is not None:
+                if id(t) not in made:
+                    made[id(t)] = _distributed(module, name, t, mesh)
+                module._buffers[name] = made[id(t)]
+                changed = True
+        if changed and not module.__dict__.get("_optimus2d_dtensors"):
+            module.__dict__["_optimus2d_dtensors"] = True
+            module.register_forward_pre_hook(_expose, prepend=True)
+            module.register_forward_hook(_hide, always_call=True)
+            module.register_state_dict_post_hook(_serial_state)
+            module.register_load_state_dict_pre_hook(_blocks_from_state)
+    return model
+
+
+def _whole_world(model: nn.Module, mesh: Mesh) -> bool:
+    """Whether every mesh of the model is the whole world, split over more than one rank: creating a
+    DeviceMesh is collective over the world, so a mesh over some ranks only (the others idle) keeps
+    plain blocks; so do a mesh of one rank, whose blocks are the serial tensors, and data-parallel
+    replicas and pipeline stages (meshes of which each rank builds its own), whose gradients
+    ``DistributedDataParallel(process_group=)`` and the stages average on plain tensors."""
+    meshes = {id(mesh): mesh}
+    for t in (*model.parameters(), *model.buffers()):
+        if getattr(t, "_optimus2d_mesh", None) is not None:
+            meshes[id(t._optimus2d_mesh)] = t._optimus2d_mesh
+    world = dist.get_world_size()
+    whole = all(len(m.replicas) == 1 and len(m.replicas[0]) == world for m in meshes.values())
+    return whole and any(m.size > 1 for m in meshes.values())
+
+
+def _distributed(module: nn.Module, name: str, t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    sharding, own_mesh = sharding_of(module, name)
+    on = own_mesh or getattr(t, "_optimus2d_mesh", None) or mesh
+    if sharding is None and getattr(t, "_optimus2d_owner", None) is not None:  # a tied block: its owner's
+        owner, owner_name = t._optimus2d_owner
+        sharding, own_mesh = sharding_of(owner, owner_name)
+        on = own_mesh or on
+    d = as_dtensor(t.detach(), sharding, on)
+    if not isinstance(t, nn.Parameter):
+        return d
+    new = nn.Parameter(d, requires_grad=t.requires_grad)
+    for key, value in vars(t).items():
+        setattr(new, key, value)
+    hooks = list(t._backward_hooks.values()) if t._backward_hooks else []
+    if hooks:
+        new.requires_grad_(True)
+        for hook in hooks:
+            new.register_hook(on_local_grad(hook))
+        new.requires_grad_(t.requires_grad)
+    return new
+
+
+def _expose(module: nn.Module, args) -> None:
+    """Shadow the DTensors of ``module`` and of its children by their local tensors, in each one's
+    ``__dict__`` (a forward may read a child's parameter: CLIP's embeddings interpolate their
+    position table's); what another call shows already is left."""
+    shown = []
+    for m in (module, *module.children()):
+        if not m.__dict__.get("_optimus2d_dtensors"):
+            continue
+        names = []
+        for name, t in (*m._parameters.items(), *m._buffers.items()):
+            if isinstance(t, DTensor) and name not in m.__dict__:
+                m.__dict__[name] = block_view(t)
+                names.append(name)
+        if names:
+            shown.append((m, names))
+    module.__dict__.setdefault("_optimus2d_shown", []).append(shown)
+
+
+def _hide(module: nn.Module, args, out) -> None:
+    stack = module.__dict__.get("_optimus2d_shown")
+    for m, names in stack.pop() if stack else ():
+        for name in names:
+            m.__dict__.pop(name, None)
+
+
+def _where(module: nn.Module, name: str, t: torch.Tensor):
+    sharding, mesh = sharding_of(module, name)
+    if sharding is None and getattr(t, "_optimus2d_owner", None) is not None:
+        sharding, mesh = sharding_of(*t._optimus2d_owner)
+    return sharding, mesh
+
+
+def _serial_state(module: nn.Module, state: dict, prefix: str, local_metadata) -> None:
+    if STORED.get():
+        return
+    for name, t in (*module._parameters.items(), *module._buffers.items()):
+        key = prefix + name
+        if isinstance(t, DTensor) and key in state and state[key] is not t:  # keep_vars=True: the tensor itself
+            sharding, mesh = _where(module, name, t)
+            if sharding is not None and not is_canonical(sharding, mesh):
+                state[key] = serial_dtensor(t, sharding, mesh)
+
+
+def _blocks_from_state(module: nn.Module, state: dict, prefix: str, *_) -> None:
+    for name, t in (*module._parameters.items(), *module._buffers.items()):
+        key = prefix + name
+        if not isinstance(t, DTensor) or key not in state:
+            continue
+        value = state[key]
+        sharding, mesh = _where(module, name, t)
+        if isinstance(value, DTensor) and value.placements == t.placements and value.shape == t.shape:
+            if STORED.get() or sharding is None or is_canonical(sharding, mesh):
+                continue  # the same layout: torch copies block into block
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        if sharding is not None and tuple(value.shape) == sharding.full_shape:
+            value = shard(value, mesh, sharding)
+        block = local(t)
+        if tuple(value.shape) == tuple(block.shape):  # else torch names the shape that does not fit
+            state[key] = like(t, value.to(block).contiguous())

@@ -1,0 +1,181 @@
+"""torch's own tools on a converted model, with no optimus2d wrapper (issue 25).
+
+A converted model's parameters are DTensors of the serial tensors (``convert/dtensor_params.py``),
+so a training loop written for one process — ``torch.nn.utils.clip_grad_norm_``, ``torch.optim.AdamW``
+(``foreach``), an EMA by ``torch.optim.swa_utils.AveragedModel``, ``torch.distributed.checkpoint``
+through ``get_state_dict``/``set_state_dict`` — gives the serial model's numbers. Checked against
+transformers' LLaMA itself on every mesh of the world (1, 2×2 and 1×1×4, 2×2×2 and 1×1×8, 3×3 and
+1×1×9), the checkpoint loaded onto another mesh shape; and GPT-2, whose fused q/k/v and padded
+vocabulary are not DTensor's shards as stored, through DCP onto another mesh.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from conftest import mesh_shapes
+from helpers import assert_close, shared_tmp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import optimus2d
+from optimus2d import Mesh, parallelize, scatter_batch, serial_state_dict
+from optimus2d.convert import parallelizer
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.mpi
+
+ADAM = dict(lr=1e-2, eps=1e-3, weight_decay=0.1)
+
+
+def _llama(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=72, hidden_size=72, intermediate_size=144, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=6, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).double()
+
+
+def _gpt2(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(vocab_size=97, n_embd=36, n_layer=2, n_head=6, n_positions=32)
+    return transformers.GPT2LMHeadModel(cfg).double().eval()  # no dropout: logits compared
+
+
+def _step(model, opt, ema, ids, mesh=None):
+    """One step written as for one process; ``mesh``: the batch goes in as this rank's rows."""
+    rows = ids if mesh is None else scatter_batch(ids, mesh)
+    loss = model(input_ids=rows, labels=rows).loss
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step()
+    opt.zero_grad()
+    if ema is not None:
+        ema.update_parameters(model)
+    return loss.detach(), norm
+
+
+def _other(mesh: Mesh) -> Mesh:
+    """Another mesh shape over the same ranks, where the world has one (else the same shape)."""
+    shapes = [s for s in mesh_shapes(mesh.size) if s != (mesh.q, mesh.depth)] or [(mesh.q, mesh.depth)]
+    return Mesh(*shapes[0])
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def test_every_parameter_is_a_dtensor_of_the_serial_shape(mesh):
+    if not dist.is_initialized():
+        pytest.skip("one process without torch.distributed: parameters stay plain tensors")
+    serial = _llama()
+    model = parallelize(copy.deepcopy(serial), mesh)
+    shapes = dict(serial.named_parameters())
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor), name
+        assert p.shape == shapes[name].shape, name
+        assert p.device_mesh.mesh_dim_names == ("depth", "row", "col"), name
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in serial.parameters())
+
+
+def test_the_forward_and_backward_send_what_plain_blocks_sent(mesh, monkeypatch):
+    """count_comm of a training step's forward and backward, its records (kind, axis, elements, in
+    order), with DTensor parameters and with the plain blocks of before (the pass left out)."""
+    serial = _llama()
+    ids = torch.randint(0, 72, (2 * mesh.size, 10))
+    counts, losses = [], []
+    for distribute in (True, False):
+        if not distribute:
+            monkeypatch.setattr(parallelizer, "distribute_parameters", lambda model, mesh: model)
+        model = parallelize(copy.deepcopy(serial), mesh)
+        assert any(isinstance(p, DTensor) for p in model.parameters()) == (distribute and mesh.size > 1)
+        rows = scatter_batch(ids, mesh)
+        with optimus2d.count_comm() as counter:
+            loss = model(input_ids=rows, labels=rows).loss
+            loss.backward()
+        counts.append([(r.kind, r.axis, r.numel) for r in counter.records])
+        losses.append(loss.detach())
+    assert counts[0] == counts[1] and (counts[0] or mesh.size == 1)
+    assert torch.equal(losses[0], losses[1])
+
+
+def test_three_steps_of_plain_torch_and_a_checkpoint_onto_another_mesh(mesh, tmp_path_factory):
+    serial = _llama()
+    model = parallelize(copy.deepcopy(serial), mesh)
+    opt_ref = torch.optim.AdamW(serial.parameters(), **ADAM, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), **ADAM, foreach=True, fused=False)
+    ema_ref = AveragedModel(serial, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+    rows = 2 * mesh.size
+    torch.manual_seed(1)
+    batches = [torch.randint(0, 72, (rows, 10)) for _ in range(4)]
+    for ids in batches[:3]:
+        want, want_norm = _step(serial, opt_ref, ema_ref, ids)
+        got, norm = _step(model, opt, ema, ids, mesh)
+        assert_close(got, want, 1e-6, "loss")
+        assert_close(_full(norm), want_norm, 1e-6, "clip_grad_norm_")
+    reference, trained = serial.state_dict(), serial_state_dict(model)
+    for key, value in trained.items():
+        assert_close(value, reference[key], 1e-6, key)
+    ema_reference = ema_ref.module.state_dict()
+    for key, value in serial_state_dict(ema.module).items():
+        assert_close(value, ema_reference[key], 1e-6, f"EMA {key}")
+
+    # torch's distributed checkpoint, as torch documents it, loaded onto a model of another mesh shape
+    path = shared_tmp(tmp_path_factory, "dcp")
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    other_mesh = _other(mesh)
+    other = parallelize(_llama(seed=5), other_mesh)  # other weights, to be overwritten
+    other_opt = torch.optim.AdamW(other.parameters(), **ADAM, foreach=True)
+    model_state, optim_state = get_state_dict(other, other_opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(other, other_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for key, value in serial_state_dict(other).items():
+        assert_close(value, trained[key], 0, f"loaded {key}")
+    want, _ = _step(serial, opt_ref, None, batches[3])  # the fourth step needs the optimizer's state too
+    got, _ = _step(other, other_opt, None, batches[3], other_mesh)
+    assert_close(got, want, 1e-6, "loss after loading")
+    reference = serial.state_dict()
+    for key, value in serial_state_dict(other).items():
+        assert_close(value, reference[key], 1e-6, f"after a step from the checkpoint: {key}")
+
+
+def test_fused_qkv_and_a_padded_vocabulary_go_through_dcp_as_serial_tensors(mesh, tmp_path_factory):
+    """GPT-2's c_attn holds q, k and v each split on its own, and its vocabulary of 97 is padded:
+    neither block is a DTensor shard of the serial tensor, so ``state_dict()`` gives the serial
+    tensor's DTensor (gathered) and ``load_state_dict`` takes it back to blocks."""
+    serial = _gpt2()
+    model = parallelize(copy.deepcopy(serial), mesh)
+    state = model.state_dict()
+    for key, value in serial.state_dict().items():
+        assert state[key].shape == value.shape, key
+        assert_close(_full(state[key]), value, 0, key)
+    path = shared_tmp(tmp_path_factory, "dcp_gpt2")
+    dcp.save(state, checkpoint_id=path)
+    other_mesh = _other(mesh)
+    for target_mesh in (mesh, other_mesh):
+        other = parallelize(_gpt2(seed=3), target_mesh)
+        state = other.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        other.load_state_dict(state)
+        for key, value in serial_state_dict(other).items():
+            assert_close(value, serial.state_dict()[key], 0, f"{key} on {target_mesh}")
+        ids = torch.randint(0, 97, (2 * target_mesh.depth * target_mesh.q, 8))
+        got = optimus2d.gather(other(input_ids=scatter_batch(ids, target_mesh)).logits.detach(), target_mesh)[..., :97]
+        assert_close(got, serial(input_ids=ids).logits, 1e-10, "logits")
+
+
+def test_a_serial_state_dict_loads_through_torch_load_state_dict(mesh):
+    serial, fresh = _gpt2(), _gpt2(seed=7)
+    model = parallelize(fresh, mesh)
+    model.load_state_dict(serial.state_dict())
+    for key, value in serial_state_dict(model).items():
+        assert_close(value, serial.state_dict()[key], 0, key)
