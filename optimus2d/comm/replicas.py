@@ -199,5 +199,9 @@ def build_device_mesh(mesh):
         agreement.verdict(table[:, :5], gather, world, "Mesh.device_mesh", f"{what} (every rank asks)", None, None)
     table = torch.tensor(mesh.replicas, dtype=torch.int64).view(-1, mesh.depth, mesh.q, mesh.q)
     if table.shape[0] == 1:
-        return DeviceMesh(mesh.device.type, table[0], mesh_dim_names=DIMS)
+        device_mesh = DeviceMesh(mesh.device.type, table[0], mesh_dim_names=DIMS)
+        pair = device_mesh["row", "col"] if mesh.q > 1 else None
+        if hasattr(pair, "_flatten"):  # a block sharded over rows and columns reduces (a norm) in one
+            pair._flatten()  # all-reduce, not two in turn: DTensor's redistribute uses a flattened pair
+        return device_mesh
     return DeviceMesh(mesh.device.type, table, mesh_dim_names=("replica", *DIMS))[DIMS]
