@@ -21,10 +21,13 @@ gives every rank its block.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from optimus2d.comm.dtensor import (
     STORED,
@@ -41,6 +44,10 @@ from optimus2d.comm.sharding import shard
 from optimus2d.layers.base import sharding_of
 
 __all__ = ["distribute_parameters"]
+
+# Optimizers given state_dict hooks for parameters whose blocks are not DTensor's shards of the serial
+# tensor (marked ``_optimus2d_layout``: their state, shaped like them, goes in the serial layout too)
+_ATTACHED: weakref.WeakSet = weakref.WeakSet()
 
 
 def distribute_parameters(model: nn.Module, mesh: Mesh) -> nn.Module:
@@ -61,6 +68,7 @@ def distribute_parameters(model: nn.Module, mesh: Mesh) -> nn.Module:
                 if id(t) not in made:
                     made[id(t)] = _distributed(module, name, t, mesh)
                 module._parameters[name] = made[id(t)]
+                module.__dict__.setdefault("_optimus2d_marks", {})[name] = _marks(made[id(t)])
             changed = True
         for name, t in list(module._buffers.items()):
             if t is not None and not isinstance(t, DTensor) and sharding_of(module, name)[0] is not None:
@@ -105,13 +113,34 @@ def _distributed(module: nn.Module, name: str, t: torch.Tensor, mesh: Mesh) -> t
     new = nn.Parameter(d, requires_grad=t.requires_grad)
     for key, value in vars(t).items():
         setattr(new, key, value)
-    hooks = list(t._backward_hooks.values()) if t._backward_hooks else []
-    if hooks:
-        new.requires_grad_(True)
-        for hook in hooks:
-            new.register_hook(on_local_grad(hook))
-        new.requires_grad_(t.requires_grad)
+    new._optimus2d_grad_hooks = [on_local_grad(h) for h in (t._backward_hooks or {}).values()]
+    if sharding is not None and not is_canonical(sharding, on):
+        new._optimus2d_layout = (sharding, on)
+    _mark(new, {})
     return new
+
+
+def _marks(p: torch.Tensor) -> dict:
+    """What a parameter carries beyond its values: its optimus2d attributes and gradient hooks."""
+    return {k: v for k, v in vars(p).items() if k.startswith("_optimus2d_")}
+
+
+def _mark(p: torch.Tensor, marks: dict) -> None:
+    """Give ``p`` ``marks`` and register its gradient hooks. ``nn.Module._apply`` (``.to()``,
+    ``.double()``) swaps a DTensor parameter's contents with ``torch.utils.swap_tensors``, which
+    drops its attributes and leaves its hooks unfired, and ``load_state_dict(assign=True)`` puts in
+    another tensor: the module's record gives them back at its next forward (``_expose``)."""
+    for key, value in marks.items():
+        setattr(p, key, value)
+    hooks = p.__dict__.get("_optimus2d_grad_hooks", ())
+    if hooks:
+        p._backward_hooks = None  # a swapped tensor's hook dict is no longer the one autograd reads
+        wanted = p.requires_grad
+        p.requires_grad_(True)
+        for hook in hooks:
+            p.register_hook(hook)
+        p.requires_grad_(wanted)
+    p._optimus2d_marked = True
 
 
 def _expose(module: nn.Module, args) -> None:
@@ -123,6 +152,7 @@ def _expose(module: nn.Module, args) -> None:
         if not m.__dict__.get("_optimus2d_dtensors"):
             continue
         names = []
+        _restore_marks(m)
         for name, t in (*m._parameters.items(), *m._buffers.items()):
             if isinstance(t, DTensor) and name not in m.__dict__:
                 m.__dict__[name] = block_view(t)
@@ -130,6 +160,15 @@ def _expose(module: nn.Module, args) -> None:
         if names:
             shown.append((m, names))
     module.__dict__.setdefault("_optimus2d_shown", []).append(shown)
+
+
+def _restore_marks(module: nn.Module) -> None:
+    """After ``.to()`` or ``load_state_dict(assign=True)``: the marks and hooks of ``module``'s own
+    DTensor parameters, from its record (at its next forward or ``state_dict()``)."""
+    marks = module.__dict__.get("_optimus2d_marks", {})
+    for name, t in module._parameters.items():
+        if name in marks and isinstance(t, DTensor) and not getattr(t, "_optimus2d_marked", False):
+            _mark(t, marks[name])
 
 
 def _hide(module: nn.Module, args, out) -> None:
@@ -147,6 +186,7 @@ def _where(module: nn.Module, name: str, t: torch.Tensor):
 
 
 def _serial_state(module: nn.Module, state: dict, prefix: str, local_metadata) -> None:
+    _restore_marks(module)
     if STORED.get():
         return
     for name, t in (*module._parameters.items(), *module._buffers.items()):
@@ -164,7 +204,8 @@ def _blocks_from_state(module: nn.Module, state: dict, prefix: str, *_) -> None:
             continue
         value = state[key]
         sharding, mesh = _where(module, name, t)
-        if isinstance(value, DTensor) and value.placements == t.placements and value.shape == t.shape:
+        same = isinstance(value, DTensor) and value.device_mesh == t.device_mesh
+        if same and value.placements == t.placements and value.shape == t.shape:
             if STORED.get() or sharding is None or is_canonical(sharding, mesh):
                 continue  # the same layout: torch copies block into block
         if isinstance(value, DTensor):
@@ -174,3 +215,54 @@ def _blocks_from_state(module: nn.Module, state: dict, prefix: str, *_) -> None:
         block = local(t)
         if tuple(value.shape) == tuple(block.shape):  # else torch names the shape that does not fit
             state[key] = like(t, value.to(block).contiguous())
+
+
+def _attach_to_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Before an optimizer's first step (DCP's ``get_state_dict`` takes one to make the state): one
+    holding a parameter marked ``_optimus2d_layout`` gets state_dict hooks giving that state in the
+    serial layout, and taking it back to blocks, as the model's ``state_dict`` does."""
+    if optimizer in _ATTACHED:
+        return
+    if any("_optimus2d_layout" in p.__dict__ for group in optimizer.param_groups for p in group["params"]):
+        _ATTACHED.add(optimizer)
+        optimizer.register_state_dict_post_hook(_optimizer_serial_state)
+        optimizer.register_load_state_dict_pre_hook(_optimizer_blocks)
+
+
+def _laid_out(optimizer: torch.optim.Optimizer, state: dict):
+    """(key, parameter, its (Sharding, Mesh), its state) for each parameter with ``_optimus2d_layout``."""
+    # keyed as the state dict's groups list them (ints from state_dict(); DCP loads by names), in
+    # the optimizer's order, as torch's own load_state_dict pairs them
+    keys = [key for group in state["param_groups"] for key in group["params"]]
+    by_key = dict(zip(keys, (p for group in optimizer.param_groups for p in group["params"]), strict=False))
+    for key, per in state["state"].items():
+        layout = by_key[key].__dict__.get("_optimus2d_layout") if key in by_key else None
+        if layout is not None:
+            yield key, by_key[key], layout, per
+
+
+def _optimizer_serial_state(optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    if STORED.get():
+        return state
+    for index, p, (sharding, mesh), per in list(_laid_out(optimizer, state)):
+        out = {}  # a new dict: the optimizer's own state is left as it is
+        for k, v in per.items():
+            if isinstance(v, DTensor) and v.shape == p.shape and v.placements == p.placements:
+                v = serial_dtensor(v, sharding, mesh)
+            out[k] = v
+        state["state"][index] = out
+    return state
+
+
+def _optimizer_blocks(optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    for index, p, (sharding, mesh), per in list(_laid_out(optimizer, state)):
+        out = {}
+        for k, v in per.items():
+            if isinstance(v, DTensor) and tuple(v.shape) == sharding.full_shape:
+                v = like(p, shard(v.full_tensor(), mesh, sharding).to(local(p)).contiguous())
+            out[k] = v
+        state["state"][index] = out
+    return state
+
+
+register_optimizer_step_pre_hook(_attach_to_optimizer)
