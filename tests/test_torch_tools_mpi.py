@@ -66,6 +66,23 @@ def _other(mesh: Mesh) -> Mesh:
     return Mesh(*shapes[0])
 
 
+def _save_dcp(model, opt, path):
+    """torch's distributed checkpoint of ``model`` and ``opt``, as torch documents it."""
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    return path
+
+
+def _load_dcp(model, path):
+    """A fresh AdamW for ``model``, both loaded from ``path`` as torch documents it."""
+    opt = torch.optim.AdamW(model.parameters(), **ADAM, foreach=True)
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return opt
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -128,16 +145,10 @@ def test_three_steps_of_plain_torch_and_a_checkpoint_onto_another_mesh(mesh, tmp
         assert_close(value, ema_reference[key], 1e-6, f"EMA {key}")
 
     # torch's distributed checkpoint, as torch documents it, loaded onto a model of another mesh shape
-    path = shared_tmp(tmp_path_factory, "dcp")
-    model_state, optim_state = get_state_dict(model, opt)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    path = _save_dcp(model, opt, shared_tmp(tmp_path_factory, "dcp"))
     other_mesh = _other(mesh)
     other = parallelize(_llama(seed=5), other_mesh)  # other weights, to be overwritten
-    other_opt = torch.optim.AdamW(other.parameters(), **ADAM, foreach=True)
-    model_state, optim_state = get_state_dict(other, other_opt)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(other, other_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    other_opt = _load_dcp(other, path)
     for key, value in serial_state_dict(other).items():
         assert_close(value, trained[key], 0, f"loaded {key}")
     want, _ = _step(serial, opt_ref, None, batches[3])  # the fourth step needs the optimizer's state too
@@ -168,18 +179,12 @@ def test_fused_qkv_and_a_padded_vocabulary_go_through_dcp_as_serial_tensors(mesh
     for ids in batches[:2]:
         _step(serial, opt_ref, None, ids)
         _step(model, opt, None, ids, mesh)
-    path = shared_tmp(tmp_path_factory, "dcp_gpt2")
-    model_state, optim_state = get_state_dict(model, opt)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    path = _save_dcp(model, opt, shared_tmp(tmp_path_factory, "dcp_gpt2"))
     trained = serial_state_dict(model)
     _step(serial, opt_ref, None, batches[2])
     for target_mesh in (mesh, _other(mesh)):
         other = parallelize(_gpt2(seed=3, vocab=vocab), target_mesh)
-        other_opt = torch.optim.AdamW(other.parameters(), **ADAM, foreach=True)
-        model_state, optim_state = get_state_dict(other, other_opt)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(other, other_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        other_opt = _load_dcp(other, path)
         for key, value in serial_state_dict(other).items():
             assert_close(value, trained[key], 0, f"{key} on {target_mesh}")
         _step(other, other_opt, None, batches[2], target_mesh)

@@ -101,12 +101,8 @@ def _whole_world(model: nn.Module, mesh: Mesh) -> bool:
 
 
 def _distributed(module: nn.Module, name: str, t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    sharding, own_mesh = sharding_of(module, name)
+    sharding, own_mesh = _where(module, name, t)  # a tied block: its owner's
     on = own_mesh or getattr(t, "_optimus2d_mesh", None) or mesh
-    if sharding is None and getattr(t, "_optimus2d_owner", None) is not None:  # a tied block: its owner's
-        owner, owner_name = t._optimus2d_owner
-        sharding, own_mesh = sharding_of(owner, owner_name)
-        on = own_mesh or on
     d = as_dtensor(t.detach(), sharding, on)
     if not isinstance(t, nn.Parameter):
         return d
@@ -179,6 +175,7 @@ def _hide(module: nn.Module, args, out) -> None:
 
 
 def _where(module: nn.Module, name: str, t: torch.Tensor):
+    """(Sharding, Mesh) of ``module``'s tensor ``name``, or of its owner's (a tied block)."""
     sharding, mesh = sharding_of(module, name)
     if sharding is None and getattr(t, "_optimus2d_owner", None) is not None:
         sharding, mesh = sharding_of(*t._optimus2d_owner)
