@@ -15,11 +15,14 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.fsdp._fully_shard._fsdp_common as fsdp_common
 from conftest import mesh_shapes
 from helpers import assert_close, shared_tmp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import optimus2d
@@ -29,6 +32,7 @@ from optimus2d.convert import parallelizer
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.mpi
 
+SPMD_FSDP = hasattr(fsdp_common, "DataParallelMeshDims")  # torch >= 2.13
 ADAM = dict(lr=1e-2, eps=1e-3, weight_decay=0.1)
 
 
@@ -109,7 +113,7 @@ def test_the_forward_and_backward_send_what_plain_blocks_sent(mesh, monkeypatch)
     counts, losses = [], []
     for distribute in (True, False):
         if not distribute:
-            monkeypatch.setattr(parallelizer, "distribute_parameters", lambda model, mesh: model)
+            monkeypatch.setattr(parallelizer, "distribute_parameters", lambda model, *_: model)
         model = parallelize(copy.deepcopy(serial), mesh)
         assert any(isinstance(p, DTensor) for p in model.parameters()) == (distribute and mesh.size > 1)
         rows = scatter_batch(ids, mesh)
@@ -240,3 +244,97 @@ def test_a_serial_state_dict_loads_through_torch_load_state_dict(mesh):
     model.load_state_dict(serial.state_dict())
     for key, value in serial_state_dict(model).items():
         assert_close(value, serial.state_dict()[key], 0, key)
+
+
+def _fsdp(model, dm):
+    """torch's FSDP2 over ``dm``'s "dp" dim, each decoder layer its own group, as torchtitan does."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshDims
+
+    dims = DataParallelMeshDims(shard="dp")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dm, dp_mesh_dims=dims)
+    return fully_shard(model, mesh=dm, dp_mesh_dims=dims)
+
+
+@pytest.mark.skipif(not SPMD_FSDP, reason="FSDP2 of DTensors on a mesh of more than 2 dims: torch 2.13's dp_mesh_dims")
+def test_fsdp2_over_two_replicas_steps_like_serial(world, tmp_path_factory):
+    """The same three steps with torch's FSDP2 over two replicas of 2×2 on 8 ranks: ``parallelize``
+    given a DeviceMesh with a "dp" dim makes every parameter a DTensor on all of it, ``Replicate``
+    over "dp", which ``fully_shard(..., dp_mesh_dims=)`` shards further; then DCP onto 2 replicas of
+    1×1×4 under FSDP2 and onto one 2×2×2 mesh, a fourth step on each."""
+    if world.size != 8:
+        pytest.skip("2 replicas of 2×2: 8 ranks")
+    dm = init_device_mesh("cpu", (2, 1, 2, 2), mesh_dim_names=("dp", "depth", "row", "col"))
+    mesh = optimus2d.comm.mesh.as_mesh(dm)
+    serial = _llama()
+    model = _fsdp(parallelize(copy.deepcopy(serial), dm), dm)
+    for name, p in model.named_parameters():
+        assert p.device_mesh is dm and p.placements[0] != Replicate(), name  # FSDP's shard of the block
+    opt_ref = torch.optim.AdamW(serial.parameters(), **ADAM, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), **ADAM, foreach=True, fused=False)
+    ema_ref = AveragedModel(serial, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+    ema = {name: p.detach().clone() for name, p in model.named_parameters()}  # FSDP refuses deepcopy
+    torch.manual_seed(1)
+    batches = [torch.randint(0, 72, (4 * mesh.size, 10)) for _ in range(4)]
+    for ids in batches[:3]:
+        want, want_norm = _step(serial, opt_ref, ema_ref, ids)
+        got, norm = _step(model, opt, None, ids.chunk(2)[mesh.replica], mesh)  # each replica half the batch
+        with torch.no_grad():  # AveragedModel's EMA (its first update copies), written with foreach
+            averaged, now = list(ema.values()), [p.detach() for p in model.parameters()]
+            torch._foreach_lerp_(averaged, now, 0.2 if ema_ref.n_averaged > 1 else 1.0)
+        dist.all_reduce(got, group=dm.get_group("dp"))
+        assert_close(got / 2, want, 1e-6, "loss")
+        assert_close(_full(norm), want_norm, 1e-6, "clip_grad_norm_")
+    reference, trained = serial.state_dict(), {k: _full(v) for k, v in model.state_dict().items()}
+    for key, value in trained.items():
+        assert_close(value, reference[key], 1e-6, key)
+    ema_reference = ema_ref.module.state_dict()
+    for key, value in ema.items():
+        assert_close(_full(value), ema_reference[key], 1e-6, f"EMA {key}")
+
+    path = _save_dcp(model, opt, shared_tmp(tmp_path_factory, "dcp_fsdp"))
+    want, _ = _step(serial, opt_ref, None, batches[3])
+    reference = serial.state_dict()
+    dm4 = init_device_mesh("cpu", (2, 4, 1, 1), mesh_dim_names=("dp", "depth", "row", "col"))
+    for other_mesh in (dm4, Mesh(2, 2)):
+        fsdp = isinstance(other_mesh, DeviceMesh)
+        other = parallelize(_llama(seed=5), other_mesh)
+        other = _fsdp(other, other_mesh) if fsdp else other
+        other_opt = _load_dcp(other, path)
+        for key, value in other.state_dict().items():
+            assert_close(_full(value), trained[key], 0, f"loaded {key} onto {other_mesh}")
+        as_mesh = optimus2d.comm.mesh.as_mesh(other_mesh)
+        ids = batches[3].chunk(2)[as_mesh.replica] if fsdp else batches[3]
+        got, _ = _step(other, other_opt, None, ids, as_mesh)
+        for key, value in other.state_dict().items():
+            assert_close(_full(value), reference[key], 1e-6, f"a step after loading onto {other_mesh}: {key}")
+
+
+def test_a_device_mesh_with_replicas_gives_dtensors_on_all_of_it(world):
+    """``parallelize(model, dm)`` with a "dp" dim: every parameter a DTensor on ``dm``, replicated over
+    "dp" (what FSDP2 shards; on torch 2.11 its ``fully_shard`` refuses them, rather than reduce one
+    block as if whole); the mesh of one replica keeps plain blocks, for DDP; a plan putting a module
+    on another mesh is refused on every rank, the model untouched."""
+    if world.size != 8:
+        pytest.skip("2 replicas of 2×2: 8 ranks")
+    dm = init_device_mesh("cpu", (2, 1, 2, 2), mesh_dim_names=("dp", "depth", "row", "col"))
+    mesh = optimus2d.comm.mesh.as_mesh(dm)
+    serial = _llama()
+    model = parallelize(copy.deepcopy(serial), dm)
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) and p.device_mesh is dm and p.placements[0] == Replicate(), name
+        assert p.shape == serial.get_parameter(name).shape, name
+    plain = parallelize(copy.deepcopy(serial), mesh)
+    assert not any(isinstance(p, DTensor) for p in plain.parameters())
+    if not SPMD_FSDP:
+        from torch.distributed.fsdp import fully_shard
+
+        refusals = (NotImplementedError, RuntimeError)  # "FSDP only supports 1D TP/EP", "overlapping meshes"
+        with pytest.raises(refusals, match=r"FSDP only supports 1D TP/EP|Cannot concatenate overlapping meshes"):
+            fully_shard(model.model.layers[0], mesh=dm["dp"])
+    untouched = copy.deepcopy(serial)
+    other = Mesh(1, 4, ranks=mesh.ranks)
+    with pytest.raises(ValueError, match=r"the plan puts 'model.layers.0' on another mesh"):
+        parallelize(untouched, dm, plan={"model.layers.0": other})
+    assert all(torch.equal(p, serial.get_parameter(n)) for n, p in untouched.named_parameters())

@@ -28,6 +28,7 @@ from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, block_slices, unshard
 
 MESH_DIMS = {"depth": 0, "col": 1, "row": 2}  # mesh axis → the DeviceMesh dim (k, i, j) it varies
+DIM_NAMES = ("depth", "row", "col")  # the DeviceMesh's names of those dims (any others: data-parallel)
 STORED: contextvars.ContextVar[bool] = contextvars.ContextVar("optimus2d_stored_state_dict", default=False)
 
 
@@ -42,12 +43,14 @@ def stored_state_dict():
         STORED.reset(token)
 
 
-def placements(sharding: Sharding | None) -> tuple:
-    """The DeviceMesh placements of a tensor laid out as ``sharding`` (None: replicated)."""
-    out = [Replicate(), Replicate(), Replicate()]
+def placements(sharding: Sharding | None, names: tuple[str, ...] = DIM_NAMES) -> tuple:
+    """The placements of a tensor laid out as ``sharding`` (None: replicated) on a DeviceMesh of
+    dims ``names``: ``Shard`` on "depth", "row" or "col" where the sharding splits over that axis,
+    ``Replicate`` on any other dim (a data-parallel dim: every replica holds the same block)."""
+    out = [Replicate()] * len(names)
     for d, axes in enumerate(sharding.dims if sharding is not None else ()):
         for axis in axes:
-            out[MESH_DIMS[axis]] = Shard(d)
+            out[names.index(DIM_NAMES[MESH_DIMS[axis]])] = Shard(d)
     return tuple(out)
 
 
@@ -67,14 +70,16 @@ def is_canonical(sharding: Sharding | None, mesh: Mesh) -> bool:
     return True
 
 
-def as_dtensor(block: torch.Tensor, sharding: Sharding | None, mesh: Mesh) -> DTensor:
-    """``block`` (this rank's, as stored) as a DTensor on ``mesh.device_mesh``; no communication."""
+def as_dtensor(block: torch.Tensor, sharding: Sharding | None, mesh: Mesh, device_mesh=None) -> DTensor:
+    """``block`` (this rank's, as stored) as a DTensor on ``device_mesh`` (``mesh.device_mesh``, or
+    a DeviceMesh with data-parallel dims beside ``mesh``'s three: replicated over them); no
+    communication."""
+    device_mesh = device_mesh if device_mesh is not None else mesh.device_mesh
     splits = [sharding.splits(mesh, d) if sharding is not None else 1 for d in range(block.dim())]
     shape = torch.Size(n * s for n, s in zip(block.shape, splits, strict=True))
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(
-        block, mesh.device_mesh, placements(sharding), run_check=False, shape=shape, stride=stride
-    )
+    where = placements(sharding, tuple(device_mesh.mesh_dim_names))
+    return DTensor.from_local(block, device_mesh, where, run_check=False, shape=shape, stride=stride)
 
 
 def like(t: DTensor, block: torch.Tensor) -> DTensor:
@@ -137,23 +142,24 @@ def serial_dtensor(t: torch.Tensor, sharding: Sharding, mesh: Mesh) -> DTensor:
     placements (``torch.chunk`` per DeviceMesh dim, in order). A block padded at the end of a dim
     split by one axis is already that chunk, padding aside: a view of it, nothing sent. Else (fused
     parts, two axes on a dim) the blocks are all-gathered over ``mesh``: collective."""
-    where = placements(sharding)
+    device_mesh = t.device_mesh if isinstance(t, DTensor) else mesh.device_mesh
+    where = placements(sharding, tuple(device_mesh.mesh_dim_names))
     stride = torch.empty(sharding.full_shape, device="meta").stride()
     if not sharding.parts and all(sum(mesh.axis_size(a) > 1 for a in axes) <= 1 for axes in sharding.dims):
         ((_, valid),) = block_slices(sharding, mesh)
         chunk = local(t).detach()[valid]
         return DTensor.from_local(
-            chunk, mesh.device_mesh, where, run_check=False, shape=torch.Size(sharding.full_shape), stride=stride
+            chunk, device_mesh, where, run_check=False, shape=torch.Size(sharding.full_shape), stride=stride
         )
     full = unshard(local(t).detach().contiguous(), mesh, sharding)
     chunk = full
     for dim, placement in enumerate(where):
         if isinstance(placement, Shard):
-            n, index = mesh.device_mesh.size(dim), mesh.device_mesh.get_local_rank(dim)
+            n, index = device_mesh.size(dim), device_mesh.get_local_rank(dim)
             pieces = torch.chunk(chunk, n, placement.dim)
             chunk = pieces[index] if index < len(pieces) else chunk.narrow(placement.dim, 0, 0)
     stride = torch.empty(full.shape, device="meta").stride()
-    return DTensor.from_local(chunk.clone(), mesh.device_mesh, where, run_check=False, shape=full.shape, stride=stride)
+    return DTensor.from_local(chunk.clone(), device_mesh, where, run_check=False, shape=full.shape, stride=stride)
 
 
 def on_local_grad(hook):

@@ -169,7 +169,7 @@ class MpiTransport:
         buf, done = _contiguous(t)
         if comm.Get_size() <= DIRECT_MEMBERS:
             return self._direct_reduce(comm, buf, done, axis, root, op)
-        data = [buf.detach().numpy(), _datatype(buf)]
+        data = [_bytes(buf), _datatype(buf)]
         if comm.Get_rank() == root:
             request = comm.Ireduce(mpi.IN_PLACE, data, op=_op(op), root=root)
         else:
@@ -198,7 +198,7 @@ class MpiTransport:
 
     def all_reduce(self, t: torch.Tensor, axis: str, op: dist.ReduceOp) -> Request:
         buf, done = _contiguous(t)
-        request = self.comms[axis].Iallreduce(_mpi().IN_PLACE, [buf.detach().numpy(), _datatype(buf)], op=_op(op))
+        request = self.comms[axis].Iallreduce(_mpi().IN_PLACE, [_bytes(buf), _datatype(buf)], op=_op(op))
         return Request([request], f"all-reduce over {axis}", self, [buf], done)
 
     def all_gather(self, t: torch.Tensor, out: torch.Tensor, axis: str) -> Request:
@@ -234,7 +234,11 @@ def _contiguous(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | Non
 
 
 def _bytes(t: torch.Tensor):
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
+    """The memory of contiguous ``t`` for MPI, by address: not ``t.numpy()``, which marks the
+    storage as not resizable for good (FSDP frees and reallocates its all-gathered parameters'
+    storage, and could not after a layer had sent a block of one). The caller keeps ``t`` alive
+    until the operation ends (``Request``'s buffers)."""
+    return _mpi().buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size())
 
 
 def _datatype(t: torch.Tensor):

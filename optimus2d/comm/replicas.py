@@ -25,6 +25,7 @@ holds a row, optimus2d's "row" group (``AXIS_OF_DIM``).
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -200,8 +201,20 @@ def build_device_mesh(mesh):
     table = torch.tensor(mesh.replicas, dtype=torch.int64).view(-1, mesh.depth, mesh.q, mesh.q)
     if table.shape[0] == 1:
         device_mesh = DeviceMesh(mesh.device.type, table[0], mesh_dim_names=DIMS)
-        pair = device_mesh["row", "col"] if mesh.q > 1 else None
-        if hasattr(pair, "_flatten"):  # a block sharded over rows and columns reduces (a norm) in one
-            pair._flatten()  # all-reduce, not two in turn: DTensor's redistribute uses a flattened pair
+        flatten_for_norms(device_mesh)
         return device_mesh
     return DeviceMesh(mesh.device.type, table, mesh_dim_names=("replica", *DIMS))[DIMS]
+
+
+def flatten_for_norms(device_mesh) -> None:
+    """Flatten the dims a parameter's norm is reduced over, so that DTensor's redistribute reduces
+    it in one all-reduce, not one per dim in turn (in an order that could differ between ranks):
+    ("row", "col"), and with data-parallel dims (FSDP shards over them) those and ("row", "col").
+    Collective over the world (a flattened dim has its process group): every rank, in one order."""
+    names = tuple(device_mesh.mesh_dim_names)
+    data = tuple(n for n in names if n not in DIMS)
+    for dims in {("row", "col"), tuple(n for n in names if n in data or n in ("row", "col"))}:
+        if len(dims) > 1 and math.prod(device_mesh.size(names.index(n)) for n in dims) > 1:
+            sub = device_mesh[dims]
+            if hasattr(sub, "_flatten"):
+                sub._flatten()

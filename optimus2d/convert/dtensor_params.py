@@ -26,6 +26,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -37,9 +38,11 @@ from optimus2d.comm.dtensor import (
     like,
     local,
     on_local_grad,
+    placements,
     serial_dtensor,
 )
 from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.replicas import flatten_for_norms
 from optimus2d.comm.sharding import shard
 from optimus2d.layers.base import sharding_of
 
@@ -50,14 +53,23 @@ __all__ = ["distribute_parameters"]
 _ATTACHED: weakref.WeakSet = weakref.WeakSet()
 
 
-def distribute_parameters(model: nn.Module, mesh: Mesh) -> nn.Module:
+def distribute_parameters(model: nn.Module, mesh: Mesh, whole: DeviceMesh | None = None) -> nn.Module:
     """Make every parameter of ``model`` and every buffer that is a block a DTensor, in place
     (a tied parameter once, shared as before). A tensor marked with its mesh goes on that mesh's
     DeviceMesh, an unmarked parameter on ``mesh``'s, replicated. Nothing is sent but the DeviceMesh's
     creation (collective over the world, once per mesh). Nothing changes without torch.distributed
-    (one process), nor on meshes that are not the whole world (``_whole_world``)."""
-    if not (dist.is_available() and dist.is_initialized()) or not _whole_world(model, mesh):
+    (one process), nor on meshes that are not the whole world (``_whole_world``).
+
+    ``whole``: the DeviceMesh ``parallelize`` was given when it has data-parallel dims beside
+    ``mesh``'s ("depth", "row", "col" of every replica): every tensor goes on it, ``Replicate`` over
+    those dims, as torch's ``fully_shard(..., dp_mesh_dims=)`` takes them (every tensor is on
+    ``mesh``: ``parallelize`` checked)."""
+    if not (dist.is_available() and dist.is_initialized()):
         return model
+    if whole is None and not _whole_world(model, mesh):
+        return model
+    if whole is not None:
+        flatten_for_norms(whole)
     made: dict[int, torch.Tensor] = {}
     for module in model.modules():
         changed = False
@@ -66,14 +78,14 @@ def distribute_parameters(model: nn.Module, mesh: Mesh) -> nn.Module:
                 continue
             if not isinstance(t, DTensor):
                 if id(t) not in made:
-                    made[id(t)] = _distributed(module, name, t, mesh)
+                    made[id(t)] = _distributed(module, name, t, mesh, whole)
                 module._parameters[name] = made[id(t)]
                 module.__dict__.setdefault("_optimus2d_marks", {})[name] = _marks(made[id(t)])
             changed = True
         for name, t in list(module._buffers.items()):
             if t is not None and not isinstance(t, DTensor) and sharding_of(module, name)[0] is not None:
                 if id(t) not in made:
-                    made[id(t)] = _distributed(module, name, t, mesh)
+                    made[id(t)] = _distributed(module, name, t, mesh, whole)
                 module._buffers[name] = made[id(t)]
                 changed = True
         if changed and not module.__dict__.get("_optimus2d_dtensors"):
@@ -100,13 +112,16 @@ def _whole_world(model: nn.Module, mesh: Mesh) -> bool:
     return whole and any(m.size > 1 for m in meshes.values())
 
 
-def _distributed(module: nn.Module, name: str, t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def _distributed(module: nn.Module, name: str, t: torch.Tensor, mesh: Mesh, whole) -> torch.Tensor:
     sharding, own_mesh = _where(module, name, t)  # a tied block: its owner's
     on = own_mesh or getattr(t, "_optimus2d_mesh", None) or mesh
-    d = as_dtensor(t.detach(), sharding, on)
+    d = as_dtensor(t.detach(), sharding, on, whole)
     if not isinstance(t, nn.Parameter):
         return d
     new = nn.Parameter(d, requires_grad=t.requires_grad)
+    # the detach inside Parameter() goes through DTensor's cache of sharding specs, which may give an
+    # equal DeviceMesh of an earlier model: FSDP2 wants the very object it is given (dp_mesh_dims)
+    new._spec = d._spec
     for key, value in vars(t).items():
         setattr(new, key, value)
     new._optimus2d_grad_hooks = [on_local_grad(h) for h in (t._backward_hooks or {}).values()]
@@ -191,7 +206,20 @@ def _serial_state(module: nn.Module, state: dict, prefix: str, local_metadata) -
         if isinstance(t, DTensor) and key in state and state[key] is not t:  # keep_vars=True: the tensor itself
             sharding, mesh = _where(module, name, t)
             if sharding is not None and not is_canonical(sharding, mesh):
+                _not_resharded(key, t, sharding)
                 state[key] = serial_dtensor(t, sharding, mesh)
+
+
+def _not_resharded(key: str, t: DTensor, sharding) -> None:
+    """A tensor whose blocks are not DTensor's shards, further sharded by another tool (FSDP over
+    the data-parallel dims): its serial layout cannot be read from the shard. Refused, named."""
+    if tuple(t.placements) != placements(sharding, tuple(t.device_mesh.mesh_dim_names)):
+        raise ValueError(
+            f"state_dict: {key} is stored as blocks that are not DTensor's shards of the serial tensor (a padded "
+            f"vocabulary or fused parts: {sharding}) and is sharded again by another tool, now {t.placements} on "
+            f"{t.device_mesh}; its serial layout cannot be given. Use a vocabulary that divides the mesh, or "
+            f"leave that module out of fully_shard"
+        )
 
 
 def _blocks_from_state(module: nn.Module, state: dict, prefix: str, *_) -> None:
@@ -245,6 +273,7 @@ def _optimizer_serial_state(optimizer: torch.optim.Optimizer, state: dict) -> di
         out = {}  # a new dict: the optimizer's own state is left as it is
         for k, v in per.items():
             if isinstance(v, DTensor) and v.shape == p.shape and v.placements == p.placements:
+                _not_resharded(f"the optimizer's state {k!r} of a parameter", v, sharding)
                 v = serial_dtensor(v, sharding, mesh)
             out[k] = v
         state["state"][index] = out

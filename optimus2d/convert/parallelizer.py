@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from optimus2d.comm.agreement import check_same_tensors
 from optimus2d.comm.calls import layout
+from optimus2d.comm.dtensor import DIM_NAMES
 from optimus2d.comm.mesh import Mesh, as_mesh
 from optimus2d.context.parallel import ContextParallel
 from optimus2d.convert import blockwise, forward_reader, layouts
@@ -197,6 +198,7 @@ def parallelize(
     A ``context.ContextParallel(mesh, ...)`` value converts the module on its mesh and runs it with
     its sequence split over the mesh's depth axis (context parallelism; ``context/parallel.py``).
     """
+    whole = mesh if isinstance(mesh, DeviceMesh) and tuple(mesh.mesh_dim_names or ()) != DIM_NAMES else None
     mesh = as_mesh(mesh, "parallelize's mesh")  # a torch DeviceMesh: its Mesh (collective, every rank alike)
     if isinstance(plan, Mapping):
         plan = {key: as_mesh(value) if isinstance(value, DeviceMesh) else value for key, value in plan.items()}
@@ -206,6 +208,8 @@ def parallelize(
     error, walk = None, None
     try:
         walk = _Walk(mesh, {}, tied_embeddings(module), plan=layouts.check_plan(plan, mesh))
+        if whole is not None:
+            _one_mesh_with_replicas(plan, mesh)
         walk.contexts = layouts.context_plan(plan)
         walk.check(module, "")
         walk.raise_refused()
@@ -236,10 +240,23 @@ def parallelize(
         for _, (register, finish) in sorted(_LIBRARIES.items()):
             if register is None and finish is not None:  # a library whose modules were met
                 finish(out, mesh)
-        distribute_parameters(out, mesh)  # every parameter a DTensor: torch's tools see serial tensors
+        distribute_parameters(out, mesh, whole)  # every parameter a DTensor: torch's tools see serial tensors
     if records is not None:
         out._optimus2d_init = records
     return out
+
+
+def _one_mesh_with_replicas(plan, mesh: Mesh) -> None:
+    """Given a DeviceMesh with data-parallel dims, every parameter becomes a DTensor on all of it:
+    a module planned onto another mesh could not be, so such a plan is refused (before anything)."""
+    on = {key: value.mesh if isinstance(value, ContextParallel) else value for key, value in (plan or {}).items()}
+    others = sorted(key for key, value in on.items() if value is not mesh)
+    if others:
+        raise ValueError(
+            f"parallelize: given a DeviceMesh with data-parallel dims, every parameter becomes a DTensor on it, but "
+            f"the plan puts {', '.join(map(repr, others))} on another mesh than {mesh}; give parallelize the mesh of "
+            f"one replica (Mesh.from_device_mesh(dm['depth', 'row', 'col'])) to keep plain blocks per replica"
+        )
 
 
 def keep_modes(model: nn.Module, modes: dict[str, bool]) -> None:
