@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import copy
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -85,47 +84,6 @@ def as_dtensor(block: torch.Tensor, sharding: Sharding | None, mesh: Mesh, devic
 def like(t: DTensor, block: torch.Tensor) -> DTensor:
     """``block`` as a DTensor of ``t``'s mesh, placements and global shape (no communication)."""
     return DTensor.from_local(block, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-
-
-class _BlockView(torch.autograd.Function):
-    """``DTensor.to_local()`` for a parameter (a contiguous block with the placements it keeps):
-    its backward wraps the gradient with the parameter's own spec instead of building one, which is
-    most of what ``to_local`` costs a small layer (its gradient placements are the parameter's)."""
-
-    @staticmethod
-    def forward(ctx, d: DTensor) -> torch.Tensor:
-        ctx.spec = d._spec
-        block = d._local_tensor
-        return block.view_as(block)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> DTensor:
-        spec = ctx.spec
-        if (
-            grad.is_contiguous()
-            and grad.dtype == spec.tensor_meta.dtype
-            and spec.tensor_meta.stride == _contiguous(spec)
-        ):
-            return DTensor(grad, copy.copy(spec), requires_grad=grad.requires_grad)
-        meta = spec.tensor_meta
-        return DTensor.from_local(
-            grad, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
-        )
-
-
-def _contiguous(spec) -> tuple[int, ...]:
-    shape, stride, n = spec.tensor_meta.shape, [], 1
-    for size in reversed(shape):
-        stride.append(n)
-        n *= size
-    return tuple(reversed(stride))
-
-
-def block_view(t: DTensor) -> torch.Tensor:
-    """``t.to_local()`` for a forward (gradients flow back as DTensors of ``t``'s placements)."""
-    if torch.compiler.is_compiling() or not t._local_tensor.is_contiguous():
-        return t.to_local()
-    return _BlockView.apply(t)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

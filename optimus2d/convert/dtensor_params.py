@@ -7,9 +7,10 @@ decay by shape, FSDP over replicas and ``torch.distributed.checkpoint`` see the 
 one rank's blocks. A plain parameter (a norm's weight run on blocks) is ``Replicate`` everywhere.
 
 The layers keep computing on blocks: while a module runs, its own DTensors are shadowed by their
-local tensors (``to_local()``, a view: gradients come back as DTensors of the same placements), put
-in the module's ``__dict__`` by a forward pre-hook and taken away after the forward, even one that
-raises. A gradient hook a block had (its sum over replicas) runs on the gradient's local tensor.
+local tensors, put in the module's ``__dict__`` by a forward pre-hook and taken away after the
+forward, even one that raises. A parameter's local tensor is itself a leaf of autograd: C++
+accumulates its gradient, and a hook hands that to the parameter as a DTensor of its placements
+(``_leaf``). A gradient hook a block had (its sum over a row, say) runs on the block's gradient.
 
 ``state_dict()`` gives each tensor as the serial tensor's DTensor: the parameter's where its
 blocks are DTensor's shards (``is_canonical``), else (a padded vocabulary, fused q/k/v) a copy laid
@@ -21,6 +22,7 @@ gives every rank its block.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -33,7 +35,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from optimus2d.comm.dtensor import (
     STORED,
     as_dtensor,
-    block_view,
     is_canonical,
     like,
     local,
@@ -133,7 +134,51 @@ def _distributed(module: nn.Module, name: str, t: torch.Tensor, mesh: Mesh, whol
 
 def _marks(p: torch.Tensor) -> dict:
     """What a parameter carries beyond its values: its optimus2d attributes and gradient hooks."""
-    return {k: v for k, v in vars(p).items() if k.startswith("_optimus2d_")}
+    return {k: v for k, v in vars(p).items() if k.startswith("_optimus2d_") and k != "_optimus2d_leaf"}
+
+
+def _block(t: DTensor) -> torch.Tensor:
+    """What a forward computes with in place of the DTensor ``t``: its local tensor itself. A
+    parameter's is a leaf of autograd (``_leaf``) whose gradient, once accumulated, is added to
+    ``t.grad`` as a DTensor of ``t``'s placements; a buffer's is the block. Under ``torch.compile``:
+    ``to_local()`` (the gradient reaches ``t`` through DTensor's autograd)."""
+    if torch.compiler.is_compiling():
+        return t.to_local()
+    block = t._local_tensor
+    if not isinstance(t, nn.Parameter):
+        return block
+    leaf = t.__dict__.get("_optimus2d_leaf")
+    if leaf is None or leaf() is not block:  # new contents (.to(), assign=True, FSDP's, a copy's)
+        _leaf(t)
+    if block.requires_grad != t.requires_grad:  # frozen, or unfrozen, since
+        block.requires_grad_(t.requires_grad)
+    return block
+
+
+def _leaf(p: DTensor) -> None:
+    """Make ``p``'s local tensor the leaf its gradient reaches: C++ accumulates into its ``.grad``,
+    a hook then moves that to ``p.grad`` (no autograd Function per parameter and call, no DTensor
+    operation on the gradient); the block's own gradient hooks (its sum over a row, say) run first."""
+    block = p._local_tensor
+    block.grad = None
+    block._backward_hooks = None
+    block.requires_grad_(True)
+    for hook in p.__dict__.get("_optimus2d_grad_hooks", ()):
+        block.register_hook(hook._optimus2d_local_hook)
+    block.register_post_accumulate_grad_hook(functools.partial(_grad_to_param, weakref.ref(p)))
+    block.requires_grad_(p.requires_grad)
+    p._optimus2d_leaf = weakref.ref(block)
+
+
+def _grad_to_param(ref: weakref.ref, block: torch.Tensor) -> None:
+    grad, block.grad = block.grad, None
+    p = ref()
+    if p is None or grad is None:
+        return
+    if p.grad is None:
+        p.grad = DTensor(grad, p._spec, requires_grad=False)
+    else:
+        local(p.grad).add_(grad)
 
 
 def _mark(p: torch.Tensor, marks: dict) -> None:
@@ -166,7 +211,7 @@ def _expose(module: nn.Module, args) -> None:
         _restore_marks(m)
         for name, t in (*m._parameters.items(), *m._buffers.items()):
             if isinstance(t, DTensor) and name not in m.__dict__:
-                m.__dict__[name] = block_view(t)
+                m.__dict__[name] = _block(t)
                 names.append(name)
         if names:
             shown.append((m, names))
