@@ -10,6 +10,10 @@ sharded logits. GPT-2's ``Conv1D`` layers have no DTensor plan (``ColwiseParalle
 ``nn.Linear`` only and transformers ships none for GPT-2), hence LLaMA for the 1D comparison; its
 1D peer keeps the embedding, final norm and head replicated, as that plan does. Reported as for
 ``mlp``, with tokens/s of a whole training step's fwd+bwd.
+
+The row "…, plain blocks" is the same conversion with its last pass left out, the blocks plain
+tensors as before parameters became DTensors (``convert/dtensor_params.py``): what that pass costs,
+in the same run. There is no public switch for it, so this row alone reaches inside the library.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 import optimus2d
 from benchmarks import compare
 from benchmarks.compare import Peer
+from optimus2d.convert import parallelizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--model", choices=("gpt2", "llama"), default="gpt2")
     compare.add_run_arguments(parser)
+
+
+def _plain_blocks(serial, mesh: optimus2d.Mesh):
+    """``parallelize`` without its last pass: the blocks stay plain tensors (see the docstring)."""
+    real = parallelizer.distribute_parameters
+    parallelizer.distribute_parameters = lambda model, *_: model
+    try:
+        return optimus2d.parallelize(copy.deepcopy(serial), mesh)
+    finally:
+        parallelizer.distribute_parameters = real
 
 
 def _serial_loss(model, ids):
@@ -104,12 +119,18 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     parallel = optimus2d.parallelize(copy.deepcopy(serial), mesh)
     ids_local = optimus2d.scatter_batch(ids, mesh)
 
-    def parallel_loss():
-        logits = parallel(input_ids=ids_local, use_cache=False).logits
+    def loss_of(model):
+        logits = model(input_ids=ids_local, use_cache=False).logits
         return optimus2d.cross_entropy(logits[:, :-1], ids_local[:, 1:], mesh)
+
+    def parallel_loss():
+        return loss_of(parallel)
 
     twin = copy.deepcopy(serial)
     group = [Peer(name, parallel, parallel_loss, lambda loss: loss.backward(), lambda loss: loss)]
+    if p > 1:
+        plain = _plain_blocks(serial, mesh)
+        group.append(Peer(f"{name}, plain blocks", plain, lambda: loss_of(plain), lambda x: x.backward(), lambda x: x))
     if args.model == "llama" and p > 1:
         group.append(_dtensor_1d(serial, ids))
     group.append(
