@@ -19,6 +19,7 @@ handling is ``optimus2d.faults``.
 from optimus2d import _deprecated, checkpoint, comm, convert, cost, families, faults, layers, pipeline
 from optimus2d.checkpoint import load_pretrained, load_serial_state_dict, save_pretrained, serial_state_dict
 from optimus2d.comm import Mesh, count_comm, gather, redistribute, scatter, scatter_batch
+from optimus2d.comm.dtensor import parameters_in_graph
 from optimus2d.comm.rng import shard_rng
 from optimus2d.convert import materialize, parallelize
 from optimus2d.launch import World, init, shutdown
@@ -47,6 +48,7 @@ __all__ = [
     "load_serial_state_dict",
     "materialize",
     "parallelize",
+    "parameters_in_graph",
     "pipeline",
     "redistribute",
     "save_pretrained",

@@ -338,3 +338,64 @@ def test_a_device_mesh_with_replicas_gives_dtensors_on_all_of_it(world):
     with pytest.raises(ValueError, match=r"the plan puts 'model.layers.0' on another mesh"):
         parallelize(untouched, dm, plan={"model.layers.0": other})
     assert all(torch.equal(p, serial.get_parameter(n)) for n, p in untouched.named_parameters())
+
+
+def test_gradients_reach_the_parameters_as_torch_would_give_them(mesh):
+    """A parameter's local tensor is the leaf its gradient reaches (``_leaf``), handed to ``p.grad``:
+    as serial after ``.to()``/``.double()`` following a step (a weak reference to the parameter made
+    torch's swap refuse it), for a parameter frozen between forward and backward (no gradient, as
+    torch), with a hook the user put on a parameter (it runs), and, within
+    ``optimus2d.parameters_in_graph()``, for ``torch.autograd.grad`` and ``backward(inputs=)``
+    (outside it the parameters are not in the graph: torch says so)."""
+    serial = _llama()
+    model = parallelize(copy.deepcopy(serial), mesh)
+    ids = torch.randint(0, 72, (2 * mesh.size, 6))
+    rows = scatter_batch(ids, mesh)
+
+    def check(what, names=None):
+        for name, p in model.named_parameters():
+            want = serial.get_parameter(name).grad
+            if names is None or name in names:
+                assert (p.grad is None) == (want is None), f"{what}: {name}"
+                if want is not None:
+                    assert_close(_full(p.grad), want, 1e-6, f"{what}: {name}")
+        serial.zero_grad()
+        model.zero_grad()
+
+    serial(input_ids=ids, labels=ids).loss.backward()
+    model(input_ids=rows, labels=rows).loss.backward()
+    check("a step")
+    model.float().double().to("cpu")
+    serial(input_ids=ids, labels=ids).loss.backward()
+    model(input_ids=rows, labels=rows).loss.backward()
+    check("after .float().double().to()")
+
+    frozen = "model.layers.0.mlp.up_proj.weight"
+    loss_ref, loss = serial(input_ids=ids, labels=ids).loss, model(input_ids=rows, labels=rows).loss
+    serial.get_parameter(frozen).requires_grad_(False)
+    model.get_parameter(frozen).requires_grad_(False)
+    loss_ref.backward()
+    loss.backward()
+    check("frozen between forward and backward")
+    serial.get_parameter(frozen).requires_grad_(True)
+    model.get_parameter(frozen).requires_grad_(True)
+
+    hooked = "model.layers.0.self_attn.o_proj.weight"
+    for m in (serial, model):
+        m.get_parameter(hooked).register_hook(lambda g: g * 3)
+    serial(input_ids=ids, labels=ids).loss.backward()
+    model(input_ids=rows, labels=rows).loss.backward()
+    check("a user's hook on a parameter")
+
+    names = ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
+    loss = model(input_ids=rows, labels=rows).loss
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        torch.autograd.grad(loss, [model.get_parameter(n) for n in names])
+    wanted = torch.autograd.grad(serial(input_ids=ids, labels=ids).loss, [serial.get_parameter(n) for n in names])
+    with optimus2d.parameters_in_graph():
+        got = torch.autograd.grad(model(input_ids=rows, labels=rows).loss, [model.get_parameter(n) for n in names])
+        for name, g, want in zip(names, got, wanted, strict=True):
+            assert_close(_full(g), want, 1e-6, f"autograd.grad: {name}")
+        serial(input_ids=ids, labels=ids).loss.backward(inputs=[serial.get_parameter(n) for n in names])
+        model(input_ids=rows, labels=rows).loss.backward(inputs=[model.get_parameter(n) for n in names])
+    check("backward(inputs=)")

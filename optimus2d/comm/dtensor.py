@@ -31,6 +31,23 @@ DIM_NAMES = ("depth", "row", "col")  # the DeviceMesh's names of those dims (any
 STORED: contextvars.ContextVar[bool] = contextvars.ContextVar("optimus2d_stored_state_dict", default=False)
 
 
+IN_GRAPH: contextvars.ContextVar[bool] = contextvars.ContextVar("optimus2d_parameters_in_graph", default=False)
+
+
+@contextlib.contextmanager
+def parameters_in_graph():
+    """Within it, a converted model's forward puts its DTensor parameters themselves in the autograd
+    graph (``to_local()`` per use), as torch needs for ``torch.autograd.grad(loss, params)``,
+    ``loss.backward(inputs=params)`` and gradients of gradients. Outside it, each parameter's local
+    tensor is the leaf and its gradient is handed to ``p.grad`` (``convert/dtensor_params.py``):
+    faster, but the parameter is not in the graph, and those calls see it unused."""
+    token = IN_GRAPH.set(True)
+    try:
+        yield
+    finally:
+        IN_GRAPH.reset(token)
+
+
 @contextlib.contextmanager
 def stored_state_dict():
     """Within it, a converted model's ``state_dict()`` gives each tensor as stored (the DTensor

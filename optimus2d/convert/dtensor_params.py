@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from optimus2d.comm.dtensor import (
+    IN_GRAPH,
     STORED,
     as_dtensor,
     is_canonical,
@@ -134,25 +135,46 @@ def _distributed(module: nn.Module, name: str, t: torch.Tensor, mesh: Mesh, whol
 
 def _marks(p: torch.Tensor) -> dict:
     """What a parameter carries beyond its values: its optimus2d attributes and gradient hooks."""
-    return {k: v for k, v in vars(p).items() if k.startswith("_optimus2d_") and k != "_optimus2d_leaf"}
+    own = ("_optimus2d_leaf", "_optimus2d_owner_box")  # this tensor's own: made again for new contents
+    return {k: v for k, v in vars(p).items() if k.startswith("_optimus2d_") and k not in own}
 
 
 def _block(t: DTensor) -> torch.Tensor:
     """What a forward computes with in place of the DTensor ``t``: its local tensor itself. A
     parameter's is a leaf of autograd (``_leaf``) whose gradient, once accumulated, is added to
-    ``t.grad`` as a DTensor of ``t``'s placements; a buffer's is the block. Under ``torch.compile``:
-    ``to_local()`` (the gradient reaches ``t`` through DTensor's autograd)."""
-    if torch.compiler.is_compiling():
+    ``t.grad`` as a DTensor of ``t``'s placements; a buffer's is the block. ``to_local()`` instead
+    (the parameter itself in the graph, its gradient through DTensor's autograd) under
+    ``torch.compile``, within ``parameters_in_graph()``, for a parameter carrying gradient hooks of
+    its own (a user's), and for a tensor put in by ``torch.func.functional_call`` (not a leaf)."""
+    if not isinstance(t, nn.Parameter) or t.grad_fn is not None:  # a buffer; torch.func's functional_call
+        return t.to_local() if t.requires_grad else t._local_tensor
+    if torch.compiler.is_compiling() or IN_GRAPH.get() or _hooked_by_user(t):
         return t.to_local()
     block = t._local_tensor
-    if not isinstance(t, nn.Parameter):
-        return block
     leaf = t.__dict__.get("_optimus2d_leaf")
     if leaf is None or leaf() is not block:  # new contents (.to(), assign=True, FSDP's, a copy's)
         _leaf(t)
     if block.requires_grad != t.requires_grad:  # frozen, or unfrozen, since
         block.requires_grad_(t.requires_grad)
     return block
+
+
+def _hooked_by_user(t: DTensor) -> bool:
+    """Whether gradient hooks other than optimus2d's own were put on the parameter itself: they run
+    only if the parameter is in the graph (``to_local()``)."""
+    if t.__dict__.get("_post_accumulate_grad_hooks") or getattr(t, "_post_accumulate_grad_hooks", None):
+        return True
+    return len(t._backward_hooks or ()) > len(t.__dict__.get("_optimus2d_grad_hooks", ()))
+
+
+class _Owner:
+    """What a leaf's hook reaches its parameter through: a weak reference to the parameter itself
+    would make ``torch.utils.swap_tensors`` (``.to()``, ``.double()``) refuse it."""
+
+    __slots__ = ("__weakref__", "p")
+
+    def __init__(self, p):
+        self.p = p
 
 
 def _leaf(p: DTensor) -> None:
@@ -165,15 +187,18 @@ def _leaf(p: DTensor) -> None:
     block.requires_grad_(True)
     for hook in p.__dict__.get("_optimus2d_grad_hooks", ()):
         block.register_hook(hook._optimus2d_local_hook)
-    block.register_post_accumulate_grad_hook(functools.partial(_grad_to_param, weakref.ref(p)))
+    owner = _Owner(p)
+    p._optimus2d_owner_box = owner  # p -> owner -> p: a cycle of Python objects the collector frees
+    block.register_post_accumulate_grad_hook(functools.partial(_grad_to_param, weakref.ref(owner)))
     block.requires_grad_(p.requires_grad)
     p._optimus2d_leaf = weakref.ref(block)
 
 
 def _grad_to_param(ref: weakref.ref, block: torch.Tensor) -> None:
     grad, block.grad = block.grad, None
-    p = ref()
-    if p is None or grad is None:
+    owner = ref()
+    p = owner.p if owner is not None else None
+    if p is None or grad is None or not p.requires_grad:  # frozen since the forward: no gradient, as torch
         return
     if p.grad is None:
         p.grad = DTensor(grad, p._spec, requires_grad=False)
