@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -123,14 +124,13 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         logits = model(input_ids=ids_local, use_cache=False).logits
         return optimus2d.cross_entropy(logits[:, :-1], ids_local[:, 1:], mesh)
 
-    def parallel_loss():
-        return loss_of(parallel)
-
+    parallel_loss = functools.partial(loss_of, parallel)
     twin = copy.deepcopy(serial)
     group = [Peer(name, parallel, parallel_loss, lambda loss: loss.backward(), lambda loss: loss)]
     if p > 1:
         plain = _plain_blocks(serial, mesh)
-        group.append(Peer(f"{name}, plain blocks", plain, lambda: loss_of(plain), lambda x: x.backward(), lambda x: x))
+        plain_loss = functools.partial(loss_of, plain)
+        group.append(Peer(f"{name}, plain blocks", plain, plain_loss, lambda loss: loss.backward(), lambda loss: loss))
     if args.model == "llama" and p > 1:
         group.append(_dtensor_1d(serial, ids))
     group.append(

@@ -37,8 +37,8 @@ IN_GRAPH: contextvars.ContextVar[bool] = contextvars.ContextVar("optimus2d_param
 @contextlib.contextmanager
 def parameters_in_graph():
     """Within it, a converted model's forward puts its DTensor parameters themselves in the autograd
-    graph (``to_local()`` per use), as torch needs for ``torch.autograd.grad(loss, params)``,
-    ``loss.backward(inputs=params)`` and gradients of gradients. Outside it, each parameter's local
+    graph (``to_local()`` per use), as torch needs for ``torch.autograd.grad(loss, params)`` and
+    ``loss.backward(inputs=params)``. Outside it, each parameter's local
     tensor is the leaf and its gradient is handed to ``p.grad`` (``convert/dtensor_params.py``):
     faster, but the parameter is not in the graph, and those calls see it unused."""
     token = IN_GRAPH.set(True)

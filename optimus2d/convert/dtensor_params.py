@@ -160,9 +160,10 @@ def _block(t: DTensor) -> torch.Tensor:
 
 
 def _hooked_by_user(t: DTensor) -> bool:
-    """Whether gradient hooks other than optimus2d's own were put on the parameter itself: they run
-    only if the parameter is in the graph (``to_local()``)."""
-    if t.__dict__.get("_post_accumulate_grad_hooks") or getattr(t, "_post_accumulate_grad_hooks", None):
+    """Whether gradient hooks other than optimus2d's own were put on the parameter itself (before
+    the forward: one put on between forward and backward is not seen): they run only if the
+    parameter is in the graph (``to_local()``)."""
+    if getattr(t, "_post_accumulate_grad_hooks", None):
         return True
     return len(t._backward_hooks or ()) > len(t.__dict__.get("_optimus2d_grad_hooks", ()))
 
