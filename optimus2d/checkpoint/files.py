@@ -23,10 +23,12 @@ it back first. A half-written ``P.optimus2d-saving`` has no manifest and is refu
 
 Manifest (``manifest.json``, written to a temporary name, fsynced, renamed)::
 
-    {"format": 2, "checksum": "crc32", "files": {".metadata": {"bytes": 1843, "crc32": "5c6f0e1a"},
+    {"format": 3, "checksum": "crc32", "files": {".metadata": {"bytes": 1843, "crc32": "5c6f0e1a"},
                                                  "__0_0.distcp": {"bytes": 5321, "crc32": "9a0b1c2d"}}}
 
-Format 1 was the same directory without a manifest (refused now: nothing says it is complete).
+Format 3 stores the keys torch's ``get_state_dict`` gives (``checkpoint/torch_state.py``); format 2
+stored ``model/<key>`` and ``optim/<key>/<name>`` (read still); format 1 was format 2 without a
+manifest (read only with ``verify=False``: nothing says it is complete).
 zlib's crc32 runs at about 4.5 GB/s reading from the page cache on one core here (sha1 1.9, md5
 0.8): it catches truncated and damaged files, not tampering. Verification is collective: every
 rank checks that each listed file exists with its size, and checksums its share of them; one
@@ -44,7 +46,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-FORMAT = 2
+FORMAT = 3  # the directory's: the manifest's "format", also the keys' (see above)
 MANIFEST = "manifest.json"
 SAVING = ".optimus2d-saving"
 PREVIOUS = ".optimus2d-previous"
@@ -120,17 +122,30 @@ def save_atomically(path: str | os.PathLike, write: Callable[[str], int | None],
     the others only take part in the commit). A rank whose ``write`` raises still takes part, so
     no rank waits for it: every rank then raises (that rank its own error).
     """
-    ranks, final = _Ranks(group, no_dist), os.path.normpath(os.fspath(path))
-    tmp = final + SAVING
-    verdict = _attempt(lambda: _prepare(final), f"preparing {final!r}")[1] if ranks.rank == 0 else None
-    _raise(ranks.broadcast(verdict))
-    own = None
+    tmp = begin(path, group, no_dist)
     try:  # DCP returns on every writer once all have written and its rank 0 has written .metadata
-        wrote = write(tmp)
+        wrote, own = write(tmp), None
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # DCP's CheckpointException is a BaseException
         own, wrote = err, None
+    commit(path, group, no_dist, wrote, own)
+
+
+def begin(path: str | os.PathLike, group, no_dist: bool) -> str:
+    """Step 1 (collective): the temporary directory every rank writes into."""
+    ranks, final = _Ranks(group, no_dist), os.path.normpath(os.fspath(path))
+    verdict = _attempt(lambda: _prepare(final), f"preparing {final!r}")[1] if ranks.rank == 0 else None
+    _raise(ranks.broadcast(verdict))
+    return final + SAVING
+
+
+def commit(path: str | os.PathLike, group, no_dist: bool, wrote: int | None, own: BaseException | None) -> None:
+    """Steps 2 and 3 (collective) once this rank wrote its files named after rank ``wrote`` (None:
+    it wrote none), or failed with ``own``: the manifest, then the renames; raises on every rank if
+    any rank failed (a failed rank its own error)."""
+    ranks, final = _Ranks(group, no_dist), os.path.normpath(os.fspath(path))
+    tmp = final + SAVING
     mine: tuple = ({}, None)
     if own is not None:
         mine = (None, ("RuntimeError", f"optimus2d.checkpoint: writing into {tmp!r}: {type(own).__name__}: {own}"))

@@ -46,7 +46,7 @@ class Progress:
     """``with Progress("load_pretrained", total, mesh, progress) as bar: bar.update(); bar.summary(text)``."""
 
     def __init__(self, what: str, total: int, mesh, progress: bool | None, unit: str = "tensor") -> None:
-        self.lead = leads(mesh)
+        self.what, self.lead = what, leads(mesh)
         self.shown = self.lead and (bool(progress) if progress is not None else _is_tty())
         self.start = time.perf_counter()
         self._bar = None

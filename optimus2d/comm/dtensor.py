@@ -112,12 +112,14 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def serial_dtensor(t: torch.Tensor, sharding: Sharding, mesh: Mesh) -> DTensor:
+def serial_dtensor(t: torch.Tensor, sharding: Sharding, mesh: Mesh, device_mesh=None) -> DTensor:
     """The serial tensor of the stored block ``t`` as a DTensor laid out as DTensor lays out its
     placements (``torch.chunk`` per DeviceMesh dim, in order). A block padded at the end of a dim
     split by one axis is already that chunk, padding aside: a view of it, nothing sent. Else (fused
-    parts, two axes on a dim) the blocks are all-gathered over ``mesh``: collective."""
-    device_mesh = t.device_mesh if isinstance(t, DTensor) else mesh.device_mesh
+    parts, two axes on a dim) the blocks are all-gathered over ``mesh``: collective. On ``t``'s
+    DeviceMesh, or ``device_mesh`` (default ``mesh.device_mesh``) for a plain block."""
+    if device_mesh is None:
+        device_mesh = t.device_mesh if isinstance(t, DTensor) else mesh.device_mesh
     where = placements(sharding, tuple(device_mesh.mesh_dim_names))
     stride = torch.empty(sharding.full_shape, device="meta").stride()
     if not sharding.parts and all(sum(mesh.axis_size(a) > 1 for a in axes) <= 1 for axes in sharding.dims):
@@ -128,9 +130,10 @@ def serial_dtensor(t: torch.Tensor, sharding: Sharding, mesh: Mesh) -> DTensor:
         )
     full = unshard(local(t).detach().contiguous(), mesh, sharding)
     chunk = full
+    coordinate = device_mesh.get_coordinate()  # no process groups needed (a DeviceMesh built without them)
     for dim, placement in enumerate(where):
         if isinstance(placement, Shard):
-            n, index = device_mesh.size(dim), device_mesh.get_local_rank(dim)
+            n, index = device_mesh.size(dim), coordinate[dim]
             pieces = torch.chunk(chunk, n, placement.dim)
             chunk = pieces[index] if index < len(pieces) else chunk.narrow(placement.dim, 0, 0)
     stride = torch.empty(full.shape, device="meta").stride()

@@ -1,0 +1,243 @@
+"""Reading a checkpoint into a model and its optimizer, or into one process; its two key schemes.
+
+Format 3 (``torch_state.py``) stores the keys torch's ``get_state_dict`` gives; format 2 (optimus2d
+before it) stored ``model/<key>`` and ``optim/<key>/<name>``, fused q/k/v as parts ``#0``, ``#1``,
+... and a JSON ``meta`` (optimizer class, groups, tied keys, the dim the parts join on). A
+``Reading`` gives DCP a fresh tensor for every stored key this rank needs (``torch_state.target``),
+checks the whole checkpoint against the model first, and only once DCP has read everything puts
+the blocks in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from optimus2d.checkpoint import torch_state
+from optimus2d.comm.dtensor import like, local
+
+
+class Format3:
+    number = 3
+
+    def __init__(self, objects: dict) -> None:
+        self.objects = objects  # every non-tensor entry (the settings, optimus2d.*), read already
+
+    def model_key(self, key: str) -> str:
+        return f"model.{key}"
+
+    def model_keys(self, metadata) -> dict[str, str]:
+        """stored key → serial key, for every model tensor stored."""
+        return {k: k[len("model.") :] for k in metadata if k.startswith("model.")}
+
+    def optim_names(self, key: str, metadata) -> dict[str, str]:
+        """state name → stored key, for the optimizer state of the tensor stored under ``key``."""
+        prefix = f"optim.state.{key}."
+        return {k[len(prefix) :]: k for k in metadata if k.startswith(prefix) and "." not in k[len(prefix) :]}
+
+    def parts(self, base: str, metadata) -> list[str]:
+        return []
+
+    def optimizer(self) -> str | None:
+        """The optimizer's class name; None if the checkpoint has no optimizer state, "" if DCP
+        wrote it alone (no class recorded)."""
+        if not any(k.startswith("optim.param_groups.") for k in self.objects):
+            return None
+        return self.objects.get("optimus2d.optimizer") or ""
+
+    def aliases(self) -> dict[str, str]:
+        return json.loads(self.objects.get("optimus2d.aliases") or "{}")
+
+    def param_groups(self) -> list[dict]:
+        groups: dict[int, dict] = {}
+        for k, v in self.objects.items():
+            if k.startswith("optim.param_groups."):
+                n, _, field = k[len("optim.param_groups.") :].partition(".")
+                groups.setdefault(int(n), {})[field] = v
+        return [groups[n] for n in sorted(groups)]
+
+    def serial(self, flat: dict) -> dict:
+        """``read``'s result from every stored entry."""
+        model = {k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")}
+        optim: dict[str, dict] = {}
+        for k, v in flat.items():
+            if k.startswith("optim.state."):
+                key, _, name = k[len("optim.state.") :].rpartition(".")
+                optim.setdefault(key, {})[name] = v
+        self.objects = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+        meta = {"format": 3, "optimizer": self.objects.get("optimus2d.optimizer"), "param_groups": self.param_groups()}
+        return {"model": model, "optimizer": optim, "meta": meta}
+
+
+class Format2:
+    number = 2
+
+    def __init__(self, meta: dict) -> None:
+        self.meta = meta
+
+    def model_key(self, key: str) -> str:
+        return f"model/{key}"
+
+    def model_keys(self, metadata) -> dict[str, str]:
+        return {b: b[len("model/") :] for b in {k.partition("#")[0] for k in metadata if k.startswith("model/")}}
+
+    def optim_names(self, key: str, metadata) -> dict[str, str]:
+        prefix = f"optim/{key}/"
+        return {k[len(prefix) :].partition("#")[0]: k.partition("#")[0] for k in metadata if k.startswith(prefix)}
+
+    def parts(self, base: str, metadata) -> list[str]:
+        n, out = 0, []
+        while f"{base}#{n}" in metadata:
+            out.append(f"{base}#{n}")
+            n += 1
+        return out
+
+    def optimizer(self) -> str | None:
+        return self.meta.get("optimizer")
+
+    def aliases(self) -> dict[str, str]:
+        return self.meta.get("aliases", {})
+
+    def param_groups(self) -> list[dict]:
+        return self.meta.get("param_groups", [])
+
+    def serial(self, flat: dict) -> dict:
+        parts: dict[str, dict[int, torch.Tensor]] = {}
+        for key, tensor in flat.items():
+            if key != "meta":
+                base, _, part = key.partition("#")
+                parts.setdefault(base, {})[int(part) if part else 0] = tensor
+        dims = self.meta.get("parts_dim", {})
+        joined = {
+            b: torch.cat([p[n] for n in sorted(p)], dims.get(b, 0)) if len(p) > 1 else p[0] for b, p in parts.items()
+        }
+        model = {k[len("model/") :]: v for k, v in joined.items() if k.startswith("model/")}
+        optim: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in joined.items():
+            if key.startswith("optim/"):
+                pkey, _, name = key[len("optim/") :].rpartition("/")
+                optim.setdefault(pkey, {})[name] = value
+        return {"model": model, "optimizer": optim, "meta": self.meta}
+
+
+def scheme(path, metadata, load) -> Format3 | Format2:
+    """The key scheme of the checkpoint at ``path``, its small entries read (``load``: DCP's, alone)."""
+    if "meta" in metadata:  # format 2: a JSON string as bytes in a uint8 tensor
+        buf = torch.empty(metadata["meta"].size, dtype=torch.uint8)
+        load({"meta": buf}, path, None, True)
+        return Format2(json.loads(bytes(buf.tolist()).decode()))
+    objects = {k: None for k, m in metadata.items() if isinstance(m, BytesStorageMetadata)}
+    if objects:
+        load(objects, path, None, True)
+    return Format3(objects)
+
+
+class Reading:
+    """What DCP reads for ``entries`` and ``optimizer`` (``state``), and how it goes in place."""
+
+    def __init__(self, path, metadata, fmt, entries: list, optimizer, dm, only_mine: bool = False) -> None:
+        self.path, self.metadata, self.fmt, self.optimizer = os.fspath(path), metadata, fmt, optimizer
+        self.entries, self.dm, self.only_mine = entries, dm, only_mine
+        self.state: dict[str, torch.Tensor] = {}
+        self.model: list[tuple] = []  # (Held, stored keys, dim the parts join on)
+        self.optim: list[tuple] = []  # (param, name, Held or None (not laid out like it), stored keys, dim)
+        self.shapes: dict[str, tuple[int, ...]] = {}  # stored key (or base of parts) → the shape wanted
+        for e in entries:
+            base = fmt.model_key(e.key)
+            self.shapes[base] = e.shape
+            self.model.append((e, *self._targets(base, e, e.block, e.block.dtype)))
+        if optimizer is not None:
+            self._optimizer_targets()
+
+    def _targets(self, base: str, e, block, dtype, scalar: bool = False) -> tuple[list[str], int]:
+        parts = self.fmt.parts(base, self.metadata)
+        if parts:  # format 2's fused parts: each whole on every rank, joined after
+            for k in parts:
+                self.state[k] = torch.zeros(tuple(self.metadata[k].size), dtype=dtype, device=local(block).device)
+            return parts, self.fmt.meta.get("parts_dim", {}).get(base, 0)
+        if scalar:
+            m = self.metadata.get(base)
+            self.state[base] = torch.zeros(
+                tuple(m.size) if m else (), dtype=m.properties.dtype if m else dtype, device=block.device
+            )
+        elif base in self.metadata or not self.only_mine:
+            self.state[base] = torch_state.target(e, block, self.dm, dtype)
+        return [base], 0
+
+    def _optimizer_targets(self) -> None:
+        aliases, by_param = self.fmt.aliases(), {}
+        for e in self.entries:
+            by_param.setdefault(id(e.tensor), []).append(e)
+        for group in self.optimizer.param_groups:
+            on_device = bool(group.get("capturable") or group.get("fused"))
+            for p in group["params"]:
+                if id(p) not in by_param:
+                    raise ValueError("optimus2d.checkpoint: the optimizer holds a parameter that is not in the model")
+                held = by_param[id(p)]
+                keys = [e.key for e in held] + [aliases[e.key] for e in held if e.key in aliases]
+                stored = [(k, self.fmt.optim_names(k, self.metadata)) for k in keys]
+                stored = [(k, names) for k, names in stored if names]
+                if not stored:
+                    continue  # no state saved for it (never stepped)
+                e, names = held[0], stored[0][1]
+                for name, base in sorted(names.items()):
+                    parts = self.fmt.parts(base, self.metadata)
+                    size = tuple(self.metadata[parts[0] if parts else base].size)
+                    if parts or (len(size) > 0 and size == e.shape):  # laid out like the parameter
+                        self.optim.append((p, name, e, *self._targets(base, e, local(p), p.dtype)))
+                    else:  # a scalar such as Adam's step: on the CPU, as torch keeps it, unless capturable/fused
+                        device = local(p).device if on_device else torch.device("cpu")
+                        holder = torch.empty((), device=device)
+                        self.optim.append((p, name, None, *self._targets(base, e, holder, p.dtype, scalar=True)))
+
+    def check_fits(self) -> None:
+        """``ValueError`` naming what does not fit, before anything is read."""
+        where = repr(self.path)
+        stored = self.fmt.model_keys(self.metadata)
+        wanted = {self.fmt.model_key(e.key) for e in self.entries}
+        recorded = self.fmt.optimizer()
+        if self.optimizer is not None and recorded != type(self.optimizer).__name__ and recorded != "":
+            raise ValueError(
+                f"optimus2d.checkpoint: {where} holds {recorded or 'no'} optimizer state, "
+                f"not {type(self.optimizer).__name__}"
+            )
+        missing = sorted(wanted - set(stored))
+        unexpected = [] if self.only_mine else sorted(set(stored) - wanted)
+        shapes = []
+        for base in sorted(wanted & set(stored)):
+            if not self.fmt.parts(base, self.metadata) and tuple(self.metadata[base].size) != tuple(self.shapes[base]):
+                shapes.append(f"{base}: checkpoint {tuple(self.metadata[base].size)}, model {tuple(self.shapes[base])}")
+        if missing or unexpected or shapes:
+            raise ValueError(
+                f"optimus2d.checkpoint: {where} does not fit this model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}, shapes {shapes[:5]}"
+            )
+
+    def _value(self, keys: list[str], dim: int) -> torch.Tensor:
+        return torch.cat([self.state[k] for k in keys], dim) if len(keys) > 1 else self.state[keys[0]]
+
+    def apply(self) -> None:
+        """Once DCP has read ``state``: every block into its tensor, and the optimizer's state."""
+        blocks = [(e, torch_state.to_block(e, self._value(keys, dim))) for e, keys, dim in self.model]
+        with torch.no_grad():
+            for e, block in blocks:
+                e.block.copy_(block)
+        if self.optimizer is None:
+            return
+        for group in self.optimizer.param_groups:  # the checkpoint's state replaces all of the old one
+            for p in group["params"]:
+                self.optimizer.state.pop(p, None)
+        for p, name, e, keys, dim in self.optim:
+            value = self._value(keys, dim)
+            if e is not None:
+                block = torch_state.to_block(e, value).to(local(p).dtype).contiguous()
+                value = like(p, block) if isinstance(p, DTensor) else block
+            self.optimizer.state[p][name] = value
+        for group, saved in zip(self.optimizer.param_groups, self.fmt.param_groups(), strict=False):
+            for k, v in saved.items():
+                if k != "params" and k in group:
+                    group[k] = tuple(v) if isinstance(group[k], tuple) else v

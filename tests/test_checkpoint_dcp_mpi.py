@@ -1,0 +1,125 @@
+"""``optimus2d.checkpoint`` is torch's DCP checkpoint, committed: what it writes DCP's own
+``load``/``set_state_dict`` read, what DCP's ``save`` of ``get_state_dict`` writes it reads, a
+checkpoint of format 2 (optimus2d before DCP's keys) still loads on every mesh, and ``async_save``
+returns once the state is staged, training on while the write and the commit run behind."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_close, shared_tmp
+from test_checkpoint_mpi import _parallel, _train
+from test_torch_tools_mpi import ADAM, _gpt2, _load_dcp, _other, _save_dcp, _step
+
+from optimus2d import checkpoint, parallelize, serial_state_dict
+
+pytestmark = pytest.mark.mpi
+
+DATA = Path(__file__).parent / "data"  # written by tests/data/make_checkpoint_format2.py at 4450c34
+
+
+def _same(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want), what
+    for key, value in want.items():
+        if isinstance(value, dict):
+            _same(got[key], value, f"{what}/{key}")
+        else:
+            assert torch.equal(got[key], value), f"{what}/{key}"
+
+
+def test_a_format_2_checkpoint_loads_on_every_mesh(mesh):
+    """Written on 2×2 by optimus2d's earlier format (``model/<key>``, fused q/k/v in parts, a
+    padded vocabulary), with AdamW's state after two steps; loaded here, the run goes on as it did."""
+    want = torch.load(DATA / "checkpoint-format2.expected.pt")
+    model = _parallel(1, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    checkpoint.load(DATA / "checkpoint-format2", model, opt)
+    for key, value in serial_state_dict(model).items():
+        assert torch.equal(value, want["model"][key]), key
+    assert opt.param_groups[0]["lr"] == 1e-2
+    for got, expected in zip(_train(model, opt, mesh, range(2, 4)), want["losses"], strict=True):
+        assert abs(got - expected) <= 1e-5 * abs(expected), (got, expected)
+    read = checkpoint.read(DATA / "checkpoint-format2")
+    _same(read["model"], want["read"]["model"], "model")
+    _same(read["optimizer"], want["read"]["optimizer"], "optimizer")
+
+
+def test_dcp_and_optimus2d_read_each_others_checkpoints(mesh, tmp_path_factory):
+    """GPT-2 (fused q/k/v, a padded vocabulary of 97) after two AdamW steps: ``checkpoint.save``
+    read by DCP's ``load`` and ``set_state_dict`` onto another mesh shape, DCP's ``save`` read by
+    ``checkpoint.load`` (no manifest: ``verify=False``) and by ``read`` into the serial model; one
+    more step from each is the serial model's."""
+    serial = _gpt2()
+    model = parallelize(copy.deepcopy(serial), mesh)
+    opt_ref = torch.optim.AdamW(serial.parameters(), **ADAM, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), **ADAM, foreach=True)
+    torch.manual_seed(1)
+    batches = [torch.randint(0, 97, (2 * mesh.size, 6)) for _ in range(3)]
+    for ids in batches[:2]:
+        _step(serial, opt_ref, None, ids)
+        _step(model, opt, None, ids, mesh)
+    root = shared_tmp(tmp_path_factory, "dcp_both_ways")
+    checkpoint.save(root / "ours", model, opt)
+    _save_dcp(model, opt, root / "theirs")
+    trained = serial_state_dict(model)
+    _step(serial, opt_ref, None, batches[2])
+    for way in ("ours", "theirs"):
+        other = parallelize(_gpt2(seed=3), _other(mesh))
+        if way == "ours":
+            other_opt = _load_dcp(other, root / way)  # torch's own, as torch documents it
+        else:
+            other_opt = torch.optim.AdamW(other.parameters(), **ADAM, foreach=True)
+            checkpoint.load(root / way, other, other_opt, verify=False)
+        for key, value in serial_state_dict(other).items():
+            assert_close(value, trained[key], 0, f"{way}: {key}")
+        _step(other, other_opt, None, batches[2], _other(mesh))
+        for key, value in serial_state_dict(other).items():
+            assert_close(value, serial.state_dict()[key], 1e-6, f"{way}: {key} after a step")
+        fresh = _gpt2(seed=4)
+        fresh.load_state_dict(checkpoint.read(root / way, verify=way == "ours")["model"])
+        for key, value in fresh.state_dict().items():
+            assert_close(value, trained[key], 0, f"{way}, read: {key}")
+
+
+def test_async_save_commits_the_state_it_was_called_with(mesh, tmp_path_factory):
+    """Two steps run while the checkpoint is written; it holds the state of the call (the same
+    files as ``save`` at that point), and a second ``async_save`` waits for the first."""
+    model = parallelize(_gpt2(), mesh)
+    opt = torch.optim.AdamW(model.parameters(), **ADAM, foreach=True)
+    torch.manual_seed(2)
+    batches = [torch.randint(0, 97, (2 * mesh.size, 6)) for _ in range(4)]
+    _step(model, opt, None, batches[0], mesh)
+    root = shared_tmp(tmp_path_factory, "async")
+    checkpoint.save(root / "sync", model, opt)
+    pending = checkpoint.async_save(root / "async", model, opt)
+    for ids in batches[1:3]:  # collectives on the mesh while the save's run on groups of their own
+        _step(model, opt, None, ids, mesh)
+    later = checkpoint.async_save(root / "later", model, opt)
+    assert pending.done()  # the second waited for the first
+    later.result()
+    assert pending.result() is None
+    want, got = checkpoint.read(root / "sync"), checkpoint.read(root / "async")
+    _same(got["model"], want["model"], "model")
+    _same(got["optimizer"], want["optimizer"], "optimizer")
+    assert got["meta"] == want["meta"]
+    now = serial_state_dict(model)
+    _same(checkpoint.read(root / "later")["model"], now, "later")
+    other = parallelize(_gpt2(seed=3), _other(mesh))
+    checkpoint.load(root / "async", other, torch.optim.AdamW(other.parameters(), **ADAM, foreach=True))
+    _same(serial_state_dict(other), want["model"], "loaded")
+
+
+def test_async_save_refuses_a_foreign_directory_on_every_rank_before_writing(mesh, tmp_path_factory):
+    model = parallelize(_gpt2(), mesh)
+    root = shared_tmp(tmp_path_factory, "async_foreign")
+    os.makedirs(root / "notes", exist_ok=True)
+    if torch.distributed.get_rank() == 0:
+        (root / "notes" / "todo.txt").write_text("mine")
+    torch.distributed.barrier()
+    with pytest.raises(ValueError, match=r"which optimus2d\.checkpoint did not write"):
+        checkpoint.async_save(root / "notes", model)
+    assert (root / "notes" / "todo.txt").read_text() == "mine"
