@@ -220,3 +220,12 @@ def test_long_benchmark_trains_llama_in_three_layouts_and_finds_the_longest_sequ
     assert cp["all_gather"] == cp["reduce_scatter"] == 2 * 4 * b * s * h  # one layer, the whole batch per rank
     ring = rows["CP alone, ring"]["comm_bytes"]  # (6c - 4) K or V blocks of b·(s/c)·h, fp32: sent, not gathered
     assert ring["ring"] == (6 * 4 - 4) * 4 * b * (s // 4) * h and "all_gather" not in ring
+
+
+def test_checkpoint_benchmark_stores_the_serial_bytes_and_times_three_ways(tmp_path):
+    tiny = ["--hidden", "32", "--ffn", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--vocab", "64"]
+    _bench(tmp_path, 4, "checkpoint", *tiny, "--batch", "2", "--seq", "8", "--rounds", "1")
+    result = json.loads((tmp_path / "checkpoint-p4-q2d1.json").read_text())
+    assert result["stored_tensor_bytes"] == result["expected_tensor_bytes"]  # each block once, nothing padded
+    assert set(result["blocking_s"]) == {"dcp.save(get_state_dict)", "checkpoint.save", "checkpoint.async_save"}
+    assert result["async_done_s"] >= result["blocking_s"]["checkpoint.async_save"] > 0

@@ -96,6 +96,9 @@ def test_async_save_commits_the_state_it_was_called_with(mesh, tmp_path_factory)
     root = shared_tmp(tmp_path_factory, "async")
     checkpoint.save(root / "sync", model, opt)
     pending = checkpoint.async_save(root / "async", model, opt)
+    with torch.no_grad():  # at once, before DCP's thread has planned its write: a staged copy is unchanged
+        for p in model.parameters():
+            p.add_(1.0)
     for ids in batches[1:3]:  # collectives on the mesh while the save's run on groups of their own
         _step(model, opt, None, ids, mesh)
     later = checkpoint.async_save(root / "later", model, opt)
