@@ -53,12 +53,22 @@ class Format3:
         return json.loads(self.objects.get("optimus2d.aliases") or "{}")
 
     def param_groups(self) -> list[dict]:
-        groups: dict[int, dict] = {}
-        for k, v in self.objects.items():
-            if k.startswith("optim.param_groups."):
-                n, _, field = k[len("optim.param_groups.") :].partition(".")
+        """The saved groups, each with its settings and "params" (keys). DCP's flattened form
+        (``StateDictOptions(flatten_optimizer_state_dict=True)``: ``param_groups.<key>.<setting>``)
+        gives one group per key."""
+        fields = {
+            k[len("optim.param_groups.") :]: v for k, v in self.objects.items() if k.startswith("optim.param_groups.")
+        }
+        nested = any(f.endswith(".params") for f in fields) and all(f.partition(".")[0].isdigit() for f in fields)
+        groups: dict[object, dict] = {}
+        for f, v in fields.items():
+            if nested:
+                n, _, field = f.partition(".")
                 groups.setdefault(int(n), {})[field] = v
-        return [groups[n] for n in sorted(groups)]
+            else:
+                key, _, field = f.rpartition(".")
+                groups.setdefault(key, {"params": [key]})[field] = v
+        return [groups[n] for n in (sorted(groups) if nested else groups)]
 
     def serial(self, flat: dict) -> dict:
         """``read``'s result from every stored entry."""
@@ -68,7 +78,7 @@ class Format3:
             if k.startswith("optim.state."):
                 key, _, name = k[len("optim.state.") :].rpartition(".")
                 optim.setdefault(key, {})[name] = v
-        self.objects = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+        self.objects = {k: v for k, v in flat.items() if small(k, v)}
         meta = {"format": 3, "optimizer": self.objects.get("optimus2d.optimizer"), "param_groups": self.param_groups()}
         return {"model": model, "optimizer": optim, "meta": meta}
 
@@ -124,16 +134,27 @@ class Format2:
         return {"model": model, "optimizer": optim, "meta": self.meta}
 
 
+def small(key: str, m) -> bool:
+    """Whether a stored entry is a setting (read by every process before the tensors): an object,
+    or a tensor among the optimizer's settings (a tensor ``lr``)."""
+    return key.startswith(("optim.param_groups.", "optimus2d.")) or isinstance(m, BytesStorageMetadata)
+
+
 def scheme(path, metadata, load) -> Format3 | Format2:
     """The key scheme of the checkpoint at ``path``, its small entries read (``load``: DCP's, alone)."""
     if "meta" in metadata:  # format 2: a JSON string as bytes in a uint8 tensor
         buf = torch.empty(metadata["meta"].size, dtype=torch.uint8)
         load({"meta": buf}, path, None, True)
         return Format2(json.loads(bytes(buf.tolist()).decode()))
-    objects = {k: None for k, m in metadata.items() if isinstance(m, BytesStorageMetadata)}
+    objects = {k: _holder(m) for k, m in metadata.items() if small(k, m)}
     if objects:
         load(objects, path, None, True)
     return Format3(objects)
+
+
+def _holder(m):
+    """What DCP reads a small entry into: None for an object, a tensor of its size and dtype."""
+    return None if isinstance(m, BytesStorageMetadata) else torch.empty(tuple(m.size), dtype=m.properties.dtype)
 
 
 class Reading:
@@ -146,6 +167,8 @@ class Reading:
         self.model: list[tuple] = []  # (Held, stored keys, dim the parts join on)
         self.optim: list[tuple] = []  # (param, name, Held or None (not laid out like it), stored keys, dim)
         self.shapes: dict[str, tuple[int, ...]] = {}  # stored key (or base of parts) → the shape wanted
+        self.unfit: list[str] = []  # optimizer state that cannot be resharded onto its parameter
+        self.settings: list[dict] = []  # the saved settings of each of the optimizer's groups
         for e in entries:
             base = fmt.model_key(e.key)
             self.shapes[base] = e.shape
@@ -159,16 +182,19 @@ class Reading:
             for k in parts:
                 self.state[k] = torch.zeros(tuple(self.metadata[k].size), dtype=dtype, device=local(block).device)
             return parts, self.fmt.meta.get("parts_dim", {}).get(base, 0)
-        if scalar:
-            m = self.metadata.get(base)
-            self.state[base] = torch.zeros(
-                tuple(m.size) if m else (), dtype=m.properties.dtype if m else dtype, device=block.device
-            )
+        if scalar:  # as stored (its size; its dtype unless given), on ``block``'s device
+            m = self.metadata[base]
+            self.state[base] = torch.zeros(tuple(m.size), dtype=dtype or m.properties.dtype, device=block.device)
         elif base in self.metadata or not self.only_mine:
             self.state[base] = torch_state.target(e, block, self.dm, dtype)
         return [base], 0
 
     def _optimizer_targets(self) -> None:
+        """Each state tensor stored for a parameter of the optimizer: laid out like the parameter
+        (its dtype), or else kept as torch's ``load_state_dict`` keeps it: ``step`` on the CPU as
+        stored (on the parameter's device when ``capturable`` or ``fused``), any other on the
+        parameter's device, in its dtype when floating. A tensor of neither shape for a parameter
+        split over the mesh cannot be resharded (refused by ``check_fits``)."""
         aliases, by_param = self.fmt.aliases(), {}
         for e in self.entries:
             by_param.setdefault(id(e.tensor), []).append(e)
@@ -179,20 +205,59 @@ class Reading:
                     raise ValueError("optimus2d.checkpoint: the optimizer holds a parameter that is not in the model")
                 held = by_param[id(p)]
                 keys = [e.key for e in held] + [aliases[e.key] for e in held if e.key in aliases]
-                stored = [(k, self.fmt.optim_names(k, self.metadata)) for k in keys]
-                stored = [(k, names) for k, names in stored if names]
+                stored = [names for names in (self.fmt.optim_names(k, self.metadata) for k in keys) if names]
                 if not stored:
                     continue  # no state saved for it (never stepped)
-                e, names = held[0], stored[0][1]
-                for name, base in sorted(names.items()):
+                e, device = held[0], local(p).device
+                for name, base in sorted(stored[0].items()):
                     parts = self.fmt.parts(base, self.metadata)
-                    size = tuple(self.metadata[parts[0] if parts else base].size)
+                    m = self.metadata[parts[0] if parts else base]
+                    size = tuple(m.size)
                     if parts or (len(size) > 0 and size == e.shape):  # laid out like the parameter
                         self.optim.append((p, name, e, *self._targets(base, e, local(p), p.dtype)))
-                    else:  # a scalar such as Adam's step: on the CPU, as torch keeps it, unless capturable/fused
-                        device = local(p).device if on_device else torch.device("cpu")
-                        holder = torch.empty((), device=device)
-                        self.optim.append((p, name, None, *self._targets(base, e, holder, p.dtype, scalar=True)))
+                        continue
+                    if len(size) > 0 and e.sharding is not None:
+                        self.unfit.append(f"{base}: {size}, neither the parameter's {e.shape} nor a scalar")
+                        continue
+                    floating = m.properties.dtype.is_floating_point
+                    if name == "step":
+                        where, dtype = (device if on_device else torch.device("cpu")), None
+                    else:
+                        where, dtype = device, (p.dtype if floating else None)
+                    holder = torch.empty((), device=where)
+                    self.optim.append((p, name, None, *self._targets(base, e, holder, dtype, scalar=True)))
+
+    def _settings(self) -> list[dict]:
+        """The saved settings of each of the optimizer's groups, found by its parameters' keys (as
+        DCP's ``set_state_dict`` pairs them); ``ValueError`` if a group's parameters have none or
+        differ, or the checkpoint's groups are not the optimizer's."""
+        saved = self.fmt.param_groups()
+        by_key = {}
+        for n, group in enumerate(saved):
+            for key in group.get("params", []):
+                by_key[key] = n
+        aliases, first = self.fmt.aliases(), torch_state.first_keys(self.entries)
+        out = []
+        for g, group in enumerate(self.optimizer.param_groups):
+            found = set()
+            for p in group["params"]:
+                e = first.get(id(p))
+                keys = [k for k in (e.key, aliases.get(e.key)) if k is not None] if e is not None else []
+                hits = {by_key[k] for k in keys if k in by_key}
+                if not hits:
+                    raise ValueError(
+                        f"optimus2d.checkpoint: {self.path!r}: no saved parameter group holds "
+                        f"{e.key if e is not None else 'a parameter'} (of the optimizer's group {g})"
+                    )
+                found |= hits
+            settings = [{k: v for k, v in saved[n].items() if k != "params"} for n in sorted(found)]
+            if len({repr(sorted(s.items())) for s in settings}) > 1:
+                raise ValueError(
+                    f"optimus2d.checkpoint: {self.path!r}: the optimizer's group {g} holds parameters that were saved "
+                    f"in groups of other settings ({sorted(found)})"
+                )
+            out.append(settings[0] if settings else {})
+        return out
 
     def check_fits(self) -> None:
         """``ValueError`` naming what does not fit, before anything is read."""
@@ -211,11 +276,14 @@ class Reading:
         for base in sorted(wanted & set(stored)):
             if not self.fmt.parts(base, self.metadata) and tuple(self.metadata[base].size) != tuple(self.shapes[base]):
                 shapes.append(f"{base}: checkpoint {tuple(self.metadata[base].size)}, model {tuple(self.shapes[base])}")
-        if missing or unexpected or shapes:
+        if missing or unexpected or shapes or self.unfit:
             raise ValueError(
                 f"optimus2d.checkpoint: {where} does not fit this model: missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}, shapes {shapes[:5]}"
+                + (f", optimizer state {self.unfit[:5]}" if self.unfit else "")
             )
+        if self.optimizer is not None:
+            self.settings = self._settings()
 
     def _value(self, keys: list[str], dim: int) -> torch.Tensor:
         return torch.cat([self.state[k] for k in keys], dim) if len(keys) > 1 else self.state[keys[0]]
@@ -237,7 +305,6 @@ class Reading:
                 block = torch_state.to_block(e, value).to(local(p).dtype).contiguous()
                 value = like(p, block) if isinstance(p, DTensor) else block
             self.optimizer.state[p][name] = value
-        for group, saved in zip(self.optimizer.param_groups, self.fmt.param_groups(), strict=False):
-            for k, v in saved.items():
-                if k != "params" and k in group:
-                    group[k] = tuple(v) if isinstance(group[k], tuple) else v
+        for group, saved in zip(self.optimizer.param_groups, self.settings, strict=True):
+            for k, v in saved.items():  # every saved setting (initial_lr too), as torch's load_state_dict
+                group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v

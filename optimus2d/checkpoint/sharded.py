@@ -19,10 +19,12 @@ A checkpoint is what ``dcp.save({"model": msd, "optim": osd})`` writes for torch
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 import time
 import warnings
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from optimus2d.checkpoint import files as _files
 from optimus2d.checkpoint import integrity, reading, torch_state
 from optimus2d.checkpoint.progress import Progress, mib, on
-from optimus2d.comm import replicas
+from optimus2d.comm import replicas, watch
 from optimus2d.comm.mesh import Mesh
 
 __all__ = ["async_save", "load", "read", "save"]
@@ -65,20 +67,26 @@ class _Ranks:
             self.dcp = self.commit = self.read = mesh.group("mesh")
             self.dcp_alone = self.commit_alone = self.read_alone = False
 
-    def in_background(self, mesh: Mesh | None) -> _Ranks:
-        """The same ranks on groups of their own (gloo), for a thread to save on while the main one
-        trains on the others: created once per mesh (collective over its ranks only)."""
+    def own_groups(self, mesh: Mesh | None) -> _Ranks:
+        """DCP's write and the commit each on a gloo group of its own over the same ranks, created
+        once per mesh (collective over its ranks only). DCP's waits the mesh's timeout; the commit's
+        three times that: a rank that fails before DCP's first collective waits in the commit while
+        the others' DCP collectives time out, then every rank raises. An ``async_save``'s thread
+        therefore never meets the training's collectives, on the mesh's groups."""
+        seconds = mesh.timeout if mesh is not None else watch.collective_timeout()
         cache = mesh.__dict__.setdefault("_optimus2d_checkpoint_groups", {}) if mesh is not None else {}
-        for name, alone in (("dcp", self.dcp_alone), ("commit", self.commit_alone)):
+        for name, alone, wait in (("commit", self.commit_alone, 3 * seconds), ("dcp", self.dcp_alone, seconds)):
             if alone:
                 continue
             group = getattr(self, name)
             ranks = (
                 tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
             )
-            if ranks not in cache:
-                cache[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-            setattr(self, name, cache[ranks])
+            if (name, ranks) not in cache:
+                cache[name, ranks] = dist.new_group(
+                    list(ranks), timeout=timedelta(seconds=wait), backend="gloo", use_local_synchronization=True
+                )
+            setattr(self, name, cache[name, ranks])
         return self
 
     def writer_rank(self) -> int:
@@ -90,15 +98,14 @@ def _prepare(path, model, optimizer, what: str, progress):
     mods = torch_state.modules(model)
     entries = torch_state.held(mods)
     mesh = torch_state.model_mesh(entries)
-    _wait(mesh)  # an async save of this mesh still in flight finishes (and commits) first
-    ranks = _Ranks(entries, mesh)
+    wait_for_async_save(mesh)  # one of this mesh still in flight commits first
     integrity.agree_path(mesh, what, path)  # the same directory on every rank, before anything is written
     if mesh is not None and dist.is_initialized() and len(mesh.replicas) > 1:
         _agree_replicas(entries, mesh)
     bar = Progress(what, len(entries) + 1, mesh, progress)
-    state = torch_state.to_save(entries, mods, optimizer, torch_state.device_mesh(mesh))
+    state = torch_state.to_save(entries, optimizer, torch_state.device_mesh(mesh))
     bar.update(len(entries))
-    return entries, mesh, ranks, bar, state
+    return entries, mesh, _Ranks(entries, mesh).own_groups(mesh), bar, state
 
 
 def save(path: str | os.PathLike, model: nn.Module, optimizer=None, *, progress: bool | None = None) -> None:
@@ -125,7 +132,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, *, progress:
     entries, mesh, ranks, bar, state = _prepare(path, model, optimizer, "checkpoint.save", progress)
     bar.start = start
     bar.note("writing")
-    with bar:
+    with bar, _fresh_groups_after_failure(mesh):
         _files.save_atomically(
             path, lambda directory: _write(state, directory, ranks, dcp.save), ranks.commit, ranks.commit_alone
         )
@@ -141,11 +148,10 @@ def async_save(
     background, on process groups of their own (gloo, created at the first call: collective over
     the mesh's ranks). Returns a ``Future``: ``result()`` returns once the checkpoint is committed,
     or raises ``save``'s error, on every rank. A later ``save``, ``async_save`` or ``load`` on the
-    same mesh waits for it first; so should the end of the program."""
+    same mesh waits for it first (and raises its error); so should the end of the program."""
     start = time.perf_counter()
     entries, mesh, ranks, bar, state = _prepare(path, model, optimizer, "checkpoint.async_save", progress)
     bar.start = start
-    ranks = ranks.in_background(mesh)
     tmp = _files.begin(path, ranks.commit, ranks.commit_alone)
     try:
         staged = _write(state, tmp, ranks, dcp.async_save)  # a Future of DCP's write, or None
@@ -163,10 +169,11 @@ def async_save(
             except BaseException as err:
                 error = err
         wrote = None if error is not None or not ranks.writes else ranks.writer_rank()
-        _files.commit(path, ranks.commit, ranks.commit_alone, wrote, error)
+        with _fresh_groups_after_failure(mesh):
+            _files.commit(path, ranks.commit, ranks.commit_alone, wrote, error)
         _summary(bar, path, entries, optimizer, mesh)
 
-    future: concurrent.futures.Future = concurrent.futures.Future()
+    future = _SaveFuture()
 
     def run() -> None:
         try:
@@ -181,10 +188,36 @@ def async_save(
     return future
 
 
-def _wait(mesh: Mesh | None) -> None:
+@contextlib.contextmanager
+def _fresh_groups_after_failure(mesh: Mesh | None):
+    """A save that failed (every rank raises) may leave its groups broken (gloo closes a pair that
+    timed out): the next one creates new ones."""
+    try:
+        yield
+    except BaseException:
+        if mesh is not None:
+            mesh.__dict__.pop("_optimus2d_checkpoint_groups", None)
+        raise
+
+
+class _SaveFuture(concurrent.futures.Future):
+    """``async_save``'s Future; it knows whether its result (or error) was asked for."""
+
+    asked = False
+
+    def result(self, timeout: float | None = None):
+        self.asked = True
+        return super().result(timeout)
+
+
+def wait_for_async_save(mesh: Mesh | None) -> None:
+    """Wait for the ``async_save`` of ``mesh`` still in flight, if any; raise its error if it failed
+    and nobody asked its Future (a failed save is not lost silently)."""
     pending = mesh.__dict__.pop("_optimus2d_checkpoint_pending", None) if mesh is not None else None
     if pending is not None:
         concurrent.futures.wait([pending])
+        if not pending.asked:
+            pending.result()
 
 
 def _write(state: dict, directory: str, ranks: _Ranks, how):
@@ -295,7 +328,7 @@ def load(
     mods = torch_state.modules(model)
     entries = torch_state.held(mods)
     mesh = torch_state.model_mesh(entries)
-    _wait(mesh)
+    wait_for_async_save(mesh)
     ranks = _Ranks(entries, mesh)
     path = _files.verified(path, ranks.read, ranks.read_alone, verify)  # collective; the directory to read
     metadata = read_metadata(path)

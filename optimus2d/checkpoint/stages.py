@@ -19,7 +19,7 @@ from torch import nn
 
 from optimus2d.checkpoint import files as _files
 from optimus2d.checkpoint import reading, torch_state
-from optimus2d.checkpoint.sharded import dcp_load, read_metadata
+from optimus2d.checkpoint.sharded import dcp_load, read_metadata, wait_for_async_save
 from optimus2d.comm import replicas, watch
 
 __all__ = ["load_stages", "save_stages"]
@@ -53,13 +53,14 @@ def save_stages(path: str | os.PathLike, chunks: nn.Module | list[nn.Module], op
     mods = torch_state.modules(list(chunks) if isinstance(chunks, (list, tuple)) else [chunks])
     entries = torch_state.held(mods)
     mesh = torch_state.model_mesh(entries)
+    wait_for_async_save(mesh)
     world = dist.get_world_size() if dist.is_initialized() else 1
     where = mesh.ranks[0] if mesh is not None else (dist.get_rank() if world > 1 else 0)  # the stage mesh
     if world > 1:  # the same directory on every rank, before anything is exchanged or written
         timeout = mesh.timeout if mesh is not None else watch.collective_timeout()
         directory = f"checkpoint.save_stages of the directory {os.path.abspath(path)!r}"
         replicas.agree_world("checkpoint.save_stages", directory, None, timeout)
-    state = torch_state.to_save(entries, mods, optimizer, torch_state.device_mesh(mesh))
+    state = torch_state.to_save(entries, optimizer, torch_state.device_mesh(mesh))
     optim = state.get("optim", {"param_groups": []})
     objects = {"optimizer": state["optimus2d"].get("optimizer"), "param_groups": optim["param_groups"]}
     objects["aliases"] = state["optimus2d"]["aliases"]
@@ -112,6 +113,7 @@ def load_stages(path: str | os.PathLike, chunks: nn.Module | list[nn.Module], op
     mods = torch_state.modules(list(chunks) if isinstance(chunks, (list, tuple)) else [chunks])
     entries = torch_state.held(mods)
     mesh = torch_state.model_mesh(entries)
+    wait_for_async_save(mesh)
     group, no_dist = (mesh.group("mesh"), False) if mesh is not None and mesh.size > 1 else (None, True)
     path = _files.verified(path, group, no_dist, True)
     metadata = read_metadata(path)

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from optimus2d.checkpoint.serial import _owners
-from optimus2d.comm.dtensor import is_canonical, local, serial_dtensor, stored_state_dict
+from optimus2d.comm.dtensor import is_canonical, local, placements, serial_dtensor, stored_state_dict
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, block_slices, shard
 from optimus2d.layers.base import sharding_of
@@ -111,25 +111,30 @@ def _simple(sharding: Sharding, mesh: Mesh) -> bool:
     return not sharding.parts and all(sum(mesh.axis_size(a) > 1 for a in axes) <= 1 for axes in sharding.dims)
 
 
-def serial(block: torch.Tensor, e: Held, dm: DeviceMesh | None, like: torch.Tensor | None = None) -> torch.Tensor:
-    """The serial tensor of ``block`` (``e``'s block, or optimizer state laid out like it), as DCP stores it.
-
-    ``like``: the value torch's own ``state_dict`` gave (a DTensor parameter's hooks already made it
-    the serial tensor's DTensor). A plain block: on one rank the serial tensor (padding cut), else a
-    DTensor on ``dm``, gathered over the mesh first only for fused parts or two axes on one dim."""
-    if isinstance(like, DTensor) or e.sharding is None:
-        return like if like is not None else block
+def serial(value: torch.Tensor, e: Held, dm: DeviceMesh | None) -> torch.Tensor:
+    """The serial tensor of ``value`` (``e``'s tensor as stored, or optimizer state laid out like
+    it), as DCP stores it: a DTensor whose blocks are DTensor's shards is that already (FSDP2's
+    further sharding included); one padded or fused gets ``serial_dtensor`` (gathered for fused
+    parts); a plain block on one rank is the serial tensor (padding cut), on several a DTensor view
+    on ``dm`` (gathered first only for fused parts or two axes on one dim)."""
+    if e.sharding is None or (isinstance(value, DTensor) and is_canonical(e.sharding, e.mesh)):
+        return value
+    if isinstance(value, DTensor):
+        if tuple(value.placements) != placements(e.sharding, tuple(value.device_mesh.mesh_dim_names)):
+            raise ValueError(
+                f"optimus2d.checkpoint: {e.key} is stored as blocks that are not DTensor's shards of the serial "
+                f"tensor ({e.sharding}) and is sharded again by another tool, now {value.placements}: its serial "
+                "layout cannot be written"
+            )
+        return serial_dtensor(value, e.sharding, e.mesh)
     if e.mesh.size == 1:
-        return block[tuple(slice(0, n) for n in e.sharding.full_shape)]
-    return serial_dtensor(block.detach(), e.sharding, e.mesh, device_mesh=dm)
+        return value[tuple(slice(0, n) for n in e.sharding.full_shape)]
+    return serial_dtensor(value.detach(), e.sharding, e.mesh, device_mesh=dm)
 
 
-def to_save(entries: list[Held], mods: list[nn.Module], optimizer, dm: DeviceMesh | None) -> dict:
+def to_save(entries: list[Held], optimizer, dm: DeviceMesh | None) -> dict:
     """``{"model": ..., "optim": ...}`` of this rank, as DCP stores it (see the module docstring)."""
-    values: dict[str, torch.Tensor] = {}
-    for module in mods:
-        values.update(module.state_dict())  # a DTensor parameter's: the serial tensor's DTensor
-    model = {e.key: serial(e.block, e, dm, values.get(e.key)) for e in entries}
+    model = {e.key: serial(e.tensor.detach(), e, dm) for e in entries}
     state: dict[str, object] = {"model": model, "optimus2d": {"format": FORMAT}}
     if optimizer is not None:
         state["optim"] = optimizer_state(entries, optimizer, dm)
@@ -149,7 +154,9 @@ def first_keys(entries: list[Held]) -> dict[int, Held]:
 
 def optimizer_state(entries: list[Held], optimizer, dm: DeviceMesh | None) -> dict:
     """``get_state_dict``'s optimizer state: ``{"state": {key: {name: tensor}}, "param_groups": [...]}``."""
-    by_param, flat = first_keys(entries), optimizer.state_dict()  # hooks: a DTensor's state, serial
+    by_param = first_keys(entries)
+    with stored_state_dict():  # each state tensor as the optimizer holds it: laid out here, by ``serial``
+        flat = optimizer.state_dict()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     ids = [i for group in flat["param_groups"] for i in group["params"]]
     key_of = {}
@@ -164,15 +171,13 @@ def optimizer_state(entries: list[Held], optimizer, dm: DeviceMesh | None) -> di
         for name, value in per.items():
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"optimus2d.checkpoint: optimizer state {name!r} of {e.key} is not a tensor")
-            like_param = value.dim() > 0 and local(value).shape == local(p).shape
-            if value.dim() > 0 and not like_param and e.sharding is not None and not isinstance(value, DTensor):
+            like_param = value.dim() > 0 and value.shape == p.shape
+            if value.dim() > 0 and not like_param and e.sharding is not None:
                 raise TypeError(
                     f"optimus2d.checkpoint: optimizer state {name!r} of {e.key} has shape {tuple(value.shape)}, "
-                    f"neither the parameter's block {tuple(local(p).shape)} nor a scalar: it cannot be resharded"
+                    f"neither the parameter's {tuple(p.shape)} nor a scalar: it cannot be resharded"
                 )
-            out[e.key][name] = (
-                serial(local(value), e, dm, value if isinstance(value, DTensor) else None) if (like_param) else value
-            )
+            out[e.key][name] = serial(value, e, dm) if like_param else value
     groups = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [key_of[i].key for i in g["params"]]}
         for g in flat["param_groups"]

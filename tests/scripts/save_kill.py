@@ -8,7 +8,9 @@ saves B over A, during which one rank SIGKILLs itself, first writing the time to
 DIRECTORY/killed_at:
 
 * MODE "write": rank 1, after writing the first item of its shard file (the file half written);
-* MODE "commit": rank 0, between the commit's two renames (A moved aside, B not yet in place).
+* MODE "commit": rank 0, between the commit's two renames (A moved aside, B not yet in place);
+* MODE "fail" / "async-fail": rank 1 does not die but raises in DCP's ``save`` (``async_save``)
+  before DCP's first collective; B is saved by ``checkpoint.save`` (``async_save(...).result()``).
 
 Every rank prints a line when it reaches save B and when save B returns or raises.
 """
@@ -19,6 +21,7 @@ import sys
 import time
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from torch import nn
 
@@ -42,13 +45,22 @@ def step() -> None:
     opt.step()
 
 
-def die() -> None:
+def note_time() -> None:
     with open(os.path.join(directory, "killed_at"), "w") as f:
         f.write(repr(time.time()))
         f.flush()
         os.fsync(f.fileno())
+
+
+def die() -> None:
+    note_time()
     print(f"rank {world.rank}: killing itself ({mode})", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fail(*args, **kwargs):
+    note_time()
+    raise RuntimeError(f"rank {world.rank} cannot write ({mode})")
 
 
 step()
@@ -79,10 +91,16 @@ elif mode == "commit" and world.rank == 0:
 
     os.rename = rename_then_die
 
+elif mode in ("fail", "async-fail") and world.rank == 1:
+    setattr(dcp, "save" if mode == "fail" else "async_save", fail)
+
 print(f"rank {world.rank}: saving B", flush=True)
 start = time.monotonic()
 try:
-    checkpoint.save(path, model, opt)
+    if mode == "async-fail":
+        checkpoint.async_save(path, model, opt).result()
+    else:
+        checkpoint.save(path, model, opt)
 except BaseException as err:  # DCP's CheckpointException is a BaseException
     first = (str(err).strip().splitlines() or [""])[0][:300]
     print(f"rank {world.rank}: save B raised after {time.monotonic() - start:.1f}s: {type(err).__name__}: {first}")
