@@ -17,7 +17,7 @@ blocks are DTensor's shards (``is_canonical``), else (a padded vocabulary, fused
 out as DTensor lays out its placements, gathered over the mesh (``keep_vars=True`` keeps the tensors
 themselves, as torch does: they are the model's). ``load_state_dict`` takes any of
 these, a DTensor of another layout (DCP's load onto another mesh) or the serial tensor itself, and
-gives every rank its block.
+gives every rank its block. An optimizer's state of those tensors: ``convert/dtensor_optimizer.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from optimus2d.comm.dtensor import (
     IN_GRAPH,
@@ -40,19 +39,15 @@ from optimus2d.comm.dtensor import (
     like,
     local,
     on_local_grad,
-    placements,
     serial_dtensor,
 )
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.replicas import flatten_for_norms
 from optimus2d.comm.sharding import shard
+from optimus2d.convert.dtensor_optimizer import not_resharded
 from optimus2d.layers.base import sharding_of
 
 __all__ = ["distribute_parameters"]
-
-# Optimizers given state_dict hooks for parameters whose blocks are not DTensor's shards of the serial
-# tensor (marked ``_optimus2d_layout``: their state, shaped like them, goes in the serial layout too)
-_ATTACHED: weakref.WeakSet = weakref.WeakSet()
 
 
 def distribute_parameters(model: nn.Module, mesh: Mesh, whole: DeviceMesh | None = None) -> nn.Module:
@@ -277,20 +272,8 @@ def _serial_state(module: nn.Module, state: dict, prefix: str, local_metadata) -
         if isinstance(t, DTensor) and key in state and state[key] is not t:  # keep_vars=True: the tensor itself
             sharding, mesh = _where(module, name, t)
             if sharding is not None and not is_canonical(sharding, mesh):
-                _not_resharded(key, t, sharding)
+                not_resharded(key, t, sharding)
                 state[key] = serial_dtensor(t, sharding, mesh)
-
-
-def _not_resharded(key: str, t: DTensor, sharding) -> None:
-    """A tensor whose blocks are not DTensor's shards, further sharded by another tool (FSDP over
-    the data-parallel dims): its serial layout cannot be read from the shard. Refused, named."""
-    if tuple(t.placements) != placements(sharding, tuple(t.device_mesh.mesh_dim_names)):
-        raise ValueError(
-            f"state_dict: {key} is stored as blocks that are not DTensor's shards of the serial tensor (a padded "
-            f"vocabulary or fused parts: {sharding}) and is sharded again by another tool, now {t.placements} on "
-            f"{t.device_mesh}; its serial layout cannot be given. Use a vocabulary that divides the mesh, or "
-            f"leave that module out of fully_shard"
-        )
 
 
 def _blocks_from_state(module: nn.Module, state: dict, prefix: str, *_) -> None:
@@ -311,55 +294,3 @@ def _blocks_from_state(module: nn.Module, state: dict, prefix: str, *_) -> None:
         block = local(t)
         if tuple(value.shape) == tuple(block.shape):  # else torch names the shape that does not fit
             state[key] = like(t, value.to(block).contiguous())
-
-
-def _attach_to_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Before an optimizer's first step (DCP's ``get_state_dict`` takes one to make the state): one
-    holding a parameter marked ``_optimus2d_layout`` gets state_dict hooks giving that state in the
-    serial layout, and taking it back to blocks, as the model's ``state_dict`` does."""
-    if optimizer in _ATTACHED:
-        return
-    if any("_optimus2d_layout" in p.__dict__ for group in optimizer.param_groups for p in group["params"]):
-        _ATTACHED.add(optimizer)
-        optimizer.register_state_dict_post_hook(_optimizer_serial_state)
-        optimizer.register_load_state_dict_pre_hook(_optimizer_blocks)
-
-
-def _laid_out(optimizer: torch.optim.Optimizer, state: dict):
-    """(key, parameter, its (Sharding, Mesh), its state) for each parameter with ``_optimus2d_layout``."""
-    # keyed as the state dict's groups list them (ints from state_dict(); DCP loads by names), in
-    # the optimizer's order, as torch's own load_state_dict pairs them
-    keys = [key for group in state["param_groups"] for key in group["params"]]
-    by_key = dict(zip(keys, (p for group in optimizer.param_groups for p in group["params"]), strict=False))
-    for key, per in state["state"].items():
-        layout = by_key[key].__dict__.get("_optimus2d_layout") if key in by_key else None
-        if layout is not None:
-            yield key, by_key[key], layout, per
-
-
-def _optimizer_serial_state(optimizer: torch.optim.Optimizer, state: dict) -> dict:
-    if STORED.get():
-        return state
-    for index, p, (sharding, mesh), per in list(_laid_out(optimizer, state)):
-        out = {}  # a new dict: the optimizer's own state is left as it is
-        for k, v in per.items():
-            if isinstance(v, DTensor) and v.shape == p.shape and v.placements == p.placements:
-                _not_resharded(f"the optimizer's state {k!r} of a parameter", v, sharding)
-                v = serial_dtensor(v, sharding, mesh)
-            out[k] = v
-        state["state"][index] = out
-    return state
-
-
-def _optimizer_blocks(optimizer: torch.optim.Optimizer, state: dict) -> dict:
-    for index, p, (sharding, mesh), per in list(_laid_out(optimizer, state)):
-        out = {}
-        for k, v in per.items():
-            if isinstance(v, DTensor) and tuple(v.shape) == sharding.full_shape:
-                v = like(p, shard(v.full_tensor(), mesh, sharding).to(local(p)).contiguous())
-            out[k] = v
-        state["state"][index] = out
-    return state
-
-
-register_optimizer_step_pre_hook(_attach_to_optimizer)

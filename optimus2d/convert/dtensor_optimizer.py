@@ -1,0 +1,89 @@
+"""The optimizer's state of a converted model in the serial layout, as the model's ``state_dict`` gives it.
+
+A parameter whose blocks are not DTensor's shards of the serial tensor (a padded vocabulary, fused
+q/k/v: marked ``_optimus2d_layout`` by ``convert/dtensor_params.py``) has optimizer state shaped
+like it, in the stored layout. Before an optimizer's first step (torch's ``get_state_dict`` and
+``set_state_dict`` take one on an optimizer without state), one holding such a parameter gets two
+hooks: ``state_dict()`` gives that state as the serial tensor's DTensor, and ``load_state_dict``
+takes the serial tensor (or any DTensor of it) back to blocks.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from optimus2d.comm.dtensor import STORED, like, local, placements, serial_dtensor
+from optimus2d.comm.sharding import shard
+
+__all__ = ["not_resharded"]
+
+# Optimizers given the hooks (weakly: an optimizer's life is its own)
+_ATTACHED: weakref.WeakSet = weakref.WeakSet()
+
+
+def not_resharded(key: str, t: DTensor, sharding) -> None:
+    """A tensor whose blocks are not DTensor's shards, further sharded by another tool (FSDP over
+    the data-parallel dims): its serial layout cannot be read from the shard. Refused, named."""
+    if tuple(t.placements) != placements(sharding, tuple(t.device_mesh.mesh_dim_names)):
+        raise ValueError(
+            f"state_dict: {key} is stored as blocks that are not DTensor's shards of the serial tensor (a padded "
+            f"vocabulary or fused parts: {sharding}) and is sharded again by another tool, now {t.placements} on "
+            f"{t.device_mesh}; its serial layout cannot be given. Use a vocabulary that divides the mesh, or "
+            f"leave that module out of fully_shard"
+        )
+
+
+def _attach_to_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Before an optimizer's first step (DCP's ``get_state_dict`` takes one to make the state): one
+    holding a parameter marked ``_optimus2d_layout`` gets state_dict hooks giving that state in the
+    serial layout, and taking it back to blocks, as the model's ``state_dict`` does."""
+    if optimizer in _ATTACHED:
+        return
+    if any("_optimus2d_layout" in p.__dict__ for group in optimizer.param_groups for p in group["params"]):
+        _ATTACHED.add(optimizer)
+        optimizer.register_state_dict_post_hook(_optimizer_serial_state)
+        optimizer.register_load_state_dict_pre_hook(_optimizer_blocks)
+
+
+def _laid_out(optimizer: torch.optim.Optimizer, state: dict):
+    """(key, parameter, its (Sharding, Mesh), its state) for each parameter with ``_optimus2d_layout``."""
+    # keyed as the state dict's groups list them (ints from state_dict(); DCP loads by names), in
+    # the optimizer's order, as torch's own load_state_dict pairs them
+    keys = [key for group in state["param_groups"] for key in group["params"]]
+    by_key = dict(zip(keys, (p for group in optimizer.param_groups for p in group["params"]), strict=False))
+    for key, per in state["state"].items():
+        layout = by_key[key].__dict__.get("_optimus2d_layout") if key in by_key else None
+        if layout is not None:
+            yield key, by_key[key], layout, per
+
+
+def _optimizer_serial_state(optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    if STORED.get():
+        return state
+    for index, p, (sharding, mesh), per in list(_laid_out(optimizer, state)):
+        out = {}  # a new dict: the optimizer's own state is left as it is
+        for k, v in per.items():
+            if isinstance(v, DTensor) and v.shape == p.shape and v.placements == p.placements:
+                not_resharded(f"the optimizer's state {k!r} of a parameter", v, sharding)
+                v = serial_dtensor(v, sharding, mesh)
+            out[k] = v
+        state["state"][index] = out
+    return state
+
+
+def _optimizer_blocks(optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    for index, p, (sharding, mesh), per in list(_laid_out(optimizer, state)):
+        out = {}
+        for k, v in per.items():
+            if isinstance(v, DTensor) and tuple(v.shape) == sharding.full_shape:
+                v = like(p, shard(v.full_tensor(), mesh, sharding).to(local(p)).contiguous())
+            out[k] = v
+        state["state"][index] = out
+    return state
+
+
+register_optimizer_step_pre_hook(_attach_to_optimizer)
