@@ -29,16 +29,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import optimus2d
-from benchmarks.pretrained import _config
+from benchmarks.pretrained import _config, llama_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--ffn", type=int, default=2816)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=16000)
+    llama_arguments(parser)
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (divisible by depth·q)")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)

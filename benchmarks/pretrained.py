@@ -35,13 +35,18 @@ import optimus2d
 MB = 1e6
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def llama_arguments(parser: argparse.ArgumentParser) -> None:
+    """The LLaMA's size (``_config``): 4 × 1024, ffn 2816, 16 heads (8 for k and v), vocabulary 16000."""
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--ffn", type=int, default=2816)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=16000)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    llama_arguments(parser)
     parser.add_argument("--shard", default="5GB", help="max_shard_size of the checkpoint written")
     parser.add_argument("--init", choices=("meta", "cpu"), default="meta")
     parser.add_argument("--dir", help="where to write the checkpoints (default: a temporary directory)")
