@@ -19,6 +19,17 @@ sends in one step (``count_comm``), the bytes autograd keeps and the parameter b
 calibrated in this run (``benchmarks/calibrate.py``), its pick under ``--cap-mib`` and whether the
 measured best agrees. Parameters, their gradients and two AdamW moments of the trained modules
 count against the cap (16 bytes a trained parameter, 4 a frozen one, plus what autograd keeps).
+
+``--workloads`` runs several shapes in one process (a size given on the command line overrides
+theirs), each as above, and ends with one line per workload: the best homogeneous layout (every
+module on one mesh), the best heterogeneous one, the planner's pick and the measured best, with the
+pick's step time over the best's::
+
+    small-frozen    encoder 2 × 128 frozen, LM 2 × 512, 8 × 64 tokens (the encoder a small share)
+    large-trained   encoder 4 × 512 trained, LM 2 × 256, 8 × 64 tokens (the encoder the larger part)
+    long-sequence   encoder 2 × 128 frozen, LM 2 × 256, p × 256 tokens (one long sequence a rank)
+
+    mpiexec -n 4 python -m benchmarks vlm --workloads small-frozen,large-trained,long-sequence
 """
 
 from __future__ import annotations
@@ -38,13 +49,30 @@ from optimus2d.cost.planner import Layer, Part, propose_layouts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--enc-hidden", type=int, default=256)
-    parser.add_argument("--enc-layers", type=int, default=4)
-    parser.add_argument("--lm-hidden", type=int, default=512)
-    parser.add_argument("--lm-layers", type=int, default=2)
+    for name in ("enc_hidden", "enc_layers", "lm_hidden", "lm_layers"):  # unset: the workload's size, else SIZES's
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     parser.add_argument("--heads", type=int, default=8)
-    compare.add_run_arguments(parser, batch=8, seq=64)
-    parser.set_defaults(rounds=5)
+    compare.add_run_arguments(parser)
+    parser.set_defaults(rounds=5, batch=None, seq=None)
+    parser.add_argument(
+        "--workloads",
+        help=f"comma-separated presets ({', '.join(WORKLOADS)}); default: the sizes above, frozen and trained",
+    )
+
+
+SIZES = dict(enc_hidden=256, enc_layers=4, lm_hidden=512, lm_layers=2, batch=8, seq=64)
+# preset → (the sizes it sets, which encoders: frozen, trained or both); batch None: one sequence a rank
+WORKLOADS = {
+    "small-frozen": (dict(enc_hidden=128, enc_layers=2, lm_hidden=512, lm_layers=2, batch=8, seq=64), (True,)),
+    "large-trained": (dict(enc_hidden=512, enc_layers=4, lm_hidden=256, lm_layers=2, batch=8, seq=64), (False,)),
+    "long-sequence": (dict(enc_hidden=128, enc_layers=2, lm_hidden=256, lm_layers=2, batch=None, seq=256), (True,)),
+}
+
+
+def _sizes(args: argparse.Namespace, preset: dict, p: int) -> argparse.Namespace:
+    """``args`` with every size given on the command line, else the preset's, else ``SIZES``'s."""
+    sizes = {k: getattr(args, k) if getattr(args, k) is not None else preset.get(k, SIZES[k]) for k in SIZES}
+    return argparse.Namespace(**{**vars(args), **sizes, "batch": sizes["batch"] or p})
 
 
 class EncoderProjectorLM(nn.Module):
@@ -90,9 +118,48 @@ def _sent_bytes(peer: Peer) -> int:
 
 
 def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
-    device, p = mesh.device, world.size
+    p = world.size
     shapes = [(q, p // (q * q)) for q in range(1, p + 1) if q * q <= p and p % (q * q) == 0]
     meshes = {shape: optimus2d.Mesh(*shape) for shape in shapes}
+    if not args.workloads:
+        return _workload(_sizes(args, SIZES, p), mesh, meshes, (True, False))
+    names = args.workloads.split(",")
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"vlm: unknown workloads {unknown}; the presets are {list(WORKLOADS)}")
+    results = {}
+    for name in names:
+        sizes, encoders = WORKLOADS[name]
+        results[name] = _workload(_sizes(args, sizes, p), mesh, meshes, encoders)
+    summary = [_verdict(name, result["rows"]) for name, result in results.items()]
+    if dist.get_rank() == 0:
+        print(f"{'workload':16} {'best homogeneous':>32} {'best heterogeneous':>34} {'hetero ÷ homo':>13} "
+              f"{'pick ÷ best':>11}  the planner's pick")  # fmt: skip
+        for v in summary:
+            print(
+                f"{v['workload']:16} {v['homogeneous']:>24} {v['homogeneous_ms']:6.1f} ms "
+                f"{v['heterogeneous']:>26} {v['heterogeneous_ms']:6.1f} ms {v['speedup']:13.2f} "
+                f"{v['pick_over_best']:11.3f}  {v['pick']} (best: {v['best']})"
+            )
+    return {"ranks": p, "workloads": results, "summary": summary}
+
+
+def _verdict(name: str, rows: list[dict]) -> dict:
+    """A workload's line: its best homogeneous and heterogeneous layouts, the pick, the best."""
+    homo = min((r for r in rows if r["encoder"] == r["lm"]), key=lambda r: r["train_ms"])
+    hetero = min((r for r in rows if r["encoder"] != r["lm"]), key=lambda r: r["train_ms"])
+    best, pick = min(rows, key=lambda r: r["train_ms"]), next(r for r in rows if r["plan_pick"])
+    return {
+        "workload": name, "homogeneous": homo["peer"], "homogeneous_ms": homo["train_ms"],
+        "heterogeneous": hetero["peer"], "heterogeneous_ms": hetero["train_ms"],
+        "speedup": homo["train_ms"] / hetero["train_ms"], "pick": pick["peer"], "best": best["peer"],
+        "pick_over_best": pick["train_ms"] / best["train_ms"],
+    }  # fmt: skip
+
+
+def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, encoders: tuple[bool, ...]) -> dict:
+    """Every (encoder mesh, LM mesh) of ``meshes`` for each of ``encoders`` (frozen: True), timed."""
+    device, p, shapes = mesh.device, mesh.size, list(meshes)
     torch.manual_seed(0)
     base = EncoderProjectorLM(args).to(device)
     x = torch.randn(args.batch, args.seq, args.enc_hidden, device=device)
@@ -101,7 +168,7 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         mesh, device, argparse.Namespace(hidden=args.lm_hidden, ffn=4 * args.lm_hidden), 5, args.batch * args.seq
     )
     rows, cap = [], args.cap_mib * 2**20
-    for frozen in (True, False):
+    for frozen in encoders:
         serial = copy.deepcopy(base)
         serial.encoder.requires_grad_(not frozen)
         with torch.no_grad():
@@ -140,13 +207,13 @@ def _print(rows: list[dict], args: argparse.Namespace, p: int, hw) -> None:
     )
     print(f"{'':44} {'step ms':>8} {'÷ first':>7} {'sent MB':>8} {'kept MB':>8} {'pred ms':>8} {'fits':>5} pick")
     for r in rows:
-        first = rows[0 if r["frozen"] else len(rows) // 2]["train_ms"]
+        first = next(f for f in rows if f["frozen"] == r["frozen"])["train_ms"]
         print(
             f"{r['peer']:44} {r['train_ms']:8.1f} {r['train_ms'] / first:7.2f} "
             f"{r['sent_bytes'] / 1e6:8.2f} {r['activation_bytes'] / 1e6:8.2f} {r['predicted_ms']:8.1f} "
             f"{'yes' if r['fits_cap'] else 'no':>5} {'<-' if r['plan_pick'] else ''}"
         )
-    for frozen in (True, False):
+    for frozen in dict.fromkeys(r["frozen"] for r in rows):
         mine = [r for r in rows if r["frozen"] == frozen]
         pick = next(r for r in mine if r["plan_pick"])
         for label, pool in (("every layout", mine), ("within the cap", [r for r in mine if r["fits_cap"]])):

@@ -229,3 +229,15 @@ def test_checkpoint_benchmark_stores_the_serial_bytes_and_times_three_ways(tmp_p
     assert result["stored_tensor_bytes"] == result["expected_tensor_bytes"]  # each block once, nothing padded
     assert set(result["blocking_s"]) == {"dcp.save(get_state_dict)", "checkpoint.save", "checkpoint.async_save"}
     assert result["async_done_s"] >= result["blocking_s"]["checkpoint.async_save"] > 0
+
+
+def test_vlm_benchmark_compares_layouts_per_workload_and_the_planners_pick(tmp_path):
+    small = ["--enc-hidden", "32", "--enc-layers", "1", "--lm-hidden", "32", "--lm-layers", "1", "--heads", "4"]
+    _bench(tmp_path, 4, "vlm", *small, "--seq", "16", "--workloads", "small-frozen,long-sequence", "--rounds", "1")
+    result = json.loads((tmp_path / "vlm-p4-q2d1.json").read_text())
+    assert [v["workload"] for v in result["summary"]] == ["small-frozen", "long-sequence"]
+    for verdict, rows in zip(result["summary"], result["workloads"].values(), strict=True):
+        times = {r["peer"]: r["train_ms"] for r in rows["rows"]}
+        assert len(times) == 4 and sum(r["plan_pick"] for r in rows["rows"]) == 1  # 2 meshes² on 4 ranks
+        assert verdict["pick_over_best"] == times[verdict["pick"]] / min(times.values())
+        assert verdict["speedup"] == times[verdict["homogeneous"]] / times[verdict["heterogeneous"]]
