@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from optimus2d.checkpoint import files as _files
 from optimus2d.checkpoint import integrity, reading, torch_state
 from optimus2d.checkpoint.progress import Progress, mib, on
-from optimus2d.comm import replicas, watch
+from optimus2d.comm import replicas
 from optimus2d.comm.mesh import Mesh
 
 __all__ = ["async_save", "load", "read", "save"]
@@ -51,10 +51,14 @@ class _Ranks:
     def __init__(self, entries: list[torch_state.Held], mesh: Mesh | None) -> None:
         self.dcp = self.commit = self.read = None
         self.dcp_alone = self.commit_alone = self.read_alone = True
-        self.writes = True
+        self.writes, self.everyone = True, False  # everyone: every rank of the world takes part
         spans = {t.tensor.device_mesh.size() for t in entries if isinstance(t.tensor, DTensor)}
         if not dist.is_initialized():
             return
+        world = dist.get_world_size()
+        replicated = mesh is not None and len(mesh.replicas) > 1
+        self.everyone = bool(spans and max(spans) == world) or replicated or (mesh is not None and mesh.size == world)
+        self.everyone = self.everyone and world > 1
         if spans and max(spans) > (mesh.size if mesh is not None else 1):  # DTensors over replicas (FSDP2)
             self.dcp_alone = self.commit_alone = self.read_alone = False  # the world; DCP writes a block once
         elif mesh is not None and len(mesh.replicas) > 1:  # plain-block replicas: replica 0 writes
@@ -68,25 +72,30 @@ class _Ranks:
             self.dcp_alone = self.commit_alone = self.read_alone = False
 
     def own_groups(self, mesh: Mesh | None) -> _Ranks:
-        """DCP's write and the commit each on a gloo group of its own over the same ranks, created
-        once per mesh (collective over its ranks only). DCP's waits the mesh's timeout; the commit's
-        three times that: a rank that fails before DCP's first collective waits in the commit while
-        the others' DCP collectives time out, then every rank raises. An ``async_save``'s thread
-        therefore never meets the training's collectives, on the mesh's groups."""
-        seconds = mesh.timeout if mesh is not None else watch.collective_timeout()
-        cache = mesh.__dict__.setdefault("_optimus2d_checkpoint_groups", {}) if mesh is not None else {}
-        for name, alone, wait in (("commit", self.commit_alone, 3 * seconds), ("dcp", self.dcp_alone, seconds)):
-            if alone:
-                continue
-            group = getattr(self, name)
-            ranks = (
-                tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
-            )
-            if (name, ranks) not in cache:
-                cache[name, ranks] = dist.new_group(
-                    list(ranks), timeout=timedelta(seconds=wait), backend="gloo", use_local_synchronization=True
+        """DCP's write and the commit each on a gloo group of its own over the same ranks, where
+        every rank of the world takes part in the save (a mesh over the world, its replicas, DTensors
+        over the world), created at its first save (collective over the world, as ``new_group`` is).
+        DCP's waits the mesh's timeout; the commit's three times that: a rank that fails before DCP's
+        first collective waits in the commit while the others' DCP collectives time out, then every
+        rank raises. An ``async_save``'s thread therefore never meets the training's collectives. A
+        mesh over some ranks only keeps its own groups (``self.everyone`` False)."""
+        if not self.everyone:
+            return self
+        cache = mesh.__dict__.setdefault("_optimus2d_checkpoint_groups", {})
+        if not cache:
+            seconds = mesh.timeout
+            cache["commit"] = dist.new_group(timeout=timedelta(seconds=3 * seconds), backend="gloo")
+            wait = timedelta(seconds=seconds)
+            if self.dcp is not None and len(mesh.replicas) > 1:  # one group per replica, made by every rank
+                cache["dcp"], _ = dist.new_subgroups_by_enumeration(
+                    [list(r) for r in mesh.replicas], timeout=wait, backend="gloo"
                 )
-            setattr(self, name, cache[name, ranks])
+            elif not self.dcp_alone:
+                cache["dcp"] = dist.new_group(timeout=wait, backend="gloo")
+        if not self.commit_alone:
+            self.commit = cache["commit"]
+        if not self.dcp_alone:
+            self.dcp = cache["dcp"]
         return self
 
     def writer_rank(self) -> int:
@@ -145,13 +154,19 @@ def async_save(
 ) -> concurrent.futures.Future:
     """``save``, returning once the state is staged (DCP's ``async_save`` copies it to host memory):
     training may change the model and optimizer at once. The write and the atomic commit run in the
-    background, on process groups of their own (gloo, created at the first call: collective over
-    the mesh's ranks). Returns a ``Future``: ``result()`` returns once the checkpoint is committed,
-    or raises ``save``'s error, on every rank. A later ``save``, ``async_save`` or ``load`` on the
-    same mesh waits for it first (and raises its error); so should the end of the program."""
+    background, on process groups of their own (gloo, created at the first call, collective over
+    the world: a mesh over some ranks only is refused). Returns a ``Future``: ``result()`` returns
+    once the checkpoint is committed, or raises ``save``'s error, on every rank. A later ``save``,
+    ``async_save`` or ``load`` on the same mesh waits for it first (and raises its error); so should
+    the end of the program."""
     start = time.perf_counter()
     entries, mesh, ranks, bar, state = _prepare(path, model, optimizer, "checkpoint.async_save", progress)
     bar.start = start
+    if not ranks.everyone and not (ranks.dcp_alone and ranks.commit_alone):  # the same on every rank of the mesh
+        raise ValueError(
+            f"checkpoint.async_save: {mesh} is over some ranks of the world only; its background groups are "
+            "created over the world (every rank calls it): use checkpoint.save here"
+        )
     tmp = _files.begin(path, ranks.commit, ranks.commit_alone)
     try:
         staged = _write(state, tmp, ranks, dcp.async_save)  # a Future of DCP's write, or None
