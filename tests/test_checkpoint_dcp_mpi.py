@@ -219,3 +219,19 @@ def test_parameter_groups_come_back_by_their_parameters_with_every_setting(squar
         ref = {k: v for k, v in opt.state[model.emb.weight].items()}
         got = other_opt.state[other.emb.weight]
         assert set(got) == set(ref) and torch.equal(got["step"], ref["step"]), way
+
+
+def test_async_save_on_a_mesh_over_some_ranks_is_refused_on_each_of_them(world, tmp_path_factory):
+    """Its background groups are made over the world, so a mesh over ranks 0 and 1 of more is
+    refused (``save`` works there), on both ranks, naming the mesh."""
+    if world.size < 4:
+        pytest.skip("needs a mesh over some ranks of at least 4")
+    half = optimus2d.Mesh(1, 2, ranks=[0, 1])  # collective: every rank builds it
+    root = shared_tmp(tmp_path_factory, "async_some_ranks")
+    if half.coord is not None:
+        model, opt = _tied(half, 1, lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+        with pytest.raises(ValueError, match=r"async_save: Mesh\(q=1, depth=2.* over some ranks of the world"):
+            checkpoint.async_save(root / "half", model, opt)
+        checkpoint.save(root / "half", model, opt)
+        assert set(checkpoint.read(root / "half")["model"]) == set(serial_state_dict(model))
+    torch.distributed.barrier()
