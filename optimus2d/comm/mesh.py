@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from optimus2d.comm import agreement, compat, replicas, watch
+from optimus2d.comm import agreement, compat, replicas, shared_groups, watch
 
 AXES = ("row", "col", "depth")
 TRANSPORTS = ("auto", "torch", "mpi")
@@ -216,6 +216,16 @@ class Mesh:
             for members in members_list:
                 if self.rank in members:
                     self._members[axis] = tuple(members)
+        usable = False  # whether MPI can carry this mesh: every rank, or none, splits COMM_WORLD
+        if transport != "torch" and self.size > 1:
+            from optimus2d.comm import mpi  # not a cycle (mpi imports watch): importing it loads torch._dynamo
+
+            usable = self.backend == "gloo" and mpi.available(world, self.rank)
+        if world > 1:  # one all-reduce over the world: MPI usable everywhere? a failed wait anywhere?
+            flags = torch.tensor([int(not usable), int(shared_groups.tainted())], device=self.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            usable = usable and not flags[0].item()
+            shared_groups.settle(bool(flags[1].item()))  # then the shared groups are dropped, everywhere
         given = {}  # the DeviceMesh's groups, where they are the mesh's (the same verdict on every rank)
         if self._device_mesh is not None and world > 1:
             given = replicas.reusable_groups(self, self._device_mesh, self._members)
@@ -224,11 +234,12 @@ class Mesh:
             for members in members_list:
                 if len(members) == 1 or axis in given:
                     continue
-                # collective: every rank creates every group, in the same order; group ranks follow
-                # mesh order where torch can (compat.new_group), and roots, gathers and scatters
-                # follow the mesh regardless (global_rank, group_order). Never the default group: an
-                # operation abandoned on a failed mesh must not poison the world's.
-                group = compat.new_group(members)
+                # collective at its first request: every rank asks for every group, in the same
+                # order; group ranks follow mesh order where torch can (compat.new_group), and
+                # roots, gathers and scatters follow the mesh regardless (global_rank, group_order).
+                # Shared by the meshes over the same ranks (shared_groups). Never the default group:
+                # an operation abandoned on a failed mesh must not poison the world's.
+                group = shared_groups.group(members)
                 if self.rank in members:
                     self._groups[axis] = group
         for axis, group in self._groups.items():
@@ -237,16 +248,9 @@ class Mesh:
         self.check_group = None  # NCCL meshes: a gloo group of the mesh for agreement's host words
         if self.backend == "nccl" and self.size > 1:  # (comm/agreement.py: no device sync to check shapes)
             for members in layouts["mesh"]:
-                group = compat.new_group(members, backend="gloo")
+                group = shared_groups.group(members, backend="gloo")
                 self.check_group = group if self.rank in members else self.check_group
         if transport != "torch" and self.size > 1:
-            from optimus2d.comm import mpi  # not a cycle (mpi imports watch): importing it loads torch._dynamo
-
-            usable = self.backend == "gloo" and mpi.available(world, self.rank)
-            if self.backend == "gloo":  # every rank, or none, splits COMM_WORLD
-                agreed = torch.tensor([int(usable)])
-                dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-                usable = bool(agreed.item())
             if transport == "mpi" and not usable:
                 raise ValueError(
                     f"Mesh(transport='mpi') needs the gloo backend under mpiexec (MPI's COMM_WORLD = the "

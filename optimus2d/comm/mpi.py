@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from optimus2d.comm import watch
+from optimus2d.comm import shared_groups, watch
 
 DIRECT_MEMBERS = 3  # broadcasts and reduces in groups up to this size are sent message by message
 _BROADCAST_TAG, _REDUCE_TAG = 101, 102  # apart from the point-to-point tags of comm/primitives.py
@@ -114,6 +114,7 @@ class Request:
         requests = self.__dict__.get("_requests")
         if requests is not None:
             _ABANDONED.append((requests, self.__dict__.get("_buffers")))
+            shared_groups.taint()  # the communicator may hold its message: not shared by the next mesh
 
     def _abandon(self, mpi) -> None:
         if self._point_to_point:  # cancelling a collective is erroneous in MPI
@@ -132,12 +133,8 @@ class MpiTransport:
         mpi, rank = _mpi(), mesh.rank
         self.mesh, self.timeout = mesh, timeout
         self.comms: dict[str, object] = {}
-        for axis, groups in layouts.items():
-            color, key = mpi.UNDEFINED, 0
-            for n, members in enumerate(groups):
-                if rank in members and len(members) > 1:
-                    color, key = n, members.index(rank)
-            comm = mpi.COMM_WORLD.Split(color, key)
+        for axis, groups in layouts.items():  # shared by the meshes of the same split (shared_groups)
+            comm = shared_groups.split(mpi.COMM_WORLD, groups, rank)
             if comm != mpi.COMM_NULL:
                 self.comms[axis] = comm
 

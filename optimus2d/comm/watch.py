@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
+from optimus2d.comm import shared_groups
+
 _POLL_S = 5e-5  # between tests of an operation: short, and frees the core for a rank sharing it
 _LISTEN_S = 0.2  # between reads of the failure channel (a round trip to the store)
 _meshes: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # uid → Mesh, built on this rank
@@ -81,6 +83,7 @@ def report(error: BaseException | str, meshes=None) -> None:
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     text = f"rank {rank}: {error}"
     _failed.append(text)
+    shared_groups.taint()
     store = _store()
     if store is None:
         return
@@ -113,7 +116,17 @@ def failed_here() -> bool:
 
 
 def wait(done, mesh, what: str, timeout: float) -> None:
-    """Poll ``done()`` until it is true; raise ``PeerFailedError`` or ``TimeoutError`` instead of hanging."""
+    """Poll ``done()`` until it is true; raise ``PeerFailedError`` or ``TimeoutError`` instead of hanging.
+    A wait that raises leaves its operation abandoned: the groups the mesh shares are dropped before
+    the next mesh is built (``shared_groups.taint``)."""
+    try:
+        _wait(done, mesh, what, timeout)
+    except BaseException:
+        shared_groups.taint()
+        raise
+
+
+def _wait(done, mesh, what: str, timeout: float) -> None:
     if done():
         return
     start = time.monotonic()
@@ -163,6 +176,7 @@ class Watched:
         except (PeerFailedError, TimeoutError, ValueError, TypeError):  # lost peers, disagreements
             raise
         except Exception as err:  # gloo's own error (a peer's connection closed, its timeout)
+            shared_groups.taint()
             peer = failure(self._mesh)  # a peer that failed and exited: name it and its error
             if peer is not None:
                 raise PeerFailedError(f"{self._what} on {self._mesh} stopped: {peer}") from err
