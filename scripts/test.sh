@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, at both ends of the torch and transformers ranges that setup.py declares:
 # - .venv (torch 2.13.0, transformers 5.24.0; constraints.txt): serial tests, then the MPI tests
-#   under mpiexec at 1, 4 and 9 ranks (meshes 1, 2×2 and 1×1×4, 3×3 and 1×1×9; MPI carries the
+#   under mpiexec at 1, 4 and 9 ranks (meshes 1, 2×2 and 1×1×4, 3×3; MPI carries the
 #   meshes), the model families and replicas at 8 (2×2×2), pipelines of 2 stages × 2×2×2 at 16 and
 #   × 3×3 at 18;
 # - .venv-torch211 (torch 2.11.0, transformers 5.23.0; the low ends): the core and the families at 4;
