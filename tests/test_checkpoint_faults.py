@@ -130,11 +130,12 @@ def test_a_coordinator_killed_between_the_commit_renames_leaves_the_previous_che
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["fail", "async-fail"])
+@pytest.mark.parametrize("mode", ["fail", "async-fail", "stages-fail"])
 def test_a_rank_that_fails_before_writing_makes_every_rank_raise(mode, tmp_path):
-    """Rank 1 raises in DCP's save (async_save) before DCP's first collective, so the others wait in
-    it: they time out (DCP and the commit run on groups of their own, the commit waiting longer), and
-    every rank raises within 2×timeout; the previous checkpoint reads back."""
+    """Rank 1 raises in DCP's save (async_save; save_stages' DCP save, in a pipeline of 2 stages)
+    before DCP's first collective, so the others wait in it: they time out (DCP and the commit run
+    on groups of their own, the commit waiting longer), and every rank raises within 2×timeout; the
+    previous checkpoint reads back."""
     rcs, out, after_fail = _run_killed_job("mpiexec", mode, tmp_path)
     _assert_ended_in_error("mpiexec", rcs, out, after_fail)
     assert out.count("save B raised") == 4, out[-4000:]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from datetime import timedelta
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -55,11 +56,36 @@ def save_stages(path: str | os.PathLike, chunks: nn.Module | list[nn.Module], op
     mesh = torch_state.model_mesh(entries)
     wait_for_async_save(mesh)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    where = mesh.ranks[0] if mesh is not None else (dist.get_rank() if world > 1 else 0)  # the stage mesh
+    groups = (None, None)
     if world > 1:  # the same directory on every rank, before anything is exchanged or written
         timeout = mesh.timeout if mesh is not None else watch.collective_timeout()
         directory = f"checkpoint.save_stages of the directory {os.path.abspath(path)!r}"
         replicas.agree_world("checkpoint.save_stages", directory, None, timeout)
+        groups = _own_groups(timeout)
+    try:
+        _save_stages(path, entries, mesh, optimizer, pipe, world, *groups)
+    except BaseException:  # every rank raises (the commit shares a rank's failure): a group that
+        _groups.clear()  # timed out may be broken, so the next save creates new ones, everywhere
+        raise
+
+
+_groups: dict = {}  # save_stages's own gloo groups over the world (``_own_groups``)
+
+
+def _own_groups(timeout: float) -> tuple:
+    """DCP's write and the commit on gloo groups of their own over the world, as ``checkpoint.save``'s
+    (``sharded._Ranks.own_groups``): created at the first ``save_stages`` (collective over the world,
+    as it is), DCP's waiting ``timeout``, the commit's three times that, so a rank that fails before
+    DCP's first collective waits in the commit while the others' DCP collectives time out, and every
+    rank raises; never the default group, whose operations a failure would leave broken."""
+    if not _groups:
+        _groups["commit"] = dist.new_group(timeout=timedelta(seconds=3 * timeout), backend="gloo")
+        _groups["dcp"] = dist.new_group(timeout=timedelta(seconds=timeout), backend="gloo")
+    return _groups["dcp"], _groups["commit"]
+
+
+def _save_stages(path, entries, mesh, optimizer, pipe, world: int, dcp_group, commit_group) -> None:
+    where = mesh.ranks[0] if mesh is not None else (dist.get_rank() if world > 1 else 0)  # the stage mesh
     state = torch_state.to_save(entries, optimizer, torch_state.device_mesh(mesh))
     optim = state.get("optim", {"param_groups": []})
     objects = {"optimizer": state["optimus2d"].get("optimizer"), "param_groups": optim["param_groups"]}
@@ -68,7 +94,7 @@ def save_stages(path: str | os.PathLike, chunks: nn.Module | list[nn.Module], op
     metas = [mine]
     if world > 1:
         metas = [None] * world
-        dist.all_gather_object(metas, mine)
+        dist.all_gather_object(metas, mine, group=dcp_group)
     by_stage: dict[object, set[tuple[str, ...]]] = {}  # a stage's data-parallel copies share its id
     for _, stage, keys in metas:
         by_stage.setdefault(stage, set()).add(tuple(keys))
@@ -96,10 +122,10 @@ def save_stages(path: str | os.PathLike, chunks: nn.Module | list[nn.Module], op
     def write(directory: str) -> int:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process")
-            dcp.save(state, checkpoint_id=directory, process_group=None, no_dist=no_dist)
-        return 0 if no_dist else dist.get_rank()
+            dcp.save(state, checkpoint_id=directory, process_group=dcp_group, no_dist=no_dist)
+        return 0 if no_dist else dist.get_rank(dcp_group)
 
-    _files.save_atomically(path, write, None, no_dist)
+    _files.save_atomically(path, write, commit_group, no_dist)
 
 
 def load_stages(path: str | os.PathLike, chunks: nn.Module | list[nn.Module], optimizer=None) -> None:

@@ -11,6 +11,8 @@ DIRECTORY/killed_at:
 * MODE "commit": rank 0, between the commit's two renames (A moved aside, B not yet in place);
 * MODE "fail" / "async-fail": rank 1 does not die but raises in DCP's ``save`` (``async_save``)
   before DCP's first collective; B is saved by ``checkpoint.save`` (``async_save(...).result()``).
+* MODE "stages-fail": as "fail", for a pipeline of 2 stages (ranks 0-1: the first Linear and the
+  GELU on a 1×1×2 mesh, ranks 2-3: the second Linear) saved by ``save_stages``.
 
 Every rank prints a line when it reaches save B and when save B returns or raises.
 """
@@ -19,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from collections import OrderedDict
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -33,15 +36,29 @@ directory, timeout, mode = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 path = os.path.join(directory, "ckpt")
 torch.set_num_threads(1)
 world = optimus2d.init(timeout=timeout)
-mesh = optimus2d.Mesh(q=2)
 torch.manual_seed(0)
-model = optimus2d.parallelize(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), mesh)
+serial = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+if mode == "stages-fail":
+    from optimus2d.checkpoint.stages import save_stages
+    from optimus2d.pipeline import stage_meshes
+
+    pipe = stage_meshes(2, 1, 2)
+    mesh, features = pipe.mesh, (16, 32)[pipe.stage]
+    held = {"0": serial[0], "1": serial[1]} if pipe.stage == 0 else {"2": serial[2]}
+    model = optimus2d.parallelize(nn.Sequential(OrderedDict(held)), mesh)
+
+    def save(path, model, opt):
+        save_stages(path, model, opt)
+else:
+    mesh, features = optimus2d.Mesh(q=2), 16
+    model = optimus2d.parallelize(serial, mesh)
+    save = checkpoint.save
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def step() -> None:
     opt.zero_grad()
-    model(optimus2d.scatter(torch.randn(8, 5, 16), mesh)).square().mean().backward()
+    model(optimus2d.scatter(torch.randn(8, 5, features), mesh)).square().mean().backward()
     opt.step()
 
 
@@ -64,11 +81,12 @@ def fail(*args, **kwargs):
 
 
 step()
-checkpoint.save(path, model, opt)
+save(path, model, opt)
 state_a = optimus2d.serial_state_dict(model)
 if world.rank == 0:
-    torch.save(checkpoint.read(path), os.path.join(directory, "a.pt"))
-    torch.save(state_a, os.path.join(directory, "a_state.pt"))
+    read_a = checkpoint.read(path)
+    torch.save(read_a, os.path.join(directory, "a.pt"))
+    torch.save(read_a["model"] if mode == "stages-fail" else state_a, os.path.join(directory, "a_state.pt"))
 step()
 
 if mode == "write" and world.rank == 1:
@@ -91,8 +109,8 @@ elif mode == "commit" and world.rank == 0:
 
     os.rename = rename_then_die
 
-elif mode in ("fail", "async-fail") and world.rank == 1:
-    setattr(dcp, "save" if mode == "fail" else "async_save", fail)
+elif mode in ("fail", "async-fail", "stages-fail") and world.rank == 1:
+    setattr(dcp, "async_save" if mode == "async-fail" else "save", fail)
 
 print(f"rank {world.rank}: saving B", flush=True)
 start = time.monotonic()
@@ -100,7 +118,7 @@ try:
     if mode == "async-fail":
         checkpoint.async_save(path, model, opt).result()
     else:
-        checkpoint.save(path, model, opt)
+        save(path, model, opt)
 except BaseException as err:  # DCP's CheckpointException is a BaseException
     first = (str(err).strip().splitlines() or [""])[0][:300]
     print(f"rank {world.rank}: save B raised after {time.monotonic() - start:.1f}s: {type(err).__name__}: {first}")
