@@ -1,25 +1,26 @@
-"""Meshes over the same ranks share their process groups and MPI communicators (comm/shared_groups.py);
-a failed wait on any rank makes every rank create new ones for the next mesh."""
+"""A mesh that is gone hands its process groups and MPI communicators on to a mesh built later over
+the same ranks (comm/shared_groups.py); meshes alive at once never share one, and a mesh on which
+something went wrong hands nothing on."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from optimus2d import Mesh
-from optimus2d.comm import all_reduce, shared_groups, watch
+from optimus2d.comm import primitives, shared_groups
 
 pytestmark = pytest.mark.mpi
 
 AXES = ("row", "col", "depth", "mesh")
 
 
-def _groups(mesh: Mesh) -> dict:
-    return {mesh.members(axis): mesh.group(axis) for axis in AXES if mesh.axis_size(axis) > 1}
-
-
-def _comms(mesh: Mesh) -> dict:
-    return {} if mesh.mpi is None else {mesh.members(a): mesh.mpi.comms[a] for a in AXES if a in mesh.mpi.comms}
+def _handles(mesh: Mesh) -> list:
+    groups = [mesh.group(a) for a in AXES if mesh.axis_size(a) > 1]
+    return groups + ([] if mesh.mpi is None else list(mesh.mpi.comms.values()))
 
 
 def _sums(mesh: Mesh) -> None:
@@ -27,40 +28,72 @@ def _sums(mesh: Mesh) -> None:
     for axis in AXES:
         if mesh.axis_size(axis) > 1:
             t = torch.tensor([float(mesh.rank + 1)])
-            assert all_reduce(t, mesh, (axis,)).item() == sum(r + 1 for r in mesh.members(axis)), axis
+            primitives.all_reduce(t, mesh, axis)
+            assert t.item() == sum(r + 1 for r in mesh.members(axis)), axis
 
 
-def test_meshes_over_the_same_ranks_share_their_groups(world, mesh_shape):
+def _short_timeout(mesh: Mesh, seconds: float) -> Mesh:
+    mesh.timeout = seconds
+    if mesh.mpi is not None:
+        mesh.mpi.timeout = seconds
+    return mesh
+
+
+@pytest.fixture
+def multi(world):
     if world.size == 1:
         pytest.skip("a mesh of one rank has no groups")
-    first = Mesh(*mesh_shape)
+    return world
+
+
+def test_live_meshes_never_share_and_a_gone_one_hands_its_groups_on(multi, mesh_shape):
+    first, second = Mesh(*mesh_shape), Mesh(*mesh_shape)
+    assert not {id(h) for h in _handles(first)} & {id(h) for h in _handles(second)}
+    del second
+    gc.collect()
     held = shared_groups.held()
-    others = [Mesh(*mesh_shape) for _ in range(5)] + [Mesh(1, world.size), Mesh(1, world.size)]
-    assert shared_groups.held()[0] <= held[0] + 2, "the 1×1×p meshes add their depth group at most"
-    groups, comms = {**_groups(first)}, {**_comms(first)}
-    for other in others:
-        for ranks, group in _groups(other).items():
-            assert groups.setdefault(ranks, group) is group, f"{other}: a second group of ranks {ranks}"
-        for ranks, comm in _comms(other).items():
-            assert comms.setdefault(ranks, comm) is comm, f"{other}: a second communicator of ranks {ranks}"
-        _sums(other)
+    third = Mesh(*mesh_shape)
+    assert shared_groups.held() == held, "the third mesh created groups: the second's were free"
+    assert not {id(h) for h in _handles(first)} & {id(h) for h in _handles(third)}
+    held = []
+    for _ in range(5):  # a mesh per model, each dropped: one mesh's groups, reused
+        Mesh(*mesh_shape)
+        gc.collect()
+        held.append(shared_groups.held())
+    assert held == held[:1] * 5, held
     _sums(first)
+    _sums(third)
 
 
-def test_a_failed_wait_on_one_rank_gives_every_mesh_after_it_new_groups(world):
-    """Rank 1 alone times out in a wait; the next mesh every rank builds has groups of its own
-    (the failed one's may hold an abandoned operation), and the mesh after that shares them again."""
-    if world.size == 1:
-        pytest.skip("one rank has no groups to share")
-    before = Mesh(1, world.size)
-    if world.rank == 1:
+def test_a_failure_on_one_mesh_leaves_a_live_mesh_over_the_same_ranks_exact(multi):
+    """The last rank skips an all-reduce on B; the others time out there. A, built before B over
+    the same ranks, still sums exactly; a mesh built after B is gone takes none of B's groups."""
+    p = multi.size
+    a, b = Mesh(1, p), _short_timeout(Mesh(1, p), 2.0)
+    if multi.rank != p - 1:
         with pytest.raises(TimeoutError, match="did not complete"):
-            watch.wait(lambda: False, None, "a wait that fails", 0.01)
-    fresh, again = Mesh(1, world.size), Mesh(1, world.size)
-    assert fresh.group("depth") is not before.group("depth")
-    assert again.group("depth") is fresh.group("depth")
-    if before.mpi is not None:
-        assert fresh.mpi.comms["depth"] is not before.mpi.comms["depth"]
-        assert again.mpi.comms["depth"] is fresh.mpi.comms["depth"]
-    assert not shared_groups.tainted()
-    _sums(fresh)
+            primitives.all_reduce(torch.tensor([100.0]), b, "mesh")
+    dist.barrier()
+    _sums(a)
+    spoiled = [id(h) for h in _handles(b)]
+    del b
+    gc.collect()
+    after = Mesh(1, p)
+    assert not {id(h) for h in _handles(after)} & set(spoiled)
+    _sums(after)
+
+
+def test_an_operation_dropped_in_flight_keeps_its_groups_from_later_meshes(multi):
+    """The last rank posts an all-reduce on A and drops it without its wait (an error between post
+    and wait); nothing fails anywhere. Once A is gone, the next mesh over its ranks gets new groups:
+    A's may still deliver that message."""
+    p = multi.size
+    a = Mesh(1, p)
+    if multi.rank == p - 1:
+        primitives.all_reduce(torch.tensor([100.0]), a, "mesh", async_op=True)  # dropped at once
+    dropped = [id(h) for h in _handles(a)]
+    del a
+    gc.collect()
+    after = Mesh(1, p)
+    assert not {id(h) for h in _handles(after)} & set(dropped)
+    _sums(after)

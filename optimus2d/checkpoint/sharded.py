@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from optimus2d.checkpoint import files as _files
 from optimus2d.checkpoint import integrity, reading, torch_state
 from optimus2d.checkpoint.progress import Progress, mib, on
-from optimus2d.comm import replicas
+from optimus2d.comm import replicas, shared_groups
 from optimus2d.comm.mesh import Mesh
 
 __all__ = ["async_save", "load", "read", "save"]
@@ -212,6 +212,7 @@ def _fresh_groups_after_failure(mesh: Mesh | None):
     except BaseException:
         if mesh is not None:
             mesh.__dict__.pop("_optimus2d_checkpoint_groups", None)
+            shared_groups.spoil(mesh)  # a mesh over some ranks saves on its own group: never handed on
         raise
 
 
@@ -345,11 +346,15 @@ def load(
     mesh = torch_state.model_mesh(entries)
     wait_for_async_save(mesh)
     ranks = _Ranks(entries, mesh)
-    path = _files.verified(path, ranks.read, ranks.read_alone, verify)  # collective; the directory to read
-    metadata = read_metadata(path)
-    fmt = reading.scheme(path, metadata, dcp_load)
-    plan = reading.Reading(path, metadata, fmt, entries, optimizer, torch_state.device_mesh(mesh))
-    plan.check_fits()
-    dcp_load(plan.state, path, ranks.read, ranks.read_alone)
+    try:
+        path = _files.verified(path, ranks.read, ranks.read_alone, verify)  # collective; the directory to read
+        metadata = read_metadata(path)
+        fmt = reading.scheme(path, metadata, dcp_load)
+        plan = reading.Reading(path, metadata, fmt, entries, optimizer, torch_state.device_mesh(mesh))
+        plan.check_fits()
+        dcp_load(plan.state, path, ranks.read, ranks.read_alone)
+    except BaseException:
+        shared_groups.spoil(mesh)  # the read may have run on the mesh's own group
+        raise
     plan.apply()
     return None

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from optimus2d.comm import compat, traced, watch
+from optimus2d.comm import compat, shared_groups, traced, watch
 from optimus2d.comm.counter import record_check
 
 LEVELS = ("off", "entry", "every")
@@ -279,6 +279,15 @@ class Posted:
         self._out, self._cpu = t.new_empty((n, t.numel())), device.type == "cpu"
         self._work = compat.all_gather_single(self._out.view(-1), t, group=group, async_op=True)
         self.ready = self._work.is_completed
+
+    def __del__(self) -> None:
+        work = self.__dict__.get("_work")
+        try:
+            dropped = work is not None and not work.is_completed()  # in flight (MPI's: its Request's own)
+        except Exception:  # torch shutting down
+            dropped = True
+        if dropped:
+            shared_groups.spoil(self.__dict__.get("mesh"))
 
     def wait(self) -> torch.Tensor:
         mesh, axis, out = self.mesh, self.axis, self._out

@@ -221,11 +221,10 @@ class Mesh:
             from optimus2d.comm import mpi  # not a cycle (mpi imports watch): importing it loads torch._dynamo
 
             usable = self.backend == "gloo" and mpi.available(world, self.rank)
-        if world > 1:  # one all-reduce over the world: MPI usable everywhere? a failed wait anywhere?
-            flags = torch.tensor([int(not usable), int(shared_groups.tainted())], device=self.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            usable = usable and not flags[0].item()
-            shared_groups.settle(bool(flags[1].item()))  # then the shared groups are dropped, everywhere
+        # one all-reduce over the world: MPI usable everywhere? which groups of meshes that are gone
+        # are free everywhere, to be taken instead of created (shared_groups)
+        taking = shared_groups.Taking(self, [int(usable)], self.device)
+        usable = bool(taking.also[0])
         given = {}  # the DeviceMesh's groups, where they are the mesh's (the same verdict on every rank)
         if self._device_mesh is not None and world > 1:
             given = replicas.reusable_groups(self, self._device_mesh, self._members)
@@ -234,12 +233,12 @@ class Mesh:
             for members in members_list:
                 if len(members) == 1 or axis in given:
                     continue
-                # collective at its first request: every rank asks for every group, in the same
+                # collective where it is created: every rank asks for every group, in the same
                 # order; group ranks follow mesh order where torch can (compat.new_group), and
                 # roots, gathers and scatters follow the mesh regardless (global_rank, group_order).
-                # Shared by the meshes over the same ranks (shared_groups). Never the default group:
-                # an operation abandoned on a failed mesh must not poison the world's.
-                group = shared_groups.group(members)
+                # A group of a mesh that is gone, where free on every rank (shared_groups). Never
+                # the default group: an operation abandoned on a failed mesh must not poison the world's.
+                group = taking.group(members)
                 if self.rank in members:
                     self._groups[axis] = group
         for axis, group in self._groups.items():
@@ -248,7 +247,7 @@ class Mesh:
         self.check_group = None  # NCCL meshes: a gloo group of the mesh for agreement's host words
         if self.backend == "nccl" and self.size > 1:  # (comm/agreement.py: no device sync to check shapes)
             for members in layouts["mesh"]:
-                group = shared_groups.group(members, backend="gloo")
+                group = taking.group(members, backend="gloo")
                 self.check_group = group if self.rank in members else self.check_group
         if transport != "torch" and self.size > 1:
             if transport == "mpi" and not usable:
@@ -257,7 +256,7 @@ class Mesh:
                     f"torch world); backend here is {self.backend!r}"
                 )
             if usable:
-                self.mpi = mpi.MpiTransport(layouts, self, self.timeout)
+                self.mpi = mpi.MpiTransport(layouts, self, self.timeout, taking)
 
     def members(self, axis: str) -> tuple[int, ...]:
         """Global ranks of this rank's ``axis`` group, in mesh order (member m has index m; on torch 2.11

@@ -34,6 +34,7 @@ waits), runs between 1 % faster and 12 % slower over five runs. ``Mesh``'s "auto
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -78,6 +79,7 @@ class Request:
         point_to_point: bool = False,
     ) -> None:
         self._requests, self._what, self._transport, self._done = requests, what, transport, done
+        self._mesh = transport.mesh  # held: a mesh outlives its operations (shared_groups)
         self._buffers = buffers  # alive until the operation ends
         self._point_to_point = point_to_point
 
@@ -88,7 +90,7 @@ class Request:
     def wait(self) -> bool:
         if self._requests is None:
             return True
-        mpi, mesh = _mpi(), self._transport.mesh
+        mpi, mesh = _mpi(), self._mesh
         try:
             watch.wait(lambda: mpi.Request.Testall(self._requests), mesh, f"MPI {self._what}", self._transport.timeout)
         except mpi.Exception as err:  # e.g. a message longer than its receive buffer
@@ -114,7 +116,7 @@ class Request:
         requests = self.__dict__.get("_requests")
         if requests is not None:
             _ABANDONED.append((requests, self.__dict__.get("_buffers")))
-            shared_groups.taint()  # the communicator may hold its message: not shared by the next mesh
+            shared_groups.spoil(self.__dict__.get("_mesh"))  # its communicators may hold the message
 
     def _abandon(self, mpi) -> None:
         if self._point_to_point:  # cancelling a collective is erroneous in MPI
@@ -128,15 +130,19 @@ class Request:
 class MpiTransport:
     """One MPI communicator per mesh axis (members in mesh order); every call returns a ``Request``."""
 
-    def __init__(self, layouts: dict[str, list[list[int]]], mesh, timeout: float) -> None:
+    def __init__(self, layouts: dict[str, list[list[int]]], mesh, timeout: float, taking) -> None:
         """Collective over COMM_WORLD: every rank splits every axis, in the same order."""
         mpi, rank = _mpi(), mesh.rank
-        self.mesh, self.timeout = mesh, timeout
+        self._mesh, self.timeout = weakref.ref(mesh), timeout  # weak: no cycle keeps a mesh alive
         self.comms: dict[str, object] = {}
-        for axis, groups in layouts.items():  # shared by the meshes of the same split (shared_groups)
-            comm = shared_groups.split(mpi.COMM_WORLD, groups, rank)
+        for axis, groups in layouts.items():  # a gone mesh's, where free everywhere (shared_groups.Taking)
+            comm = taking.split(mpi.COMM_WORLD, groups, rank)
             if comm != mpi.COMM_NULL:
                 self.comms[axis] = comm
+
+    @property
+    def mesh(self):
+        return self._mesh()
 
     @staticmethod
     def carries(t: torch.Tensor) -> bool:

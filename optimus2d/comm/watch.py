@@ -83,11 +83,12 @@ def report(error: BaseException | str, meshes=None) -> None:
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     text = f"rank {rank}: {error}"
     _failed.append(text)
-    shared_groups.taint()
+    targets = list(_meshes.values()) if meshes is None else list(meshes)
+    for mesh in targets:
+        shared_groups.spoil(mesh)
     store = _store()
     if store is None:
         return
-    targets = list(_meshes.values()) if meshes is None else list(meshes)
     for mesh in targets:
         if mesh.size > 1 and getattr(mesh, "uid", None) is not None:
             try:
@@ -117,12 +118,12 @@ def failed_here() -> bool:
 
 def wait(done, mesh, what: str, timeout: float) -> None:
     """Poll ``done()`` until it is true; raise ``PeerFailedError`` or ``TimeoutError`` instead of hanging.
-    A wait that raises leaves its operation abandoned: the groups the mesh shares are dropped before
-    the next mesh is built (``shared_groups.taint``)."""
+    A wait that raises leaves its operation abandoned: the mesh's groups are never handed on to a
+    later mesh (``shared_groups.spoil``)."""
     try:
         _wait(done, mesh, what, timeout)
     except BaseException:
-        shared_groups.taint()
+        shared_groups.spoil(mesh)
         raise
 
 
@@ -159,6 +160,10 @@ class Watched:
         self._work, self._mesh, self._what, self._timeout = work, mesh, what, timeout
         self._pollable = pollable
 
+    def __del__(self) -> None:
+        if self.__dict__.get("_work") is not None:  # dropped in flight: its groups may hold the message
+            shared_groups.spoil(self.__dict__.get("_mesh"))
+
     def wait(self) -> bool:
         global _waiters
         if self._work is None:
@@ -176,7 +181,7 @@ class Watched:
         except (PeerFailedError, TimeoutError, ValueError, TypeError):  # lost peers, disagreements
             raise
         except Exception as err:  # gloo's own error (a peer's connection closed, its timeout)
-            shared_groups.taint()
+            shared_groups.spoil(self._mesh)
             peer = failure(self._mesh)  # a peer that failed and exited: name it and its error
             if peer is not None:
                 raise PeerFailedError(f"{self._what} on {self._mesh} stopped: {peer}") from err
