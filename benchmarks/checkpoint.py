@@ -102,12 +102,12 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
                 done_s.append(time.perf_counter() - start)
         step_s.append(_timed(step)[0])
     dist.barrier()
+    if world.rank != 0:  # rank 0 alone reads the files, then removes them
+        return None
     data, files = _stored_bytes(os.path.join(root, "sync"))
     moments = 2 * serial_params  # AdamW's exp_avg and exp_avg_sq, fp32 as the parameters
-    if world.rank == 0 and not args.dir:
+    if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
-    if world.rank != 0:
-        return None
     rows_out = {name: statistics.median(t) for name, t in times.items()}
     result = {
         "mesh": f"{mesh.depth}x{mesh.q}x{mesh.q}",
