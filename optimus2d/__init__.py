@@ -7,6 +7,7 @@ docs/ARCHITECTURE.md for where each part lives:
     comm/        the Mesh, collectives, SUMMA, redistribution, agreement between ranks
     layers/      the sharded modules (Linear2D, Embedding2D, norms, attention, the loss)
     convert/     parallelize, the converter registry, the forward judge, per-module layouts
+    megatron/    a module with Megatron's 1D tensor parallelism (plan value, on parallelize_module)
     families/    converters for Hugging Face and timm models
     checkpoint/  save/load on any mesh, the serial view, Hugging Face safetensors
     pipeline/    stages, torch's schedules, data-parallel copies, bubbles, stage models
@@ -16,7 +17,7 @@ The top holds what a training script writes; converter authors use ``optimus2d.c
 handling is ``optimus2d.faults``.
 """
 
-from optimus2d import _deprecated, checkpoint, comm, convert, cost, families, faults, layers, pipeline
+from optimus2d import _deprecated, checkpoint, comm, convert, cost, families, faults, layers, megatron, pipeline
 from optimus2d.checkpoint import load_pretrained, load_serial_state_dict, save_pretrained, serial_state_dict
 from optimus2d.comm import Mesh, count_comm, gather, redistribute, scatter, scatter_batch
 from optimus2d.comm.dtensor import parameters_in_graph
@@ -47,6 +48,7 @@ __all__ = [
     "load_pretrained",
     "load_serial_state_dict",
     "materialize",
+    "megatron",
     "parallelize",
     "parameters_in_graph",
     "pipeline",

@@ -112,6 +112,26 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor that torch itself split (``parallelize_module``'s ``Shard``) as the serial tensor on
+    every rank (gathered over its DeviceMesh); a replicated one, or a plain tensor: its local tensor."""
+    if isinstance(t, DTensor) and not all(isinstance(p, Replicate) for p in t.placements):
+        with torch.no_grad():
+            return t.full_tensor()
+    return local(t)
+
+
+def own_part(t: DTensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of ``full`` laid out as the DTensor ``t`` (nothing sent)."""
+    return DTensor.to_local(_distribute(full, t))
+
+
+def _distribute(full: torch.Tensor, t: DTensor) -> DTensor:
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.detach().to(t.device), t.device_mesh, t.placements, src_data_rank=None)
+
+
 def serial_dtensor(t: torch.Tensor, sharding: Sharding, mesh: Mesh, device_mesh=None) -> DTensor:
     """The serial tensor of the stored block ``t`` as a DTensor laid out as DTensor lays out its
     placements (``torch.chunk`` per DeviceMesh dim, in order). A block padded at the end of a dim

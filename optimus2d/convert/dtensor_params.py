@@ -46,6 +46,7 @@ from optimus2d.comm.replicas import flatten_for_norms
 from optimus2d.comm.sharding import shard
 from optimus2d.convert.dtensor_optimizer import not_resharded
 from optimus2d.layers.base import sharding_of
+from optimus2d.megatron.region import runs_split
 
 __all__ = ["distribute_parameters"]
 
@@ -69,6 +70,8 @@ def distribute_parameters(model: nn.Module, mesh: Mesh, whole: DeviceMesh | None
         flatten_for_norms(whole)
     made: dict[int, torch.Tensor] = {}
     for module in model.modules():
+        if runs_split(module):  # torch's parallelize_module made its DTensors, and its forward takes them
+            continue
         changed = False
         for name, t in list(module._parameters.items()):
             if t is None:

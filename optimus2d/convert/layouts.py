@@ -33,30 +33,32 @@ import torch
 from torch import nn
 
 from optimus2d.comm.agreement import agree
-from optimus2d.comm.calls import layout
+from optimus2d.comm.calls import layout, tag
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.redistribution import redistribute
+from optimus2d.comm.whole import from_whole, to_whole
 from optimus2d.context.parallel import ContextParallel
 from optimus2d.layers.base import ShardedModule
+from optimus2d.megatron.region import Megatron
 
 _PER_HEAD = ("attentions", "cross_attentions", "encoder_attentions", "decoder_attentions")
 
 
-def check_plan(plan: Mapping[str, Mesh | ContextParallel] | None, mesh: Mesh) -> dict[str, Mesh]:
-    """The plan's meshes, checked: every value a ``Mesh`` (or a ``context.ContextParallel`` on one)
-    over the same ranks as ``mesh`` (``ValueError`` otherwise)."""
+def check_plan(plan: Mapping[str, Mesh | ContextParallel | Megatron] | None, mesh: Mesh) -> dict[str, Mesh]:
+    """The plan's meshes, checked: every value a ``Mesh`` (or a ``context.ContextParallel`` or a
+    ``megatron.Megatron`` on one) over the same ranks as ``mesh`` (``ValueError`` otherwise)."""
     if plan is None:
         return {}
     if not isinstance(plan, Mapping):
         raise TypeError(f"parallelize: plan= must map module paths to meshes, got {type(plan).__name__}")
     meshes = {}
     for path, other in plan.items():
-        if not isinstance(path, str) or not isinstance(other, (Mesh, ContextParallel)):
+        if not isinstance(path, str) or not isinstance(other, (Mesh, ContextParallel, Megatron)):
             raise TypeError(
-                f"parallelize: plan= maps module paths (str) to Mesh or context.ContextParallel, got "
-                f"{path!r}: {type(other).__name__}"
+                f"parallelize: plan= maps module paths (str) to Mesh, context.ContextParallel or megatron.Megatron, "
+                f"got {path!r}: {type(other).__name__}"
             )
-        meshes[path] = other.mesh if isinstance(other, ContextParallel) else other
+        meshes[path] = other if isinstance(other, Mesh) else other.mesh
         if sorted(meshes[path].ranks) != sorted(mesh.ranks):
             raise ValueError(
                 f"parallelize: plan[{path!r}] is over ranks {sorted(meshes[path].ranks)}, not over the model mesh's "
@@ -68,6 +70,11 @@ def check_plan(plan: Mapping[str, Mesh | ContextParallel] | None, mesh: Mesh) ->
 def context_plan(plan: Mapping[str, object] | None) -> dict[str, ContextParallel]:
     """The plan's keys whose module runs with its sequence split (``context.ContextParallel``)."""
     return {key: value for key, value in (plan or {}).items() if isinstance(value, ContextParallel)}
+
+
+def megatron_plan(plan: Mapping[str, object] | None) -> dict[str, Megatron]:
+    """The plan's keys whose module runs with 1D tensor parallelism (``megatron.Megatron``)."""
+    return {key: value for key, value in (plan or {}).items() if isinstance(value, Megatron)}
 
 
 def describe_plan(plan: object) -> str:
@@ -85,7 +92,7 @@ def describe_plan(plan: object) -> str:
 def _meshed(value: object) -> str:
     if isinstance(value, Mesh):
         return f"Mesh(q={value.q}, depth={value.depth}, ranks={list(value.ranks)})"
-    if isinstance(value, ContextParallel):
+    if isinstance(value, (ContextParallel, Megatron)):
         return repr(value)
     return type(value).__name__
 
@@ -132,6 +139,7 @@ class Boundary:
         module.__dict__["_optimus2d_boundary"] = self
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.adopt(kwargs)
         named = [(f"argument {n}", a) for n, a in enumerate(args)] + list(kwargs.items())
         for name, t in (hit for key, value in named for hit in _tensors(value, key)):  # refuse before sending
             if t.dim() and getattr(t, "_optimus2d_layout", None) is None:
@@ -142,6 +150,9 @@ class Boundary:
                 )
         return _map((args, kwargs), self._in)
 
+    def adopt(self, kwargs: dict) -> None:
+        """Tensors whose layout their keyword says (none here; ``WholeBoundary`` knows one)."""
+
     def after(self, module: nn.Module, args: tuple, output: object) -> object:
         if isinstance(output, Mapping):
             for key in _PER_HEAD:
@@ -150,11 +161,16 @@ class Boundary:
                         f"parallelize: {self.path} (on {_shape(self.inner)}) returns {key}, per-head tensors that "
                         f"have no activation layout to move to {_shape(self.outer)}: do not ask for them"
                     )
-        if isinstance(output, Mapping) and hasattr(output, "to_tuple"):  # a ModelOutput: fields in place
+        return self._fields(output)
+
+    def _fields(self, output: object) -> object:
+        """A ModelOutput's fields moved in place (a nested one's too: LLaVA's ``image_outputs``), a
+        tuple of tensors when read; anything else moved now."""
+        if isinstance(output, Mapping) and hasattr(output, "to_tuple"):
             for key in list(output.keys()):
                 value = output[key]
                 lazy = isinstance(value, (tuple, list)) and value and all(isinstance(t, torch.Tensor) for t in value)
-                output[key] = MovedOnRead(value, self._out) if lazy else _map(value, self._out)
+                output[key] = MovedOnRead(value, self._out) if lazy else self._fields(value)
             return output
         return _map(output, self._out)
 
@@ -173,6 +189,33 @@ class Boundary:
             return t
         src = self.meshes.get(given, self.inner) if given is not None else self.inner
         return redistribute(t, src, self.outer, layout=_kind(t))
+
+
+class WholeBoundary(Boundary):
+    """The hooks of a module under 1D tensor parallelism (``megatron.Megatron``): each block of a
+    plan's mesh it receives becomes the whole tensor on every rank (``to_whole``), and each whole
+    tensor it returns becomes a block of ``outer`` (``from_whole``). A Hugging Face base model's
+    ``inputs_embeds`` is by its contract the hidden states ``[b, s, h]``: given without a layout
+    (LLaVA merges its image features into it with plain torch, on the caller's blocks), it is the
+    caller's activation block."""
+
+    def adopt(self, kwargs: dict) -> None:
+        t = kwargs.get("inputs_embeds")
+        if isinstance(t, torch.Tensor) and t.dim() == 3 and getattr(t, "_optimus2d_layout", None) is None:
+            tag(t, self.outer, agreed=False)
+            t._optimus2d_kind = "activation"
+
+    def _in(self, t: torch.Tensor) -> torch.Tensor:
+        given = getattr(t, "_optimus2d_layout", None)
+        if t.dim() == 0 or given is None:
+            return t
+        src = self.meshes.get(given)
+        if src is None:
+            raise ValueError(f"parallelize: {self.path} receives a block of a mesh that is not in the plan")
+        return to_whole(t, src, _kind(t))
+
+    def _out(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.dim() == 0 else from_whole(t, self.outer, _kind(t))
 
 
 class MovedOnRead(Sequence):

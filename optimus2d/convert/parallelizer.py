@@ -38,6 +38,7 @@ from optimus2d.layers import (
 )
 from optimus2d.layers.block import TransformerDecoderBlock2D, TransformerStack2D
 from optimus2d.layers.embedding import TiedHead2D
+from optimus2d.megatron.region import Megatron
 
 Converter = Callable[[nn.Module, Mesh], nn.Module]
 _CONVERTERS: dict[type, Converter] = {}
@@ -174,7 +175,7 @@ def parallelize(
     module: nn.Module,
     mesh: Mesh,
     *,
-    plan: Mapping[str, Mesh | ContextParallel] | None = None,
+    plan: Mapping[str, Mesh | ContextParallel | Megatron] | None = None,
     check: bool | None = None,
 ) -> nn.Module:
     """The model on ``mesh``, converted in place from the serial ``module`` and returned.
@@ -197,6 +198,8 @@ def parallelize(
     meshes' layouts by ``redistribute`` (``optimus2d/layouts.py``). A key naming no module is refused.
     A ``context.ContextParallel(mesh, ...)`` value converts the module on its mesh and runs it with
     its sequence split over the mesh's depth axis (context parallelism; ``context/parallel.py``).
+    A ``megatron.Megatron(mesh)`` value runs the module with Megatron's 1D tensor parallelism over
+    the mesh's ranks, split by torch's ``parallelize_module`` (``megatron/region.py``).
     """
     whole = mesh if isinstance(mesh, DeviceMesh) and tuple(mesh.mesh_dim_names or ()) != DIM_NAMES else None
     mesh = as_mesh(mesh, "parallelize's mesh")  # a torch DeviceMesh: its Mesh (collective, every rank alike)
@@ -211,6 +214,7 @@ def parallelize(
         if whole is not None:
             _one_mesh_with_replicas(plan, mesh)
         walk.contexts = layouts.context_plan(plan)
+        walk.megatron = layouts.megatron_plan(plan)
         walk.check(module, "")
         walk.raise_refused()
         if _current.get() is None:
@@ -249,8 +253,8 @@ def parallelize(
 def _one_mesh_with_replicas(plan, mesh: Mesh) -> None:
     """Given a DeviceMesh with data-parallel dims, every parameter becomes a DTensor on all of it:
     a module planned onto another mesh could not be, so such a plan is refused (before anything)."""
-    on = {key: value.mesh if isinstance(value, ContextParallel) else value for key, value in (plan or {}).items()}
-    others = sorted(key for key, value in on.items() if value is not mesh)
+    on = {key: value if isinstance(value, Mesh) else value.mesh for key, value in (plan or {}).items()}
+    others = sorted(key for key, value in on.items() if value is not mesh or isinstance(plan[key], Megatron))
     if others:
         raise ValueError(
             f"parallelize: given a DeviceMesh with data-parallel dims, every parameter becomes a DTensor on it, but "
@@ -282,7 +286,7 @@ def _rehearse(module: nn.Module, mesh: Mesh, walk: _Walk) -> None:
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
     rehearsal = _Walk(mesh, {}, {}, plan=walk.plan, rehearsing=True)
-    rehearsal.contexts = walk.contexts
+    rehearsal.contexts, rehearsal.megatron = walk.contexts, walk.megatron
     token = _current.set(rehearsal)
     try:
         with torch.random.fork_rng(devices=[]):
@@ -366,6 +370,9 @@ class _Walk:
     planned: set[str] = field(default_factory=set)  # the plan's keys that named a module
     contexts: dict[str, ContextParallel] = field(default_factory=dict)  # plan key → its sequence split
     split: dict[int, tuple[ContextParallel, str]] = field(default_factory=dict)  # id(module) → (split, path)
+    megatron: dict[str, Megatron] = field(default_factory=dict)  # plan key → its 1D tensor parallelism
+    regions: dict[int, tuple[Megatron, str]] = field(default_factory=dict)  # id(module) → (1D spec, path)
+    unfit: list[str] = field(default_factory=list)  # "path (Class): why" a 1D region does not fit
     rehearsing: bool = False  # converting a meta copy first: collect the refusals (_rehearse)
     errors: list[Exception] = field(default_factory=list)  # what they raised, in order
 
@@ -392,6 +399,9 @@ class _Walk:
         if mesh is not self.mesh:
             self.meshes[id(module)] = mesh
         called = type(module).forward is not nn.Module.forward  # a ModuleList is never called itself
+        if hit is not None and hit[0] in self.megatron:  # 1D tensor parallelism: torch splits it as it is
+            self._check_region(module, path, self.megatron[hit[0]], called, caller)
+            return
         if called and layout(mesh) != layout(caller):
             self.boundaries[id(module)] = layouts.Boundary(path, mesh, caller, [self.mesh, *self.plan.values()])
         if isinstance(module, (ShardedModule, Dropout2D)) or getattr(module, "_optimus2d_mesh", None) is not None:
@@ -409,10 +419,33 @@ class _Walk:
             for name, child in _children(module):
                 self.check(child, f"{path}.{name}" if path else name, module, mesh, mesh if called else caller)
 
+    def _check_region(self, module: nn.Module, path: str, spec: Megatron, called: bool, caller: Mesh) -> None:
+        """A module under 1D tensor parallelism: its refusals noted (``unfit``), its boundary made."""
+        where = f"{path} ({type(module).__name__})"
+        if not called:
+            self.unfit.append(f"{where}: has no forward of its own (name the modules its parent calls)")
+        tied = [name for name, p in module.named_parameters() if id(p) in self.tied]
+        if tied:
+            self.unfit.append(f"{where}: shares {', '.join(tied)} with an embedding (tied): not split in 1D")
+        if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            self.unfit.append(f"{where}: on the meta device (load its weights before a 1D split)")
+        self.unfit += spec.refusals(module, path)
+        self.regions[id(module)] = (spec, path)
+        self.seen.append(module)
+        if called:
+            self.boundaries[id(module)] = layouts.WholeBoundary(
+                path, spec.mesh, caller, [self.mesh, *self.plan.values()]
+            )
+
     def raise_refused(self) -> None:
         missing = [key for key in self.plan if key not in self.planned]
         if missing:
             raise ValueError(f"parallelize: plan= names no module of the model at {', '.join(map(repr, missing))}")
+        if self.unfit:
+            lines = "\n  ".join(self.unfit)
+            raise ValueError(
+                f"parallelize: {len(self.unfit)} module(s) cannot run with 1D tensor parallelism:\n  {lines}"
+            )
         if self.refused:
             lines = "\n  ".join(self.refused)
             raise TypeError(
@@ -447,6 +480,9 @@ class _Walk:
     def _convert(self, module: nn.Module, path: str, mesh: Mesh) -> nn.Module:
         if isinstance(module, (ShardedModule, Dropout2D)):
             return module
+        if id(module) in self.regions:  # split by torch's parallelize_module (a meta rehearsal: as it is)
+            spec, where = self.regions[id(module)]
+            return module if self.rehearsing else spec.apply(module, where)
         if isinstance(module, (nn.Linear, nn.Embedding)) and id(module.weight) in self.tied:
             if module is not self.tied[id(module.weight)]:  # the owner itself converts as usual
                 return _convert_tied(self, module)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from optimus2d.comm.calls import check_call, mark_agreed, refusal, tag
-from optimus2d.comm.dtensor import DTensor, like, local
+from optimus2d.comm.dtensor import DTensor, like, local, own_part, whole
 from optimus2d.comm.mesh import Mesh, as_mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
 from optimus2d.comm.watch import PeerFailedError
@@ -245,8 +245,9 @@ def sharding_of(module: nn.Module, name: str) -> tuple[Sharding | None, Mesh | N
 def serial_tensor(module: nn.Module, name: str) -> torch.Tensor:
     """The serial tensor ``name`` of ``module`` on every rank (all-gathers its blocks)."""
     sharding, mesh = sharding_of(module, name)
-    block = local(getattr(module, name)).detach()
-    return unshard(block.contiguous(), mesh, sharding) if sharding is not None else block
+    if sharding is None:  # a replicated tensor, or one torch's parallelize_module split (1D)
+        return whole(getattr(module, name)).detach()
+    return unshard(local(getattr(module, name)).detach().contiguous(), mesh, sharding)
 
 
 def load_serial_tensor(module: nn.Module, name: str, full: torch.Tensor) -> None:
@@ -256,8 +257,11 @@ def load_serial_tensor(module: nn.Module, name: str, full: torch.Tensor) -> None
     dtype and device (meta for a meta ``full``: nothing is allocated); an allocated one is copied
     into, keeping its own. The tensor stays the same Python object (ties, attributes, hooks)."""
     sharding, mesh = sharding_of(module, name)
-    block = shard(full.detach(), mesh, sharding) if sharding is not None else full.detach()
     target = getattr(module, name)
+    if sharding is None and isinstance(target, DTensor) and not target.is_meta:  # torch's own split (1D)
+        block = own_part(target, full)
+    else:
+        block = shard(full.detach(), mesh, sharding) if sharding is not None else full.detach()
     with torch.no_grad():
         if target.is_meta:
             swap_block(target, block.clone(memory_format=torch.contiguous_format))
@@ -318,4 +322,4 @@ def swap_block(t: torch.Tensor, block: torch.Tensor) -> None:
 
 def serial_shape(module: nn.Module, name: str) -> tuple[int, ...]:
     sharding, _ = sharding_of(module, name)
-    return sharding.full_shape if sharding is not None else tuple(local(getattr(module, name)).shape)
+    return sharding.full_shape if sharding is not None else tuple(getattr(module, name).shape)
