@@ -1,4 +1,6 @@
-"""MLP h→4h→h: optimus2d against DTensor 1D (with and without sequence parallelism), same run.
+"""MLP h→4h→h: optimus2d against DTensor 1D (with and without sequence parallelism), same run;
+"optimus2d 1D (plan)" is DTensor's 1D inside ``parallelize(plan=)`` (``megatron.Megatron``), its
+input a block of the mesh all-gathered at the boundary and its output split back.
 
     mpiexec -n 4 python -m benchmarks mlp            # the issue's set-up: 1024→4096→1024, 8 × 128
 
@@ -51,6 +53,8 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             plan = peers.linear_plan(sp) if args.linear else peers.mlp_plans(sp)
             out_dim = -1 if args.linear else (1 if sp else None)
             group.append(peers.dtensor_1d(serial, plan, x, grad, sequence_parallel=sp, out_dim=out_dim))
+        if not args.linear:  # torch's 1D inside optimus2d's plan=, on this mesh's blocks
+            group.append(peers.optimus_1d(serial, mesh, x, grad))
         if not args.linear:  # other libraries' layers, where installed (scripts/setup_peers.sh)
             extra = [external.megatron_1d(serial, x, grad)]
             if mesh.q > 1:
@@ -72,7 +76,11 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     results[0]["elements_measured"] = counter.numel
     for r in results:
         name = r["peer"]
-        if name.startswith("optimus2d"):
+        if name == "optimus2d 1D (plan)":  # torch's all-reduce (not counted) and the boundary's two all-gathers
+            r["elements_formula"] = (
+                mlp_1d_elements(rows, h, p, sequence_parallel=False, input_grad=False) + 2 * rows * h
+            )
+        elif name.startswith("optimus2d"):
             algorithm = "summa" if name.endswith("SUMMA") else "auto"
             if args.linear:
                 r["elements_formula"] = optimus2d.cost.linear_2d_elements(

@@ -27,6 +27,33 @@ def optimus(name: str, model: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, 
     )
 
 
+class _Holder(nn.Module):
+    """A model whose one module runs in 1D under ``plan=`` (the boundary is the holder's call)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def optimus_1d(serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: torch.Tensor) -> Peer:
+    """``serial`` in Megatron's 1D layout under ``plan=`` (``optimus2d.megatron.Megatron``): the
+    input a block of ``mesh``, all-gathered at the boundary; the output split back to ``mesh``."""
+    model = optimus2d.parallelize(
+        _Holder(copy.deepcopy(serial)), mesh, plan={"inner": optimus2d.megatron.Megatron(mesh)}
+    )
+    x_local, grad_local = optimus2d.scatter(x, mesh), optimus2d.scatter(grad, mesh)
+    return Peer(
+        "optimus2d 1D (plan)",
+        model,
+        lambda: model(x_local),
+        lambda out: out.backward(grad_local),
+        lambda out: optimus2d.gather(out, mesh),
+    )
+
+
 def optimus_twins(
     serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: torch.Tensor, build=optimus2d.parallelize
 ) -> list[Peer]:
