@@ -7,6 +7,7 @@ into pipeline stages (a ``pipeline.StageMesh``, read by its fields ``mesh`` and 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from optimus2d.comm import all_reduce
 from optimus2d.comm import primitives as P
-from optimus2d.comm.dtensor import local
+from optimus2d.comm.dtensor import DTensor, local
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers.base import param_sharding
 
@@ -41,6 +42,9 @@ def _mesh_of(params: list[torch.Tensor]) -> Mesh | None:
 def _replicas(param: torch.Tensor, mesh: Mesh) -> int:
     """How many ranks hold the same block of ``param``."""
     sharding = param_sharding(param)
+    if sharding is None and isinstance(param, DTensor) and param.device_mesh.size() == mesh.size:
+        # torch's own placements (a linear parallelize_module split in 1D): replicated where Replicate
+        return math.prod(param.device_mesh.size(d) for d, p in enumerate(param.placements) if p.is_replicate())
     if sharding is None:  # a plain torch parameter, or one replicated: the same on every rank
         return mesh.size
     n = 1

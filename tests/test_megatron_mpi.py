@@ -188,6 +188,9 @@ def test_llava_module_in_1d(world, region, frozen_tower):
         if frozen_tower:
             assert all(p.grad is None for p in parallel.model.vision_tower.parameters())
         scale = max(p.grad.abs().max().item() for p in serial.parameters() if p.grad is not None)
+        norm_ref = torch.nn.utils.clip_grad_norm_([p for p in serial.parameters() if p.grad is not None], 1e9)
+        norm = optimus2d.clip_grad_norm_([p for p in parallel.parameters() if p.grad is not None], 1e9, mesh)
+        assert_close(norm, norm_ref, 1e-5, "gradient norm")  # each shard once, each replicated tensor once
         for model in (serial, parallel):
             trained = [p for p in model.parameters() if p.requires_grad]
             torch.optim.AdamW(trained, lr=1e-2, eps=1e-3 * scale).step()
@@ -221,3 +224,46 @@ def test_a_region_module_called_from_outside_is_refused(world):
     batch = {k: scatter_batch(v, mesh) for k, v in _batch(world.size).items()}
     with pytest.raises(ValueError, match=r"model.language_model.embed_tokens \(Embedding\) is inside the 1D region"):
         parallel(**batch)
+
+
+def test_a_plan_entry_inside_a_region_is_refused(world):
+    mesh = _meshes_of(world)[0]
+    model = _serial(world, frozen=False)
+    with pytest.raises(ValueError, match=r"holds no other plan entry: 'encoder.0' inside 'encoder'"):
+        parallelize(model, mesh, plan={"encoder": Megatron(mesh), "encoder.0": mesh})
+
+
+def test_checkpoint_moves_between_meshes_with_a_region(world):
+    """Saved with the model on the first mesh (the encoder in 1D), loaded with it on the last: the
+    same serial tensors, and AdamW's state goes on stepping exactly."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    first, last = _meshes_of(world)[0], _meshes_of(world)[-1]
+    root = [tempfile.mkdtemp(prefix="optimus2d-megatron-") if world.rank == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    torch.manual_seed(3)
+    x = torch.randn(2 * world.size, 3, 6 * world.size, dtype=torch.float64)
+    trained = parallelize(_serial(world, False), first, plan={"encoder": Megatron(first)})
+    opt = torch.optim.AdamW(trained.parameters(), lr=1e-2)
+    trained(optimus2d.scatter(x, first)).sum().backward()
+    opt.step()
+    optimus2d.checkpoint.save(f"{root[0]}/ckpt", trained, opt)
+    torch.manual_seed(7)
+    fresh = parallelize(
+        EncoderProjector(6 * world.size, 12 * world.size).double(), last, plan={"encoder": Megatron(last)}
+    )
+    opt_fresh = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    optimus2d.checkpoint.load(f"{root[0]}/ckpt", fresh, opt_fresh)
+    for model, mesh, optimizer in ((trained, first, opt), (fresh, last, opt_fresh)):
+        optimizer.zero_grad()
+        model(optimus2d.scatter(x, mesh)).sum().backward()
+        optimizer.step()
+    want, got = serial_state_dict(trained), serial_state_dict(fresh)
+    for key, value in want.items():
+        assert_close(got[key], value, 1e-12, key)
+    dist.barrier()
+    if world.rank == 0:
+        shutil.rmtree(root[0], ignore_errors=True)

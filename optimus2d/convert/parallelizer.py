@@ -439,6 +439,11 @@ class _Walk:
 
     def raise_refused(self) -> None:
         missing = [key for key in self.plan if key not in self.planned]
+        regions = [where for _, where in self.regions.values()]
+        nested = [(key, r) for key in missing for r in regions if key.startswith(r + ".") or matches_inside(key, r)]
+        if nested:
+            lines = ", ".join(f"{key!r} inside {r!r}" for key, r in nested)
+            raise ValueError(f"parallelize: a 1D region (megatron.Megatron) holds no other plan entry: {lines}")
         if missing:
             raise ValueError(f"parallelize: plan= names no module of the model at {', '.join(map(repr, missing))}")
         if self.unfit:
@@ -492,6 +497,13 @@ class _Walk:
             if isinstance(how, str):
                 raise TypeError(f"parallelize: {path or 'the model itself'} ({type(module).__name__}): {how}")
         return how(module, mesh)
+
+
+def matches_inside(key: str, region: str) -> bool:
+    """Whether the plan key (a path or a glob) names a module inside ``region``'s path."""
+    atoms = key.split(".")
+    depth = len(region.split("."))
+    return len(atoms) > depth and layouts.matches(".".join(atoms[:depth]), region)
 
 
 def _children(module: nn.Module) -> list[tuple[str, nn.Module]]:
