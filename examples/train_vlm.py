@@ -2,6 +2,7 @@
 
     mpiexec -n 4 python examples/train_vlm.py --check                # LLM on 2×2, tower on 1×1×4
     mpiexec -n 4 python examples/train_vlm.py --check --tower same   # both on the 2×2 mesh
+    mpiexec -n 4 python examples/train_vlm.py --check --tower 1d --heads 4  # the tower in Megatron's 1D
     mpiexec -n 9 python examples/train_vlm.py --check                # LLM on 3×3, tower on 1×1×9
     mpiexec -n 8 python examples/train_vlm.py --check --cp 2         # 2×2 mesh × cp 2: the LLM's sequence split in 2
     mpiexec -n 4 python examples/train_vlm.py --check --cp 4         # the LLM's sequence split over 4 ranks
@@ -17,10 +18,13 @@ The layout is heterogeneous: the language model on the q×q (×depth) mesh, and 
 (default) the tower on ``Mesh(1, p)``, every rank a whole tower on its own slice of the images,
 which sends nothing in backward since the tower is frozen: ``parallelize(..., plan={"model.vision_tower":
 tower})`` moves the images to the tower's mesh and the feature layer back. ``--tower same`` keeps the
-tower on the model's mesh. ``--cp N`` splits the language model's fused sequence over N ranks
-(context parallelism, the mesh's depth axis: q×q×N ranks, ``plan={"model.language_model":
-context.ContextParallel(mesh)}``, causal and balanced head–tail) while the embedding, the projector,
-the head and the loss keep the batch layout; the sequence defaults to 64 tokens. ``--check`` trains
+tower on the model's mesh. ``--tower 1d`` runs the tower with Megatron's 1D tensor parallelism over
+every rank (``plan={"model.vision_tower": megatron.Megatron(mesh)}``: torch's ``parallelize_module``
+splits its attention heads and MLPs; ``--heads`` must divide by the ranks). ``--cp N`` splits the
+language model's fused sequence over N ranks (context parallelism, the mesh's depth axis: q×q×N
+ranks, ``plan={"model.language_model": context.ContextParallel(mesh)}``, causal and balanced
+head–tail) while the embedding, the projector, the head and the loss keep the batch layout; the
+sequence defaults to 64 tokens. ``--check`` trains
 the serial twin (the same initial weights, the same batches) and asserts the same losses, the same
 final weights and no gradient in the frozen tower.
 """
@@ -41,9 +45,8 @@ IMAGE, ROWS = 143, 4  # the image token (the last of the vocabulary); feature ro
 CLASSES = 8
 
 
-def build() -> transformers.LlavaForConditionalGeneration:
-    """The same random model on every rank (hidden sizes and heads divide by 2 and by 3)."""
-    heads = 6
+def build(heads: int = 6) -> transformers.LlavaForConditionalGeneration:
+    """The same random model on every rank (hidden sizes divide by 2, 3 and 4; 6 heads by 2 and 3)."""
     config = transformers.LlavaConfig(
         vision_config=transformers.CLIPVisionConfig(
             hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=heads,
@@ -96,7 +99,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=None, help="tokens a sample; default 16, with --cp 64")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel ranks for the language model")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--tower", choices=["own", "same"], default="own")
+    parser.add_argument("--tower", choices=["own", "same", "1d"], default="own")
+    parser.add_argument("--heads", type=int, default=6, help="attention heads of the tower and the LLM (divide 48)")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
 
@@ -120,18 +124,21 @@ def main() -> None:
     mesh = optimus2d.Mesh(q, depth)  # the language model's and the projector's
     tower = optimus2d.Mesh(1, world.size) if args.tower == "own" else mesh
     plan = {"model.vision_tower": tower} if tower is not mesh else {}
+    if args.tower == "1d":  # Megatron's 1D over every rank, on torch's parallelize_module: heads split by rank
+        plan = {"model.vision_tower": optimus2d.megatron.Megatron(mesh)}
     if args.cp > 1:  # the language model's sequence split over depth; the rest in the batch layout
         plan["model.language_model"] = optimus2d.context.ContextParallel(mesh, mask="causal", balance="head_tail")
-    model = build()
+    model = build(args.heads)
     model.model.vision_tower.requires_grad_(False)  # frozen: no gradient, and nothing sent back to it
     serial = copy.deepcopy(model) if args.check else None  # the same initial weights
     model = optimus2d.parallelize(model, mesh, plan=plan or None)
     opt = adamw(model, args.lr)
     serial_opt = adamw(serial, args.lr) if serial is not None else None
     if world.rank == 0:
+        where = f"1D over {world.size} ranks" if args.tower == "1d" else f"Mesh(q={tower.q}, depth={tower.depth})"
         print(
             f"LLaVA: language model and projector on Mesh(q={mesh.q}, depth={mesh.depth}), vision tower "
-            f"(frozen) on Mesh(q={tower.q}, depth={tower.depth}); batch {batch}×{args.seq} tokens"
+            f"(frozen) on {where}; batch {batch}×{args.seq} tokens"
             + (f"; the language model's sequence split over cp={args.cp} ranks" if args.cp > 1 else ""),
             flush=True,
         )

@@ -72,6 +72,14 @@ def test_a_vlm_llava_with_a_frozen_tower_on_its_own_mesh_trains_beside_its_seria
     assert "check passed: 3 steps equal to the serial model's" in out
 
 
+def test_a_vlm_llava_with_its_tower_in_1d_trains_beside_its_serial_twin():
+    out = _run(
+        [str(BIN / "mpiexec"), "-n", "4"], "train_vlm.py", "--check", "--tower", "1d", "--heads", "4", "--steps", "3"
+    )
+    assert "vision tower (frozen) on 1D over 4 ranks" in out
+    assert "check passed: 3 steps equal to the serial model's" in out
+
+
 def test_a_vlm_llava_with_its_language_model_context_parallel_trains_beside_its_serial_twin():
     out = _run([str(BIN / "mpiexec"), "-n", "4"], "train_vlm.py", "--check", "--cp", "4", "--steps", "3")
     assert "the language model's sequence split over cp=4 ranks" in out
