@@ -267,3 +267,71 @@ def test_checkpoint_moves_between_meshes_with_a_region(world):
     dist.barrier()
     if world.rank == 0:
         shutil.rmtree(root[0], ignore_errors=True)
+
+
+class _Shared(nn.Module):
+    """``first`` is also the region's first linear: one module at two paths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 16)
+        self.enc = nn.Sequential(self.first, nn.GELU(), nn.Linear(16, 8))
+        self.proj = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.enc(x)) + self.first(x)
+
+
+class _WeightedActivation(nn.Module):
+    """An MLP whose activation has a weight (``nn.PReLU``), taught to split as fc1 → fc2."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(width, 2 * width), nn.PReLU(), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def test_modules_split_where_they_could_be_wrong_are_refused(world):
+    """A module of the region reachable outside it, and an activation with a weight inside a split
+    module (it would see one shard and get a part of its gradient): refused, nothing changed."""
+    from optimus2d.megatron import plans, register_split
+
+    mesh = _meshes_of(world)[0]
+    with pytest.raises(ValueError, match=r"first \(Linear\): is also enc.0, inside a 1D region"):
+        parallelize(_Shared(), mesh, plan={"enc": Megatron(mesh)})
+    register_split(_WeightedActivation, {"fc1": "colwise", "fc2": "rowwise"})
+    try:
+        holder = nn.Sequential(_WeightedActivation(4 * world.size))
+        with pytest.raises(ValueError, match=r"0.act \(PReLU\): holds weight and would run on this rank's shard"):
+            parallelize(holder, mesh, plan={"0": Megatron(mesh)})
+    finally:
+        del plans.SPLITS[f"{_WeightedActivation.__module__}.{_WeightedActivation.__qualname__}"]
+
+
+def test_load_state_dict_takes_the_serial_tensors(world):
+    mesh = _meshes_of(world)[0]
+    serial = _serial(world, frozen=False)
+    parallel = parallelize(copy.deepcopy(serial), mesh, plan={"encoder": Megatron(mesh)})
+    changed = {key: value * 2 for key, value in serial.state_dict().items()}
+    parallel.load_state_dict(changed)
+    for key, value in serial_state_dict(parallel).items():
+        assert_close(value, changed[key], 0.0, key)
+
+
+class _PassThrough(nn.Module):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, mask
+
+
+def test_a_batch_tensor_keeps_its_layout_through_a_region(world):
+    """A float ``[b, k]`` given by scatter_batch and returned unchanged leaves as a batch block."""
+    mesh = _meshes_of(world)[-1]
+    holder = nn.ModuleDict({"inner": _PassThrough()})
+    parallelize(holder, mesh, plan={"inner": Megatron(mesh)})
+    mask = torch.arange(2.0 * world.size * 5).reshape(2 * world.size, 5)
+    x = torch.randn(2 * world.size, 3, 6 * world.size)
+    out, mask_out = holder["inner"](optimus2d.scatter(x, mesh), scatter_batch(mask, mesh))
+    assert torch.equal(gather(out, mesh), x)
+    assert torch.equal(mask_out, scatter_batch(mask, mesh))

@@ -100,6 +100,12 @@ def _tensors(model: nn.Module) -> list[_Tensor]:
             continue
         owner, name = owners[key]
         sharding, mesh = sharding_of(owner, name)
+        if sharding is None and isinstance(value, DTensor) and not all(p.is_replicate() for p in value.placements):
+            raise ValueError(
+                f"optimus2d.pretrained: {key} is split by torch's parallelize_module (a module in 1D, "
+                f"megatron.Megatron): safetensors reading and writing of such a model is not built; load the "
+                f"serial model's weights before parallelize, or use optimus2d.checkpoint.save/load"
+            )
         by_id[id(value)] = _Tensor([key], [owners[key]], value, sharding, mesh)
         out.append(by_id[id(value)])
     return out

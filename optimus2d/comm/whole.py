@@ -121,7 +121,9 @@ def to_whole(x: torch.Tensor, mesh: Mesh, kind: str) -> torch.Tensor:
         agree(mesh, "to_whole", description=f"{kind} {describe(x)}", error=error)
     elif error is not None:
         raise error
-    return x if mesh.size == 1 else _ToWhole.apply(x, mesh, kind)
+    out = x if mesh.size == 1 else _ToWhole.apply(x, mesh, kind)
+    out._optimus2d_kind = kind  # no layout (it is no block), but its kind, should it leave unchanged
+    return out
 
 
 def from_whole(x: torch.Tensor, mesh: Mesh, kind: str) -> torch.Tensor:

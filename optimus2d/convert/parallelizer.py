@@ -216,6 +216,7 @@ def parallelize(
         walk.contexts = layouts.context_plan(plan)
         walk.megatron = layouts.megatron_plan(plan)
         walk.check(module, "")
+        walk.check_region_aliases(module)
         walk.raise_refused()
         if _current.get() is None:
             _rehearse(module, mesh, walk)
@@ -424,6 +425,8 @@ class _Walk:
         where = f"{path} ({type(module).__name__})"
         if not called:
             self.unfit.append(f"{where}: has no forward of its own (name the modules its parent calls)")
+        if len(spec.mesh.replicas) > 1:
+            self.unfit.append(f"{where}: 1D over a mesh with data-parallel replicas ({spec.mesh}) is not built")
         tied = [name for name, p in module.named_parameters() if id(p) in self.tied]
         if tied:
             self.unfit.append(f"{where}: shares {', '.join(tied)} with an embedding (tied): not split in 1D")
@@ -436,6 +439,28 @@ class _Walk:
             self.boundaries[id(module)] = layouts.WholeBoundary(
                 path, spec.mesh, caller, [self.mesh, *self.plan.values()]
             )
+
+    def check_region_aliases(self, model: nn.Module) -> None:
+        """A module or parameter of a 1D region also reachable at a path outside it (one module at two
+        paths) would be split there and converted here: refused (``unfit``), the other path named."""
+        if not self.regions:
+            return
+        inside: dict[int, str] = {}
+        for _, where in self.regions.values():
+            region = model.get_submodule(where)
+            for rel, sub in region.named_modules(remove_duplicate=False):
+                inside.setdefault(id(sub), f"{where}.{rel}" if rel else where)
+            for rel, t in region.named_parameters(remove_duplicate=False):
+                inside.setdefault(id(t), f"{where}.{rel}")
+        roots = tuple(where for _, where in self.regions.values())
+        outside = lambda path: not any(path == r or path.startswith(r + ".") for r in roots)  # noqa: E731
+        for path, sub in model.named_modules(remove_duplicate=False):
+            if path and outside(path) and id(sub) in inside:
+                self.unfit.append(f"{path} ({type(sub).__name__}): is also {inside[id(sub)]}, inside a 1D region")
+        for path, t in model.named_parameters(remove_duplicate=False):
+            owner = path.rpartition(".")[0]
+            if outside(path) and id(t) in inside and not (owner and id(model.get_submodule(owner)) in inside):
+                self.unfit.append(f"{path}: is also {inside[id(t)]}, inside a 1D region (a shared parameter)")
 
     def raise_refused(self) -> None:
         missing = [key for key in self.plan if key not in self.planned]

@@ -12,9 +12,10 @@ another class. An ``nn.Sequential`` of ``Linear``, element-wise activations and 
 its first linear by column and its last by row.
 
 Refused (``ValueError``, the module named): a split whose linear's output size or head count the
-ranks do not divide, and a region where dropout may draw (a ``Dropout`` of p > 0, an attention's
-``attention_dropout`` or ``dropout`` > 0): the ranks of a replicated module would draw different
-masks.
+ranks do not divide; another child of a split module that holds parameters (an activation with
+weights, ``PReLU``: it would run on this rank's shard and get a part of its gradient); and a
+region where dropout may draw (a ``Dropout`` of p > 0, an ``attention_dropout``, ``dropout`` or
+``drop_prob`` > 0): the ranks of a replicated module would draw different masks.
 """
 
 from __future__ import annotations
@@ -133,6 +134,13 @@ def tensor_parallel_plan(region: nn.Module, path: str, ranks: int) -> tuple[dict
                     f"1D split ({role})"
                 )
             roles[f"{rel}.{name}" if rel else name] = role
+        for name, child in module.named_children():  # an activation with parameters (PReLU, xIELU) would
+            held = [n for n, _ in child.named_parameters()] if name not in split.roles else []  # see a shard
+            if held:
+                refused.append(
+                    f"{where}.{name} ({type(child).__name__}): holds {', '.join(held)} and would run on this rank's "
+                    f"shard of the split (its gradient a part on each rank)"
+                )
         for what, count in split.heads(module).items():
             if count % ranks:
                 refused.append(
@@ -146,7 +154,7 @@ def _dropout_refusals(module: nn.Module, where: str) -> list[str]:
     if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
         return [f"{where} ({type(module).__name__}): dropout p={module.p} inside a 1D region (ranks would draw apart)"]
     out = []
-    for attr in ("attention_dropout", "dropout"):
+    for attr in ("attention_dropout", "dropout", "drop_prob"):
         value = module.__dict__.get(attr)
         if isinstance(value, float) and value > 0:
             out.append(f"{where} ({type(module).__name__}): {attr}={value} inside a 1D region (ranks would draw apart)")

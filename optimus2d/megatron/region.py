@@ -28,7 +28,9 @@ import functools
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
+from optimus2d.comm.dtensor import own_part
 from optimus2d.comm.mesh import Mesh, as_mesh
 from optimus2d.megatron.plans import COLWISE, tensor_parallel_plan
 
@@ -76,7 +78,9 @@ class Megatron:
         styles = {name: ColwiseParallel() if role == COLWISE else RowwiseParallel() for name, role in roles.items()}
         parallelize_module(module, self.device_mesh, styles, src_data_rank=None)
         for name in roles:
-            module.get_submodule(name).__dict__[SPLIT] = self
+            linear = module.get_submodule(name)
+            linear.__dict__[SPLIT] = self
+            linear.register_load_state_dict_pre_hook(_own_part_of_serial)
         return module
 
 
@@ -114,6 +118,18 @@ def _check_inside(inside: _Inside, where: str, region: str, module: nn.Module, a
             f"whole tensors it runs on. Plan a module that holds what calls it (for LLaVA: 'model', not "
             f"'model.language_model', whose embed_tokens LLaVA calls itself)"
         )
+
+
+def _own_part_of_serial(module: nn.Module, state: dict, prefix: str, *_) -> None:
+    """``load_state_dict`` of a split linear given the serial tensor (as every optimus2d module takes
+    it): this rank's part of it, as a DTensor of the parameter's placements (nothing sent)."""
+    for name, t in module._parameters.items():
+        value = state.get(prefix + name)
+        if isinstance(t, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            if tuple(value.shape) == tuple(t.shape):
+                state[prefix + name] = DTensor.from_local(
+                    own_part(t, value), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+                )
 
 
 def runs_split(module: nn.Module) -> bool:
