@@ -89,11 +89,15 @@ def test_llava_logits_loss_and_step(mesh, frozen_tower):
     parallel = parallelize(copy.deepcopy(serial), mesh)
     assert {n: p.requires_grad for n, p in parallel.named_parameters()} == flags
     batch = _batch(2 * mesh.depth * mesh.q)
+    pixels = batch["pixel_values"].clone().requires_grad_(not frozen_tower)
+    pixels_ref = batch["pixel_values"].clone().requires_grad_(not frozen_tower)
 
-    out_ref = serial(**batch)
+    out_ref = serial(**{**batch, "pixel_values": pixels_ref})
     out_ref.loss.backward()
-    out = parallel(**_local(batch, mesh))  # logits [b/(d·q), s, 96/q]
+    out = parallel(**_local({**batch, "pixel_values": pixels}, mesh))  # logits [b/(d·q), s, 96/q]
     out.loss.backward()
+    if not frozen_tower:  # scatter_batch's backward sums the row's parts of the images' gradient
+        assert_close(pixels.grad, pixels_ref.grad, 1e-4, "pixel gradient")
 
     assert_close(gather(out.logits.detach(), mesh)[..., :96], out_ref.logits, 1e-4, "logits")
     assert_close(out.loss, out_ref.loss, 1e-5, "loss")

@@ -29,6 +29,21 @@ class _Split(Function):
         return unshard(grad.contiguous(), ctx.mesh, ctx.sharding), None, None
 
 
+class _SplitBatch(Function):
+    """``_Split`` of a batch tensor, replicated over the row: its gradient is the sum of the row's
+    (``reduce_grad``'s convention), then gathered."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: Mesh, sharding: Sharding) -> torch.Tensor:
+        ctx.mesh, ctx.sharding = mesh, sharding
+        return shard(x, mesh, sharding).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        summed = P.summed_copy(grad.contiguous(), ctx.mesh, ("row",))
+        return unshard(summed, ctx.mesh, ctx.sharding), None, None
+
+
 class _Gather(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, mesh: Mesh, sharding: Sharding) -> torch.Tensor:
@@ -196,12 +211,13 @@ def _gather_refusal(x: object, mesh: Mesh) -> BaseException | None:
 def scatter_batch(t: torch.Tensor, mesh: Mesh, *, check: bool | None = None) -> torch.Tensor:
     """Full ``[b, ...]`` (token ids, targets) → ``[b/(d·q), ...]``: batch block k·q + i, like scatter.
 
-    forward: local slice; backward: all-gather (only float tensors have gradients). ``check``: as
-    in ``scatter``.
+    forward: local slice; backward: all-reduce over the row (the q ranks of a row hold the same
+    block, and each its part of the gradient, as ``reduce_grad`` sums), then all-gather (only
+    float tensors have gradients). ``check``: as in ``scatter``.
     """
     mesh = as_mesh(mesh, "scatter_batch's mesh")  # a torch DeviceMesh: its Mesh
     check_replicated(mesh, "scatter_batch", t, lambda: _check_batch(t, mesh), check)
-    out = _Split.apply(t, mesh, batch_sharding(t.shape))
+    out = _SplitBatch.apply(t, mesh, batch_sharding(t.shape))
     tag(out, mesh, agreed=check is not False and mesh.check != "off")
     out._optimus2d_kind = "batch"  # its layout, for redistribute
     return out
