@@ -87,6 +87,11 @@ def clip_grad_norm_(
         return clip_over(params, max_norm, pipe.mesh, norm_type, pipe.lane, copies)
     if mesh is None:
         mesh = _mesh_of(params)
+        if mesh is None and any(isinstance(p, DTensor) for p in params):
+            raise ValueError(
+                "clip_grad_norm_: these parameters are DTensors of no optimus2d mesh (a module in 1D, "
+                "megatron.Megatron, split by torch): pass mesh=, the mesh the model was parallelized on"
+            )
         if mesh is None:  # plain torch parameters only: nothing is split
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
     return clip_over(params, max_norm, mesh, norm_type, None, copies)

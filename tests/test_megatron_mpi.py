@@ -91,6 +91,26 @@ def test_boundary_sends_one_all_gather_each_way(world):
     assert frozen.by("kind", "axis")[("all_gather", "mesh")] == 0
 
 
+def test_clip_grad_norm_of_a_region_alone_asks_for_its_mesh(world):
+    if world.size == 1:
+        pytest.skip("one rank splits nothing")
+    mesh = _meshes_of(world)[0]
+    parallel = parallelize(_serial(world, frozen=False), mesh, plan={"encoder": Megatron(mesh)})
+    parallel(
+        optimus2d.scatter(torch.randn(2 * world.size, 3, 6 * world.size, dtype=torch.float64), mesh)
+    ).sum().backward()
+    with pytest.raises(ValueError, match="pass mesh="):
+        optimus2d.clip_grad_norm_(parallel.encoder.parameters(), 1.0)
+    torch.manual_seed(0)  # with the mesh: the serial norm of the encoder's gradients
+    serial = _serial(world, frozen=False)
+    x = torch.randn(2 * world.size, 3, 6 * world.size, dtype=torch.float64)
+    serial(x).sum().backward()
+    parallel.zero_grad()
+    parallel(optimus2d.scatter(x, mesh)).sum().backward()
+    want = torch.nn.utils.clip_grad_norm_(serial.encoder.parameters(), 1e9)
+    assert_close(optimus2d.clip_grad_norm_(parallel.encoder.parameters(), 1e9, mesh), want, 1e-9, "norm")
+
+
 def test_serial_state_dict_round_trip(world):
     mesh = _meshes_of(world)[-1]
     serial = _serial(world, frozen=False)
