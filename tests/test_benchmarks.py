@@ -55,7 +55,11 @@ def test_mlp_and_block_benchmarks_count_what_the_formulas_say_then_report(tmp_pa
     twin = (
         "optimus2d 2D over gloo" if "optimus2d 2D over gloo" in mlp else "optimus2d 2D over MPI"
     )  # the other transport
-    assert set(mlp) == {"optimus2d 2D", "optimus2d 2D SUMMA", twin, "DTensor 1D", "DTensor 1D + SP", "torch, 1 rank"}
+    assert set(mlp) == {
+        "optimus2d 2D", "optimus2d 2D SUMMA", twin, "DTensor 1D", "DTensor 1D + SP", "optimus2d 1D (plan)",
+        "torch, 1 rank",
+    }  # fmt: skip
+    assert mlp["optimus2d 1D (plan)"]["activation_bytes"] == mlp["DTensor 1D"]["activation_bytes"]  # the whole input
     # saved activations per row: serial keeps h + 2·ffn (32 + 256), optimus2d (h + ffn)/4 (it recomputes
     # the GELU), 1D keeps the replicated input whole
     assert mlp["optimus2d 2D"]["activation_bytes"] * 4 * (32 + 256) == mlp["torch, 1 rank"]["activation_bytes"] * 160
