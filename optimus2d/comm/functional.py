@@ -29,14 +29,9 @@ class _Split(Function):
         return unshard(grad.contiguous(), ctx.mesh, ctx.sharding), None, None
 
 
-class _SplitBatch(Function):
+class _SplitBatch(_Split):
     """``_Split`` of a batch tensor, replicated over the row: its gradient is the sum of the row's
     (``reduce_grad``'s convention), then gathered."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, mesh: Mesh, sharding: Sharding) -> torch.Tensor:
-        ctx.mesh, ctx.sharding = mesh, sharding
-        return shard(x, mesh, sharding).contiguous()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
