@@ -355,3 +355,23 @@ def test_a_batch_tensor_keeps_its_layout_through_a_region(world):
     out, mask_out = holder["inner"](optimus2d.scatter(x, mesh), scatter_batch(mask, mesh))
     assert torch.equal(gather(out, mesh), x)
     assert torch.equal(mask_out, scatter_batch(mask, mesh))
+
+
+class _FirstSample(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:1]
+
+
+def test_an_output_the_mesh_does_not_divide_is_refused_with_its_numbers(world):
+    """The whole output goes back to the caller's blocks: a batch of 1 on depth·q > 1 ranks is
+    refused on every rank alike (the whole tensor is the same everywhere), naming shape and mesh."""
+    mesh = _meshes_of(world)[-1]
+    if mesh.depth * mesh.q == 1:
+        pytest.skip("one rank divides every batch")
+    holder = nn.ModuleDict({"inner": _FirstSample()})
+    parallelize(holder, mesh, plan={"inner": Megatron(mesh)})
+    x = optimus2d.scatter(torch.randn(2 * world.size, 3, 6 * world.size), mesh)
+    n = mesh.depth * mesh.q
+    want = rf"batch dim 0 of tensor \(1, 3, {6 * world.size}\) is not divisible by depth·q = {n} of Mesh"
+    with pytest.raises(ValueError, match=want):
+        holder["inner"](x)
