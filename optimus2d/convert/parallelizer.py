@@ -465,7 +465,7 @@ class _Walk:
     def raise_refused(self) -> None:
         missing = [key for key in self.plan if key not in self.planned]
         regions = [where for _, where in self.regions.values()]
-        nested = [(key, r) for key in missing for r in regions if key.startswith(r + ".") or matches_inside(key, r)]
+        nested = [(key, r) for key in missing for r in regions if matches_inside(key, r)]
         if nested:
             lines = ", ".join(f"{key!r} inside {r!r}" for key, r in nested)
             raise ValueError(f"parallelize: a 1D region (megatron.Megatron) holds no other plan entry: {lines}")
