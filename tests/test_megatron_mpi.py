@@ -375,3 +375,26 @@ def test_an_output_the_mesh_does_not_divide_is_refused_with_its_numbers(world):
     want = rf"batch dim 0 of tensor \(1, 3, {6 * world.size}\) is not divisible by depth·q = {n} of Mesh"
     with pytest.raises(ValueError, match=want):
         holder["inner"](x)
+
+
+class _TiedList(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.layers, self.head = nn.Embedding(10, 8), nn.ModuleList([nn.Linear(8, 8)]), nn.Linear(8, 10)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers[0](self.emb(ids)))
+
+
+def test_regions_with_no_forward_a_tied_weight_or_meta_tensors_are_refused(world):
+    mesh = _meshes_of(world)[0]
+    with pytest.raises(ValueError) as info:
+        parallelize(_TiedList(), mesh, plan={"layers": Megatron(mesh), "head": Megatron(mesh)})
+    text = str(info.value)
+    assert "layers (ModuleList): has no forward of its own" in text
+    assert "head (Linear): shares weight with an embedding (tied)" in text
+    with torch.device("meta"):
+        meta = EncoderProjector(6 * world.size, 12 * world.size)
+    with pytest.raises(ValueError, match=r"encoder \(Sequential\): on the meta device"):
+        parallelize(meta, mesh, plan={"encoder": Megatron(mesh)})
