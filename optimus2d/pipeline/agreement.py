@@ -87,7 +87,7 @@ def agree_step(stage, pipe) -> None:
 
 def _shared(pipe) -> bool:
     """Whether the step has peers to agree with: a pipeline of more than one stage mesh, checked."""
-    return len(pipe.mesh.replicas) > 1 and pipe.mesh.check != "off" and dist.is_initialized()
+    return pipe.stages * pipe.dp > 1 and pipe.mesh.check != "off" and dist.is_initialized()
 
 
 def _fed(stages: list, args, kwargs: dict, target) -> str:

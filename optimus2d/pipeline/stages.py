@@ -64,6 +64,7 @@ from optimus2d.comm.sequence import sequence_batch_sharding, sequence_sharding
 from optimus2d.context.parallel import ContextParallel
 from optimus2d.pipeline.data_parallel import DataParallelStage, LaneStage, note_copies, pipeline_groups
 from optimus2d.pipeline.layouts import ToNextStage, stage_shapes
+from optimus2d.pipeline.rank_sets import RankSets, rank_set_stage
 
 # torch's schedules by name → (the class, the stages pipeline rank s of p runs: one, looped, or V-shaped)
 SCHEDULES = {
@@ -175,7 +176,7 @@ def lanes(mesh: Mesh, dp: int = 1) -> StageMesh:
 
 def pipeline_stage(
     chunk: nn.Module,
-    pipe: StageMesh,
+    pipe: StageMesh | RankSets,
     *,
     microbatch_shape: Sequence[int],
     output_shape: Sequence[int] | None = None,
@@ -226,15 +227,28 @@ def pipeline_stage(
     agrees over the whole pipeline (``pipeline/agreement.py``): one schedule, one micro-batch count,
     each stage mesh fed alike in every copy and its first stage fed ``n`` of ``microbatch_shape``;
     else the same ``ValueError`` on every rank, before anything is sent.
+
+    ``pipe`` a ``RankSets`` (stages on rank sets of different sizes, ``pipeline/rank_sets.py``): one
+    torch stage per set, activations re-split between the sets' meshes; ``stage_index``,
+    ``num_stages``, ``next_stage`` and ``context`` do not apply.
     """
+    if token_ids:
+        input_layout, input_dtype = "batch", torch.long
+    if isinstance(pipe, RankSets):
+        given = {"stage_index": stage_index, "num_stages": num_stages, "next_stage": next_stage, "context": context}
+        if any(v is not None for v in given.values()):
+            named = ", ".join(f"{k}=" for k, v in given.items() if v is not None)
+            raise ValueError(f"pipeline_stage: {named} does not apply to stages on rank sets (one stage per set)")
+        return rank_set_stage(
+            chunk, pipe, microbatch_shape=microbatch_shape, output_shape=output_shape, dtype=dtype,
+            input_layout=input_layout, input_dtype=input_dtype, input_grad=input_grad, output_grad=output_grad,
+        )  # fmt: skip
 
     mesh = pipe.mesh
     stage_index, num_stages = _stage_place(pipe, stage_index, num_stages)
     if dtype is None:
         floats = [p.dtype for p in chunk.parameters() if p.is_floating_point()]
         dtype = floats[0] if floats else torch.get_default_dtype()
-    if token_ids:
-        input_layout, input_dtype = "batch", torch.long
     if input_layout not in ("activation", "batch"):
         raise ValueError(f"pipeline_stage: input_layout={input_layout!r} is not 'activation' or 'batch'")
     out_mesh = _receiving_mesh(pipe, stage_index, num_stages, next_stage)

@@ -46,6 +46,7 @@ from optimus2d.convert.parallelizer import register_converter
 from optimus2d.layers.loss import cross_entropy
 from optimus2d.pipeline.agreement import copies_sum
 from optimus2d.pipeline.data_parallel import copies_of
+from optimus2d.pipeline.layouts import scatter_microbatches
 from optimus2d.pipeline.stages import StageMesh
 
 __all__ = ["LlamaStage", "causal_lm_loss", "causal_lm_targets", "decoder_layers", "llama_stages"]
@@ -149,7 +150,12 @@ def llama_stages(lm: nn.Module, stages: int) -> list[LlamaStage]:
 
 
 def causal_lm_targets(
-    labels: torch.Tensor, mesh: Mesh | StageMesh, ignore_index: int = -100, *, context: ContextParallel | None = None
+    labels: torch.Tensor,
+    mesh: Mesh | StageMesh,
+    ignore_index: int = -100,
+    *,
+    context: ContextParallel | None = None,
+    microbatches: int | None = None,
 ) -> tuple[torch.Tensor, int]:
     """(this rank's block ``[b/(d·q), s]`` of the next-token targets, the number of targets of the whole batch).
 
@@ -161,12 +167,16 @@ def causal_lm_targets(
     the copies agree on the labels' dtype and shape (then collective over the copies: every copy's
     ranks call it at the same point; a disagreement is the same ``ValueError`` on each).
     ``context``: the stages' ``ContextParallel``: the block is the sequence block ``[b/q, s/c]`` of the
-    shifted targets (``context.scatter_batch``), shifted in sequence order first.
+    shifted targets (``context.scatter_batch``), shifted in sequence order first. ``microbatches``: n,
+    the block ``scatter_microbatches(targets, mesh, n)`` gives, whose micro-batch m is this rank's block
+    of the serial ``targets.chunk(n)[m]`` (stages of different shapes, or on rank sets).
     """
     mesh = mesh.mesh if isinstance(mesh, StageMesh) else mesh
     shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     if context is not None:
         block = context_scatter_batch(shifted.contiguous(), mesh, context.split(labels.shape[1])[0])
+    elif microbatches is not None:
+        block = scatter_microbatches(shifted.contiguous(), mesh, microbatches, layout="batch")
     else:
         block = scatter_batch(shifted.contiguous(), mesh)
     count = int((shifted != ignore_index).sum())

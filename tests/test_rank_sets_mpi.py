@@ -1,0 +1,175 @@
+"""Stages on rank sets of different sizes (``optimus2d.pipeline.rank_sets``): Hugging Face LLaVA with
+its vision tower on its own ranks and the language model on the rest, under torch's schedules. The
+loss of ``labels=``, every gradient and one AdamW step equal the serial model's, frozen tower and
+trained; the features cross the sets as exactly each rank's block, and a frozen tower gets nothing
+back. Refusals (sets that overlap, leave a rank out, do not fit their meshes, or differ between
+ranks) are the same ``ValueError`` on every rank.
+
+Sets by world: 4 ranks: tower on 1, LLM on 3 (1×1×3); 8: 4 + 4 (1×1×4 → 2×2) and 2 + 6 (1×1×2 →
+1×1×6); 9: 1 + 8 (1×1 → 2×2×2)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_close
+from test_pipeline_llava_mpi import ROWS, SEQ, TEXT, _batch, _grads, _llava
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+import optimus2d
+from optimus2d.comm import compat
+from optimus2d.pipeline import pipeline_stage, rank_sets, scatter_microbatches
+from optimus2d.pipeline.models.llama import causal_lm_loss, causal_lm_targets
+from optimus2d.pipeline.models.llava import llava_stages
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.mpi, pytest.mark.families]
+
+# world → [(tower ranks, (q, depth) of the tower's mesh, (q, depth) of the LLM's)]
+SETS = {
+    4: [(1, (1, 1), (1, 3))],
+    8: [(4, (1, 4), (2, 1)), (2, (1, 2), (1, 6))],
+    9: [(1, (1, 1), (2, 2))],
+}
+N = 2  # micro-batches
+_pipes: dict = {}
+
+
+def _pipe(world, tower: int, shapes):
+    key = (world.size, tower, shapes)
+    if key not in _pipes:  # collective: built once per layout, in the same order on every rank
+        ranks = [range(tower), range(tower, world.size)]
+        _pipes[key] = rank_sets(ranks, q=[s[0] for s in shapes], depth=[s[1] for s in shapes])
+    return _pipes[key]
+
+
+def _cases(world):
+    if world.size not in SETS:
+        pytest.skip(f"runs on {' or '.join(map(str, SETS))} ranks")
+    return SETS[world.size]
+
+
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "trained"])
+def test_llava_with_its_tower_on_its_own_ranks_matches_serial(world, frozen):
+    for tower, tower_shape, llm_shape in _cases(world):
+        _check_llava(world, tower, (tower_shape, llm_shape), frozen)
+
+
+def _check_llava(world, tower: int, shapes, frozen: bool) -> None:
+    pipe = _pipe(world, tower, shapes)
+    blocks = [q * d for q, d in shapes]
+    b = N * blocks[0] * blocks[1] // _gcd(*blocks)
+    serial = _llava()
+    serial.model.vision_tower.requires_grad_(not frozen)
+    encoders, texts = llava_stages(serial, [3], 1)
+    chunk = optimus2d.parallelize(encoders[0] if pipe.stage == 0 else texts[0], pipe.mesh)
+    mb = b // N
+    if pipe.stage == 0:
+        shapes_here = dict(microbatch_shape=(mb, 3, 16, 16), input_layout="batch", output_shape=(mb, ROWS, 48))
+    else:
+        shapes_here = dict(microbatch_shape=(mb, ROWS, 48), output_shape=(mb, SEQ, TEXT["vocab_size"]))
+    stage = pipeline_stage(
+        chunk, pipe, dtype=torch.float32, input_grad=pipe.stage == 1 and not frozen,
+        output_grad=pipe.stage == 1 or not frozen, **shapes_here,
+    )  # fmt: skip
+
+    ids, pixels, labels = _batch(b)
+    target, count = causal_lm_targets(labels, pipe.mesh, microbatches=N)
+    schedule = Schedule1F1B(stage, n_microbatches=N, loss_fn=causal_lm_loss(pipe.mesh, count), scale_grads=False)
+    losses: list = []
+    with optimus2d.count_comm() as sent:
+        if pipe.stage == 0:
+            schedule.step(scatter_microbatches(pixels, pipe.mesh, N, layout="batch"))
+        else:
+            ids_block = scatter_microbatches(ids, pipe.mesh, N, layout="batch")
+            schedule.step(input_ids=ids_block, target=target, losses=losses)
+    # the bridge carries each rank's block, once per micro-batch: the tower's features forward, and
+    # their gradient back only when the tower trains (torch 2.11 sends a frozen stage's gradient too)
+    features = mb * ROWS * 48 // (blocks[pipe.stage] * shapes[pipe.stage][0])
+    want = N * features if pipe.stage == 0 or not frozen or compat.OLD_PIPELINES else 0
+    assert sum(r.numel for r in sent.records if r.axis == "bridge") == want
+
+    grads = _grads(chunk, pipe.mesh)
+    loss_ref = serial(input_ids=ids, pixel_values=pixels, labels=labels).loss
+    loss_ref.backward()
+    ref_grads = {k: q.grad for k, q in serial.named_parameters()}
+    if pipe.stage == 1:
+        assert_close(torch.stack(losses).sum(), loss_ref.detach(), 1e-5, "loss")
+    largest = max(g.abs().max().item() for g in ref_grads.values() if g is not None)
+    for key, g in grads.items():
+        want = ref_grads[key]
+        if want is None:  # the frozen tower: no gradient at all
+            assert g is None, key
+        elif want.abs().max() < 1e-6 * largest:  # zero but for rounding (attention's key bias)
+            assert (g - want).abs().max() < 1e-6 * largest, key
+        else:
+            assert_close(g, want, 1e-5, f"stage {pipe.stage} grad {key}")
+    eps = 1e-3 * largest
+    for model in (serial, chunk):
+        if trained := [q for q in model.parameters() if q.requires_grad]:
+            torch.optim.AdamW(trained, lr=1e-2, eps=eps).step()
+    ref_state = serial.state_dict()
+    for key, value in optimus2d.serial_state_dict(chunk).items():
+        assert_close(value, ref_state[key], 1e-5, f"stage {pipe.stage} AdamW {key}")
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def test_gpipe_on_rank_sets_matches_1f1b(world):
+    """The same step under ScheduleGPipe: every forward first, so the tower's ranks run ahead."""
+    tower, tower_shape, llm_shape = _cases(world)[0]
+    pipe = _pipe(world, tower, (tower_shape, llm_shape))
+    torch.manual_seed(3)
+    h, mb = 12, 2 * tower_shape[1] * llm_shape[1] * tower_shape[0] * llm_shape[0]
+    serial = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(h, 2 * h), torch.nn.GELU()),
+                                  torch.nn.Linear(2 * h, h)])  # fmt: skip
+    chunk = optimus2d.parallelize(copy.deepcopy(serial[pipe.stage]), pipe.mesh)
+    shape = (mb, 3, h) if pipe.stage == 0 else (mb, 3, 2 * h)
+    stage = pipeline_stage(chunk, pipe, microbatch_shape=shape, output_shape=(mb, 3, (2 - pipe.stage) * h))
+    x, weight = torch.randn(N * mb, 3, h), torch.randn(N * mb, 3, h)
+    loss_fn = lambda out, w: optimus2d.pipeline.mesh_sum(out * w, pipe.mesh)  # noqa: E731
+    schedule = ScheduleGPipe(stage, n_microbatches=N, loss_fn=loss_fn, scale_grads=False)
+    losses: list = []
+    if pipe.stage == 0:
+        schedule.step(scatter_microbatches(x, pipe.mesh, N))
+    else:
+        schedule.step(target=scatter_microbatches(weight, pipe.mesh, N), losses=losses)
+    ref = (serial[1](serial[0](x)) * weight).sum()
+    ref.backward()
+    if pipe.stage == 1:
+        assert_close(torch.stack(losses).sum(), ref.detach(), 1e-5, "loss")
+    grads = _grads(chunk, pipe.mesh)
+    for key, q in serial[pipe.stage].named_parameters():
+        assert_close(grads[key], q.grad, 1e-5, key)
+
+
+@pytest.mark.parametrize(
+    "ranks, q, depth, match",
+    [
+        (lambda w: [range(w), range(1)], 1, 1, "overlap: rank 0 is in sets 0 and 1"),
+        (lambda w: [range(1), range(2, w)], 1, 1, "rank 1 in none"),
+        (lambda w: [range(1), range(1, w + 1)], 1, 1, "not a rank of the world"),
+        (lambda w: [range(1), range(1, w)], 1, 2, "needs depth·q² = 2"),
+        (lambda w: [range(w)], 1, 1, "two or more sets"),
+    ],
+    ids=["overlap", "not-covering", "outside", "shape", "one-set"],
+)
+def test_rank_sets_refused_on_every_rank(world, ranks, q, depth, match):
+    if world.size < 4:
+        pytest.skip("needs 4 or more ranks")
+    with pytest.raises(ValueError, match=match):
+        rank_sets(ranks(world.size), q=q, depth=depth)
+
+
+def test_rank_sets_that_differ_between_ranks_are_refused_on_every_rank(world):
+    if world.size < 4:
+        pytest.skip("needs 4 or more ranks")
+    split = 1 if world.rank == 0 else 2  # rank 0 asks for another split than its peers
+    with pytest.raises(ValueError, match="rank_sets"):
+        rank_sets([range(split), range(split, world.size)], q=1, depth=[split, world.size - split])
