@@ -6,6 +6,8 @@
     mpiexec -n 9 python examples/train_vlm.py --check                # LLM on 3×3, tower on 1×1×9
     mpiexec -n 8 python examples/train_vlm.py --check --cp 2         # 2×2 mesh × cp 2: the LLM's sequence split in 2
     mpiexec -n 4 python examples/train_vlm.py --check --cp 4         # the LLM's sequence split over 4 ranks
+    mpiexec -n 8 python examples/train_vlm.py --check --encoder-ranks 4  # tower on ranks 0..3, LLM on 4..7
+    mpiexec -n 9 python examples/train_vlm.py --check --encoder-ranks 1  # tower on rank 0, LLM on 1..8 (2×2×2)
 
 Hugging Face's ``LlavaForConditionalGeneration`` from a small random config, on synthetic
 image–text pairs: each image (16×16, 8×8 patches: 4 feature rows once the class token is dropped)
@@ -24,7 +26,13 @@ splits its attention heads and MLPs; ``--heads`` must divide by the ranks). ``--
 language model's fused sequence over N ranks (context parallelism, the mesh's depth axis: q×q×N
 ranks, ``plan={"model.language_model": context.ContextParallel(mesh)}``, causal and balanced
 head–tail) while the embedding, the projector, the head and the loss keep the batch layout; the
-sequence defaults to 64 tokens. ``--check`` trains
+sequence defaults to 64 tokens. ``--encoder-ranks N`` puts the tower on ranks of its own, apart from
+the language model (non-colocated): the tower on the first N ranks (``Mesh(1, N)``), the projector
+and the language model on the other M as the squarest mesh of M ranks (4: 2×2, 8: 2×2×2, 6: 1×1×6),
+two stages of torch's ``Schedule1F1B`` on ``optimus2d.pipeline.rank_sets``: each batch in
+``--microbatches`` micro-batches, the tower's ranks computing the features of micro-batch m + 1
+while the language model's ranks work on m, each feature block sent straight to the ranks whose
+blocks it meets. ``--check`` trains
 the serial twin (the same initial weights, the same batches) and asserts the same losses, the same
 final weights and no gradient in the frozen tower.
 """
@@ -38,6 +46,7 @@ import time
 
 import torch
 import transformers
+from torch.distributed.pipelining import Schedule1F1B
 
 import optimus2d
 
@@ -101,11 +110,19 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--tower", choices=["own", "same", "1d"], default="own")
     parser.add_argument("--heads", type=int, default=6, help="attention heads of the tower and the LLM (divide 48)")
+    parser.add_argument("--encoder-ranks", type=int, default=0, help="the tower on the first N ranks, the LLM apart")
+    parser.add_argument("--microbatches", type=int, default=2, help="with --encoder-ranks: micro-batches a step")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
 
     world = optimus2d.init()
     torch.set_num_threads(1)
+    if args.encoder_ranks:
+        if args.cp > 1 or args.depth > 1 or args.tower != "own":
+            parser.error("--encoder-ranks places the tower and the LLM itself: no --cp, --depth or --tower")
+        if not 0 < args.encoder_ranks < world.size:
+            parser.error(f"--encoder-ranks {args.encoder_ranks} must leave the LLM at least one of {world.size} ranks")
+        return train_on_rank_sets(args, world, parser)
     if args.cp > 1 and args.depth > 1:
         parser.error("--cp splits the sequence over the mesh's depth axis: give --cp or --depth, not both")
     depth = max(args.depth, args.cp)
@@ -182,6 +199,104 @@ def main() -> None:
         if world.rank == 0:
             print(
                 f"check passed: {args.steps} steps equal to the serial model's (losses within {worst:.1e}, "
+                f"weights within {largest:.1e}); the frozen tower got no gradients",
+                flush=True,
+            )
+    optimus2d.shutdown()
+
+
+def squarest(ranks: int) -> tuple[int, int]:
+    """(q, depth) of the mesh of ``ranks`` with the largest q (q² divides ``ranks``)."""
+    q = math.isqrt(ranks)
+    while ranks % (q * q):
+        q -= 1
+    return q, ranks // (q * q)
+
+
+def train_on_rank_sets(args, world, parser) -> None:
+    """``--encoder-ranks N``: the frozen tower on ranks 0..N-1, the projector and the LLM on the rest."""
+    from optimus2d.pipeline.models.llama import causal_lm_loss, causal_lm_targets
+    from optimus2d.pipeline.models.llava import llava_stages
+
+    n, towers = args.microbatches, args.encoder_ranks
+    q, depth = squarest(world.size - towers)
+    sets = optimus2d.pipeline.rank_sets([range(towers), range(towers, world.size)], q=(1, q), depth=(towers, depth))
+    mesh, stage = sets.mesh, sets.stage
+    blocks = math.lcm(towers, depth * q)
+    batch = args.batch or n * blocks
+    if batch % (n * blocks):
+        parser.error(f"--batch {batch} must divide by micro-batches · lcm(tower ranks, depth·q) = {n}·{blocks}")
+    args.seq = args.seq or 16
+    model = build(args.heads)
+    model.model.vision_tower.requires_grad_(False)
+    tower_layers = model.config.vision_config.num_hidden_layers + 1 + model.config.vision_feature_layer
+    encoders, texts = llava_stages(model, [tower_layers], 1)  # copies; ``model`` stays the serial twin
+    chunk = optimus2d.parallelize(encoders[0] if stage == 0 else texts[0], mesh)
+    mb, vision, vocab = batch // n, model.config.vision_config, model.config.get_text_config().vocab_size
+    features = (mb, ROWS, vision.hidden_size)
+    if stage == 0:  # images in, features out; frozen: no gradient comes back
+        shapes = dict(microbatch_shape=(mb, 3, 16, 16), input_layout="batch", output_shape=features, output_grad=False)
+    else:  # features and ids in, logits out
+        shapes = dict(microbatch_shape=features, input_grad=False, output_shape=(mb, args.seq, vocab))
+    pipe_stage = optimus2d.pipeline.pipeline_stage(chunk, sets, dtype=torch.float32, **shapes)
+    opt = adamw(chunk, args.lr) if stage == 1 else None
+    serial_opt = adamw(model, args.lr) if args.check else None
+    first_llm = towers  # the rank that reports
+    if world.rank == first_llm:
+        where = f"ranks 0..{towers - 1}" if towers > 1 else "rank 0"
+        print(
+            f"LLaVA: vision tower (frozen) on {where} as Mesh(q=1, depth={towers}); projector and "
+            f"language model on ranks {towers}..{world.size - 1} as Mesh(q={q}, depth={depth}); batch "
+            f"{batch}×{args.seq} tokens in {n} micro-batches (Schedule1F1B)",
+            flush=True,
+        )
+
+    tokens, times, worst = batch * args.seq, [], 0.0
+    for step, full in zip(range(args.steps), batches(batch, args.seq), strict=False):
+        start = time.perf_counter()
+        target, count = causal_lm_targets(full["labels"], mesh, microbatches=n)
+        schedule = Schedule1F1B(pipe_stage, n_microbatches=n, loss_fn=causal_lm_loss(mesh, count), scale_grads=False)
+        losses: list = []
+        if stage == 0:
+            schedule.step(optimus2d.pipeline.scatter_microbatches(full["pixel_values"], mesh, n, layout="batch"))
+        else:
+            ids = optimus2d.pipeline.scatter_microbatches(full["input_ids"], mesh, n, layout="batch")
+            schedule.step(input_ids=ids, target=target, losses=losses)
+            opt.step()
+            opt.zero_grad()
+        times.append(time.perf_counter() - start)
+        if stage == 1:
+            loss = torch.stack(losses).sum().item()
+            line = f"step {step:3d}  loss {loss:.6f}  {tokens / times[-1]:8.0f} tokens/s"
+        if serial_opt is not None:
+            serial_loss = model(**full).loss
+            serial_loss.backward()
+            serial_opt.step()
+            serial_opt.zero_grad()
+            if stage == 1:
+                diff = abs(loss - serial_loss.item()) / abs(serial_loss.item())
+                worst = max(worst, diff)
+                line += f"  serial {serial_loss.item():.6f}  (relative difference {diff:.1e})"
+                assert diff <= 1e-4, line
+        if world.rank == first_llm:
+            print(line, flush=True)
+
+    median = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
+    if world.rank == first_llm:
+        print(f"median {tokens / median:.0f} tokens/s over steps 1..{args.steps - 1} ({world.size} ranks)", flush=True)
+    if serial_opt is not None:
+        assert all(p.grad is None for p in model.model.vision_tower.parameters()), "the serial tower got gradients"
+        assert all(p.grad is None for p in chunk.parameters() if not p.requires_grad), "the frozen tower got gradients"
+        state, reference = optimus2d.serial_state_dict(chunk), model.state_dict()  # collective over the set's mesh
+        largest = 0.0
+        for key, value in state.items():
+            err = ((value - reference[key]).norm() / reference[key].norm().clamp(min=1e-12)).item()
+            assert err <= 1e-4, f"{key}: the trained weights differ from serial by {err:.2e}"
+            largest = max(largest, err)
+        if world.rank in (0, first_llm):
+            part = "tower" if stage == 0 else "projector and language model"
+            print(
+                f"check passed ({part}): {args.steps} steps equal to the serial model's (losses within {worst:.1e}, "
                 f"weights within {largest:.1e}); the frozen tower got no gradients",
                 flush=True,
             )

@@ -84,3 +84,13 @@ def test_a_vlm_llava_with_its_language_model_context_parallel_trains_beside_its_
     out = _run([str(BIN / "mpiexec"), "-n", "4"], "train_vlm.py", "--check", "--cp", "4", "--steps", "3")
     assert "the language model's sequence split over cp=4 ranks" in out
     assert "check passed: 3 steps equal to the serial model's" in out
+
+
+@pytest.mark.parametrize("ranks, towers, llm", [(8, 4, "Mesh(q=2, depth=1)"), (9, 1, "Mesh(q=2, depth=2)")])
+def test_a_vlm_llava_with_its_tower_on_ranks_of_its_own_trains_beside_its_serial_twin(ranks, towers, llm):
+    """Non-colocated: the tower on the first ranks, the LLM on the rest (the issue's two commands)."""
+    args = ["--check", "--encoder-ranks", str(towers), "--steps", "2"]
+    out = _run([str(BIN / "mpiexec"), "-n", str(ranks)], "train_vlm.py", *args)
+    assert f"projector and language model on ranks {towers}..{ranks - 1} as {llm}" in out
+    assert "check passed (tower): 2 steps" in out
+    assert "check passed (projector and language model): 2 steps equal to the serial model's" in out
