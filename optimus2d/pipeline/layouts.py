@@ -57,7 +57,8 @@ def stage_shapes(
         listed = "; ".join(f"stage {s}: Mesh(q={qs}, depth={d}), {sizes[s]} ranks" for s, (qs, d) in enumerate(shapes))
         return shapes, ValueError(
             f"stage_meshes: the stages have different numbers of ranks ({listed}); every stage needs the same "
-            f"number depth·q², so that a lane pairs the n-th rank of each"
+            f"number depth·q², so that a lane pairs the n-th rank of each (stages of different sizes: "
+            f"optimus2d.pipeline.rank_sets)"
         )
     if dp * stages * sizes[0] != world:
         (qs, d), p = shapes[0], sizes[0]

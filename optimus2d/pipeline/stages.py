@@ -43,7 +43,8 @@ its output block moves on the sending stage's ranks to the next stage's shape ov
 torch in that shape ``[b/(n·d'·q'), ..., h/q']``, and travels the lane unchanged. A micro-batch is
 then a global tensor re-split at each boundary, so feed the first stage and the last stage's
 targets with ``scatter_microbatches`` (``scatter``'s m-th slices are other samples on another
-mesh). Stages of unequal sizes are refused with the same ``ValueError`` on every rank.
+mesh). Stages of unequal sizes are refused with the same ``ValueError`` on every rank: those run on
+``rank_sets`` (``pipeline/rank_sets.py``), each stage on its own ranks, of any size.
 """
 
 from __future__ import annotations
