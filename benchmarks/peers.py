@@ -54,6 +54,23 @@ def optimus_1d(serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: t
     )
 
 
+def optimus_auto(serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: torch.Tensor, cap_mib: float) -> Peer:
+    """``serial`` under ``parallelize(plan=Auto(...))``: the layout of least predicted time on this
+    machine for this many tokens, within ``cap_mib`` a rank (held as ``_Holder``'s one module, so
+    that 1D is a choice)."""
+    tokens = x.numel() // x.shape[-1]
+    auto = optimus2d.Auto(tokens=tokens, memory=cap_mib * 2**20)
+    model = optimus2d.parallelize(_Holder(copy.deepcopy(serial)), mesh, plan=auto)
+    x_local, grad_local = optimus2d.scatter(x, mesh), optimus2d.scatter(grad, mesh)  # tagged: a boundary reads it
+    return Peer(
+        "optimus2d auto",
+        model,
+        lambda: model(x_local),
+        lambda out: out.backward(grad_local),
+        lambda out: optimus2d.gather(out, mesh),
+    )
+
+
 def optimus_twins(
     serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: torch.Tensor, build=optimus2d.parallelize
 ) -> list[Peer]:

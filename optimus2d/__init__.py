@@ -22,7 +22,7 @@ from optimus2d.checkpoint import load_pretrained, load_serial_state_dict, save_p
 from optimus2d.comm import Mesh, count_comm, gather, redistribute, scatter, scatter_batch
 from optimus2d.comm.dtensor import parameters_in_graph
 from optimus2d.comm.rng import shard_rng
-from optimus2d.convert import materialize, parallelize
+from optimus2d.convert import Auto, materialize, parallelize
 from optimus2d.launch import World, init, shutdown
 from optimus2d.layers import cross_entropy
 from optimus2d.training import clip_grad_norm_
@@ -30,6 +30,7 @@ from optimus2d.training import clip_grad_norm_
 __version__ = "0.1.0"
 
 __all__ = [
+    "Auto",
     "Mesh",
     "World",
     "__version__",

@@ -23,6 +23,7 @@ from optimus2d.comm.dtensor import DIM_NAMES
 from optimus2d.comm.mesh import Mesh, as_mesh
 from optimus2d.context.parallel import ContextParallel
 from optimus2d.convert import blockwise, forward_reader, layouts
+from optimus2d.convert.auto import Auto, choose_plan
 from optimus2d.convert.dtensor_params import distribute_parameters
 from optimus2d.convert.meta_init import has_meta, record_init
 from optimus2d.convert.tied import tied_embeddings
@@ -175,7 +176,7 @@ def parallelize(
     module: nn.Module,
     mesh: Mesh,
     *,
-    plan: Mapping[str, Mesh | ContextParallel | Megatron] | None = None,
+    plan: Mapping[str, Mesh | ContextParallel | Megatron] | str | Auto | None = None,
     check: bool | None = None,
 ) -> nn.Module:
     """The model on ``mesh``, converted in place from the serial ``module`` and returned.
@@ -200,9 +201,13 @@ def parallelize(
     its sequence split over the mesh's depth axis (context parallelism; ``context/parallel.py``).
     A ``megatron.Megatron(mesh)`` value runs the module with Megatron's 1D tensor parallelism over
     the mesh's ranks, split by torch's ``parallelize_module`` (``megatron/region.py``).
+    ``plan="auto"`` (or ``convert.auto.Auto(tokens=, memory=, explain=)``): each MLP of the model on
+    the layout of least predicted step time on this machine (``convert/auto.py``; collective).
     """
     whole = mesh if isinstance(mesh, DeviceMesh) and tuple(mesh.mesh_dim_names or ()) != DIM_NAMES else None
     mesh = as_mesh(mesh, "parallelize's mesh")  # a torch DeviceMesh: its Mesh (collective, every rank alike)
+    if isinstance(plan, (str, Auto)):  # "auto": the plan of least predicted cost (collective over the mesh)
+        plan = choose_plan(module, mesh, plan)[1]
     if isinstance(plan, Mapping):
         plan = {key: as_mesh(value) if isinstance(value, DeviceMesh) else value for key, value in plan.items()}
     # Checked on this rank (no communication), then agreed with every rank before anything is sent:

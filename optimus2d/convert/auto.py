@@ -1,0 +1,94 @@
+"""``parallelize(model, mesh, plan="auto")``: a layout for each MLP of the model, chosen by predicted cost.
+
+The blocks are the model's MLPs that Megatron's 1D split knows (``megatron.split_of`` without
+attention heads: an ``nn.Sequential`` Linear–element-wise–Linear, LLaMA's, CLIP's and SigLIP's
+MLPs, LLaVA's projector), outermost first, the model itself excepted (a 1D module needs a
+boundary around it). Each may stay on the model's mesh, move to another mesh shape over the same
+ranks (2×2, 1×1×4: its weights whole, the batch split), or run in 1D (``megatron.Megatron``); the
+rest of the model stays on the mesh. ``cost.auto.choose`` prices every combination on this
+machine's ``Hardware`` (``cost.calibration.hardware``, measured once and cached) for ``tokens``
+rows a step and keeps the fastest whose bytes a rank fit ``memory``. A gated MLP (three linears)
+is priced as an MLP of the same weights (f' = 3f/2).
+
+``Auto(tokens=, memory=, explain=)`` says for what: ``plan="auto"`` is ``Auto()``, 8192 tokens a
+step and no memory cap. ``explain=True`` prints the candidates (rank 0) before converting.
+``choose_plan(model, mesh, auto)`` returns the ``Choice`` and the plan without converting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from optimus2d.comm.mesh import Mesh
+from optimus2d.cost.auto import Block, Choice, choose
+from optimus2d.cost.calibration import hardware
+from optimus2d.megatron import Megatron, split_of, tensor_parallel_plan
+from optimus2d.megatron.plans import COLWISE
+
+__all__ = ["Auto", "choose_plan"]
+
+
+@dataclass(frozen=True)
+class Auto:
+    """``plan=Auto(...)``: choose each MLP's layout for ``tokens`` rows a step (batch × sequence of the
+    whole model, as it enters), within ``memory`` bytes a rank (None: no cap); ``explain``: print the
+    table of candidates on rank 0 of the mesh."""
+
+    tokens: int = 8192
+    memory: float | None = None
+    explain: bool = False
+
+
+def _blocks(model: nn.Module, tokens: int, ranks: int) -> list[Block]:
+    """The model's MLP blocks, outermost first, in the order ``named_modules`` gives them."""
+    blocks, inside, trained_before = [], [], False
+    for path, module in model.named_modules():
+        if path == "" or any(path.startswith(f"{outer}.") for outer in inside):
+            continue
+        split = split_of(module)
+        if split is None or split.heads(module):
+            trained_before |= any(p.requires_grad for p in module.parameters(recurse=False))
+            continue
+        linears = [module._modules[name] for name in split.roles]
+        hidden = next(lin.in_features for name, lin in zip(split.roles, linears, strict=True)
+                      if split.roles[name] == COLWISE)  # fmt: skip
+        weights = sum(lin.in_features * lin.out_features for lin in linears)
+        frozen = not any(p.requires_grad for p in module.parameters())
+        _, refused = tensor_parallel_plan(module, path, ranks)
+        blocks.append(
+            Block(path, "mlp", tokens, hidden, weights // (2 * hidden), frozen=frozen, input_grad=trained_before,
+                  splits_1d=not refused)
+        )  # fmt: skip
+        trained_before |= not frozen
+        inside.append(path)
+    return blocks
+
+
+def choose_plan(model: nn.Module, mesh: Mesh, auto: Auto | str = "auto") -> tuple[Choice, dict]:
+    """(the choice with its table, the ``plan=`` that applies it) for ``model`` on ``mesh``.
+    Collective over the mesh (the calibration, or its cached value, agreed from rank 0; building the
+    meshes the plan names). No model is changed."""
+    auto = Auto() if auto == "auto" else auto
+    if not isinstance(auto, Auto):
+        raise TypeError(f"parallelize: plan= is a mapping, 'auto' or an Auto(...), got {auto!r}")
+    if not isinstance(auto.tokens, int) or auto.tokens < 1:
+        raise ValueError(f"parallelize: Auto(tokens={auto.tokens!r}) must be a positive number of rows a step")
+    here = f"{mesh.q}×{mesh.q}×{mesh.depth}"
+    blocks = _blocks(model, auto.tokens, mesh.size)
+    if len(mesh.replicas) > 1:  # a 1D module over a mesh with replicas is refused: keep to mesh shapes
+        blocks = [Block(**{**b.__dict__, "splits_1d": False}) for b in blocks]
+    choice = choose(blocks, mesh.size, hardware(mesh), memory_cap=auto.memory, layout=here)
+    if auto.explain and mesh.rank == mesh.ranks[0]:
+        print(f"plan='auto' on {mesh} for {auto.tokens} tokens a step:\n{choice.explain()}", flush=True)
+    plan, built = {}, {here: mesh}
+    for path, layout in choice.layouts.items():  # the same layouts on every rank: built in the same order
+        if layout == "1d":
+            plan[path] = Megatron(mesh)
+        elif layout != here:
+            if layout not in built:
+                q, _, depth = (int(n) for n in layout.split("×"))
+                built[layout] = Mesh(q, depth, ranks=mesh.ranks, transport=mesh.transport, check=mesh.check)
+            plan[path] = built[layout]
+    return choice, plan

@@ -1,0 +1,151 @@
+"""Choosing a layout per module from predicted step time and memory (``parallelize(plan="auto")``).
+
+Each ``Block`` is a module of the model the planner may lay out on its own: an MLP h → f → h, or a
+pre-norm transformer layer, at a module path, with the rows (tokens) of a step. Its candidates over
+p ranks: every mesh shape (q, depth) with depth·q² = p ("2d" q×q, "2.5d:d", and 1×1×p: the weights
+whole on every rank, the batch split, data parallelism) and, where the module splits in Megatron's
+way (``Block.splits_1d``), "1d". Each is priced by ``planner``'s formulas on a ``Hardware``
+(``calibration.hardware``: measured on this machine, cached): compute split p ways, communication
+per collective kind, latency per sync stage; memory as the weights (with gradient and two AdamW
+moments when trained) and the activations backward keeps. A boundary between two blocks of
+different layouts adds what it moves: ``redistribute`` between mesh shapes, an all-gather of the
+activation into and out of a 1D block (forward in, backward out). ``choose`` tries every
+combination and keeps the fastest that fits the memory cap; ``Choice.table`` lists them all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from optimus2d.cost.planner import (
+    Hardware,
+    Layer,
+    activation_elements,
+    boundary_elements,
+    comm_time,
+    mlp_comm,
+    mlp_flops,
+    step_time,
+)
+
+__all__ = ["Block", "Choice", "candidates", "choose", "predict"]
+
+
+@dataclass(frozen=True)
+class Block:
+    """A module to lay out: ``kind`` "mlp" (h → f → h) or "layer" (a pre-norm transformer layer of
+    ``heads`` heads over sequences of ``seq``), at ``path``; ``rows``: tokens a step; ``frozen``: no
+    weight gradient; ``input_grad``: a gradient goes back from its input; ``splits_1d``: it may run
+    in Megatron's 1D layout."""
+
+    path: str
+    kind: str
+    rows: int
+    hidden: int
+    ffn: int
+    heads: int = 0
+    seq: int = 1
+    frozen: bool = False
+    input_grad: bool = False
+    splits_1d: bool = False
+
+    @property
+    def params(self) -> int:
+        return 2 * self.hidden * self.ffn + (4 * self.hidden * self.hidden if self.kind == "layer" else 0)
+
+
+def candidates(block: Block, p: int) -> list[str]:
+    """The layouts ``block`` may take over ``p`` ranks: "q×q×d" for each mesh shape, then "1d"."""
+    shapes = [f"{q}×{q}×{p // (q * q)}" for q in range(math.isqrt(p), 0, -1) if p % (q * q) == 0]
+    return shapes + (["1d"] if block.splits_1d and p > 1 else [])
+
+
+def _scheme(layout: str, p: int) -> tuple[str, int, int]:
+    """(cost-model scheme, q, depth) of a layout name."""
+    if layout == "1d":
+        return "1d", 1, 1
+    q, _, depth = (int(n) for n in layout.split("×"))
+    return ("2d" if depth == 1 else f"2.5d:{depth}"), q, depth
+
+
+def predict(block: Block, layout: str, p: int, hw: Hardware) -> tuple[float, float]:
+    """(seconds of forward + backward, bytes a rank holds) of ``block`` in ``layout`` over ``p`` ranks."""
+    scheme, q, depth = _scheme(layout, p)
+    trained = not block.frozen
+    backward = trained or block.input_grad
+    if block.kind == "mlp":
+        rows, h, f = block.rows, block.hidden, block.ffn
+        flops = mlp_flops(rows, h, f, block.input_grad) if backward else 2.0 * rows * h * f * 2
+        if not trained:
+            flops = flops * (2 if block.input_grad else 1) / (5 + int(block.input_grad))
+        compute = flops / (p * hw.flops)
+        comm = mlp_comm(rows, h, f, scheme, p, input_grad=block.input_grad)
+        if not trained and scheme.startswith("2.5d"):  # no weight gradients to all-reduce over depth
+            comm = [c for c in comm if not (c[0] == "all_reduce" and c[1] == depth)]
+        if scheme == "1d":  # its boundary: the input all-gathered forward, the output's gradient backward
+            comm = [*comm, ("all_gather", p, rows * h * (1 + int(backward)), 1 + int(backward))]
+        seconds = compute + comm_time(comm, hw, compute)
+        if scheme == "1d":
+            acts = rows * h + 2 * rows * f / p  # the gathered input (fc1's), fc1's and the activation's outputs
+        else:
+            acts = rows * (h + f) / p  # the input and fc1's output blocks (the activation recomputed)
+    else:
+        layer = Layer(block.rows // block.seq, block.seq, block.hidden, block.ffn, block.heads)
+        seconds = step_time(layer, scheme, p, hw, dx=block.input_grad, dw=trained)["total"]
+        acts = activation_elements(layer, scheme, p)
+    shards = p if scheme == "1d" else q * q
+    weights = block.params / shards * (16 if trained else hw.bytes_per_element)
+    return seconds, weights + (acts * hw.bytes_per_element if backward else 0.0)
+
+
+def _boundary(block: Block, before: str, after: str, backward: bool, p: int, hw: Hardware) -> float:
+    """Seconds to move ``block``'s input [rows, hidden] from mesh layout ``before`` to ``after`` (and
+    its gradient back when ``backward``); a 1D block's own boundary is in its ``predict``."""
+    if before == after or "1d" in (before, after):
+        return 0.0
+    _, q1, d1 = _scheme(before, p)
+    _, q2, d2 = _scheme(after, p)
+    moved = boundary_elements(block.rows, block.hidden, (q1, d1), (q2, d2))
+    return moved * (1 + int(backward)) * hw.bytes_per_element / hw.bandwidth + hw.latency * bool(moved)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """``layouts``: block path → layout name; ``seconds``/``memory``: its predicted step time and bytes
+    a rank holds; ``table``: every combination, best first, as (layouts, seconds, bytes, fits)."""
+
+    layouts: dict
+    seconds: float
+    memory: float
+    table: list
+
+    def explain(self, limit: int = 8) -> str:
+        """The candidates as a table, best first (at most ``limit`` rows)."""
+        lines = [f"{'layouts':<48}{'predicted ms':>14}{'MiB a rank':>12}  fits"]
+        for layouts, seconds, memory, fits in self.table[:limit]:
+            named = ", ".join(f"{path or '(model)'}: {layout}" for path, layout in layouts.items())
+            lines.append(f"{named:<48}{seconds * 1e3:>14.2f}{memory / 2**20:>12.1f}  {'yes' if fits else 'no'}")
+        return "\n".join(lines)
+
+
+def choose(blocks: list[Block], p: int, hw: Hardware, *, memory_cap: float | None = None, layout: str = "") -> Choice:
+    """The fastest combination of layouts for ``blocks`` (a chain, each handing its activation to the
+    next, the first receiving the model's input in ``layout``, default the first candidate) whose
+    bytes a rank fit ``memory_cap`` (the least memory, when none fits)."""
+    table = []
+    options = [candidates(block, p) for block in blocks]
+    start = layout or (options[0][0] if options else "")
+    for combo in itertools.product(*options):
+        seconds, memory, previous = 0.0, 0.0, start
+        for block, choice in zip(blocks, combo, strict=True):
+            t, m = predict(block, choice, p, hw)
+            seconds += t + _boundary(block, previous, choice, block.input_grad or not block.frozen, p, hw)
+            memory += m
+            previous = choice if choice != "1d" else start
+        fits = memory_cap is None or memory <= memory_cap
+        table.append(({b.path: c for b, c in zip(blocks, combo, strict=True)}, seconds, memory, fits))
+    table.sort(key=lambda row: (not row[3], row[1] if row[3] else row[2]))
+    best = table[0] if table else ({}, 0.0, 0.0, True)
+    return Choice(best[0], best[1], best[2], table)

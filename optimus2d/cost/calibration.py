@@ -1,0 +1,118 @@
+"""The ``Hardware`` of this machine, measured in about a second and cached (``plan="auto"``'s costs).
+
+``hardware(mesh)``: every rank of the mesh measures at once (so that ranks sharing cores or links
+see each other): the flop rate of a 1024×1024 fp32 matmul on 1024 rows (the slowest rank's: a
+step waits for it), and over the mesh's own collectives an all-reduce of 16 and of 2^20 elements:
+the small one's time is the latency (per log₂ p stage), the difference the bandwidth (ring
+all-reduce moves 2(p − 1)/p of the payload). The medians of 5 runs, combined over the ranks (one
+all-reduce). Cached as JSON in ``$OPTIMUS2D_CACHE`` (default ``~/.cache/optimus2d``), keyed by the
+host, the mesh's size and transport, the device, the threads a rank and torch's version: rank 0
+of the mesh reads it and broadcasts what it found, so the ranks agree on one ``Hardware`` (one
+broadcast of 4 words). ``refresh=True`` measures again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from optimus2d.comm import primitives as P
+from optimus2d.comm.mesh import Mesh
+from optimus2d.cost.planner import Hardware
+
+__all__ = ["cache_path", "hardware"]
+
+
+def cache_path() -> Path:
+    """The cache file: ``$OPTIMUS2D_CACHE/hardware.json`` (default ``~/.cache/optimus2d``)."""
+    root = os.environ.get("OPTIMUS2D_CACHE") or Path.home() / ".cache" / "optimus2d"
+    return Path(root) / "hardware.json"
+
+
+def _key(mesh: Mesh) -> str:
+    device = mesh.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    threads = torch.get_num_threads()
+    return f"{socket.gethostname()}|p={mesh.size}|{mesh.transport}|{name}|threads={threads}|{torch.__version__}"
+
+
+def _median_s(fn, device: torch.device, runs: int = 5) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(runs):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _measure(mesh: Mesh) -> list[float]:
+    """[flops, bandwidth, latency] on this rank (its own measurement)."""
+    device = mesh.device
+    a, b = torch.randn(1024, 1024, device=device), torch.randn(1024, 1024, device=device)
+    flops = 2.0 * 1024**3 / _median_s(lambda: a @ b, device)
+    if mesh.size == 1:
+        return [flops, 1e12, 0.0]
+    small, big = torch.zeros(16, device=device), torch.zeros(2**20, device=device)
+    t_small = _median_s(lambda: P.all_reduce(small, mesh, "mesh"), device)
+    t_big = _median_s(lambda: P.all_reduce(big, mesh, "mesh"), device)
+    p = mesh.size
+    bandwidth = 2 * (p - 1) / p * big.numel() * 4 / max(t_big - t_small, 1e-9)
+    return [flops, bandwidth, t_small / math.log2(max(p, 2))]
+
+
+def hardware(mesh: Mesh, *, cache: bool = True, refresh: bool = False) -> Hardware:
+    """This machine's ``Hardware`` for layouts over ``mesh``'s ranks (module docstring). Collective
+    over the mesh: every rank calls it at the same point."""
+    key, path = _key(mesh), cache_path()
+    found = None
+    if cache and not refresh and mesh.ranks.index(mesh.rank) == 0:
+        try:
+            found = json.loads(path.read_text()).get(key)
+        except (OSError, ValueError):
+            found = None
+    words = torch.tensor([1.0, *found] if found else [0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    if mesh.size > 1:  # rank 0's cache, or nothing, on every rank
+        words = words.to(mesh.device)
+        P.broadcast(words, mesh, "mesh", 0)
+        words = words.cpu()
+    if words[0] == 0:
+        mine = torch.tensor(_measure(mesh), dtype=torch.float64)
+        if mesh.size > 1:  # the slowest rank's flop rate, the mean link
+            slowest = torch.tensor([1.0 / mine[0]], dtype=torch.float64, device=mesh.device)
+            P.all_reduce_max(slowest, mesh, "mesh")
+            link = mine[1:].to(mesh.device)
+            P.all_reduce(link, mesh, "mesh")
+            mine = torch.tensor([1.0 / slowest.item(), *(link.cpu() / mesh.size).tolist()], dtype=torch.float64)
+        words = torch.cat([torch.ones(1, dtype=torch.float64), mine.double()])
+        if cache and mesh.ranks.index(mesh.rank) == 0:
+            _store(path, key, words[1:].tolist())
+    flops, bandwidth, latency = words[1:].tolist()
+    return Hardware(flops=flops, bandwidth=bandwidth, latency=latency, bytes_per_element=4)
+
+
+def _store(path: Path, key: str, values: list[float]) -> None:
+    """Add ``key`` to the cache file, atomically (a rename), keeping what else it holds."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, ValueError):
+            table = {}
+        table[key] = values
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: measured again next time
+        pass
