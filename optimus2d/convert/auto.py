@@ -24,6 +24,7 @@ from torch import nn
 from optimus2d.comm.mesh import Mesh
 from optimus2d.cost.auto import Block, Choice, choose
 from optimus2d.cost.calibration import hardware
+from optimus2d.cost.planner import Hardware
 from optimus2d.megatron import Megatron, split_of, tensor_parallel_plan
 from optimus2d.megatron.plans import COLWISE
 
@@ -34,11 +35,13 @@ __all__ = ["Auto", "choose_plan"]
 class Auto:
     """``plan=Auto(...)``: choose each MLP's layout for ``tokens`` rows a step (batch × sequence of the
     whole model, as it enters), within ``memory`` bytes a rank (None: no cap); ``explain``: print the
-    table of candidates on rank 0 of the mesh."""
+    table of candidates on rank 0 of the mesh; ``hardware``: the costs to price with (a cluster's,
+    ``cost.planner.Hardware``; default this machine's, ``cost.calibration.hardware``)."""
 
     tokens: int = 8192
     memory: float | None = None
     explain: bool = False
+    hardware: Hardware | None = None  # the costs to price with; None: this machine's, measured (cached)
 
 
 def _blocks(model: nn.Module, tokens: int, ranks: int) -> list[Block]:
@@ -79,9 +82,11 @@ def choose_plan(model: nn.Module, mesh: Mesh, auto: Auto | str = "auto") -> tupl
     blocks = _blocks(model, auto.tokens, mesh.size)
     if len(mesh.replicas) > 1:  # a 1D module over a mesh with replicas is refused: keep to mesh shapes
         blocks = [Block(**{**b.__dict__, "splits_1d": False}) for b in blocks]
-    choice = choose(blocks, mesh.size, hardware(mesh), memory_cap=auto.memory, layout=here)
+    costs = auto.hardware if auto.hardware is not None else hardware(mesh)
+    choice = choose(blocks, mesh.size, costs, memory_cap=auto.memory, layout=here)
     if auto.explain and mesh.rank == mesh.ranks[0]:
-        print(f"plan='auto' on {mesh} for {auto.tokens} tokens a step:\n{choice.explain()}", flush=True)
+        where = f"Mesh(q={mesh.q}, depth={mesh.depth})"
+        print(f"plan='auto' on {where} for {auto.tokens} tokens a step:\n{choice.explain()}", flush=True)
     plan, built = {}, {here: mesh}
     for path, layout in choice.layouts.items():  # the same layouts on every rank: built in the same order
         if layout == "1d":

@@ -1,0 +1,72 @@
+"""The planner behind ``plan="auto"`` (``optimus2d.cost.auto``): candidates, prices and choices.
+
+No communication: a ``Hardware`` is given. The choices follow the cost model's trends: few tokens a
+weight (weight-heavy) favour 1D, which moves activations; many favour the meshes, which move weight
+blocks or split activations; a memory cap moves the choice to a layout that fits."""
+
+from __future__ import annotations
+
+import pytest
+
+from optimus2d.cost.auto import Block, candidates, choose, predict
+from optimus2d.cost.planner import Hardware
+
+HW = Hardware(flops=50e9, bandwidth=2e9, latency=50e-6, bytes_per_element=4)
+
+
+def _mlp(rows: int, **kw) -> Block:
+    return Block("mlp", "mlp", rows, 1024, 4096, splits_1d=True, **kw)
+
+
+def test_candidates_are_every_mesh_shape_then_1d_where_the_module_splits():
+    assert candidates(_mlp(8), 4) == ["2×2×1", "1×1×4", "1d"]
+    assert candidates(_mlp(8), 8) == ["2×2×2", "1×1×8", "1d"]
+    assert candidates(_mlp(8), 9) == ["3×3×1", "1×1×9", "1d"]
+    assert candidates(Block("x", "mlp", 8, 64, 256), 4) == ["2×2×1", "1×1×4"]  # splits_1d False
+    assert candidates(_mlp(8), 1) == ["1×1×1"]
+
+
+def test_few_tokens_pick_1d_many_pick_a_mesh():
+    assert choose([_mlp(1024)], 4, HW).layouts == {"mlp": "1d"}
+    assert choose([_mlp(1 << 17)], 4, HW).layouts["mlp"] != "1d"
+
+
+def test_a_memory_cap_moves_the_choice_to_a_layout_that_fits():
+    free = choose([_mlp(1 << 15)], 4, HW)
+    table = {row[0]["mlp"]: row[2] for row in free.table}
+    cap = min(table.values()) * 1.01  # only the leanest layout fits
+    lean = min(table, key=table.get)
+    capped = choose([_mlp(1 << 15)], 4, HW, memory_cap=cap)
+    assert capped.layouts == {"mlp": lean} and capped.memory <= cap
+    assert [row[3] for row in capped.table].count(True) == 1 and capped.table[0][3]
+    nothing = choose([_mlp(1 << 15)], 4, HW, memory_cap=1.0)  # none fits: the least memory
+    assert nothing.layouts == {"mlp": lean} and not nothing.table[0][3]
+
+
+def test_the_table_holds_every_combination_best_first_and_explains_it():
+    blocks = [_mlp(4096), Block("head", "mlp", 4096, 1024, 1024, frozen=True, input_grad=True, splits_1d=True)]
+    choice = choose(blocks, 4, HW)
+    assert len(choice.table) == 9  # 3 × 3
+    times = [row[1] for row in choice.table]
+    assert times == sorted(times) and choice.seconds == times[0]
+    text = choice.explain(limit=3)
+    assert text.count("\n") == 3 and "predicted ms" in text and "mlp: " in text and "head: " in text
+
+
+def test_a_frozen_block_is_cheaper_and_holds_no_gradients_or_moments():
+    trained, frozen = _mlp(4096), _mlp(4096, frozen=True)
+    for layout in ("2×2×1", "1×1×4", "1d"):
+        t_trained, m_trained = predict(trained, layout, 4, HW)
+        t_frozen, m_frozen = predict(frozen, layout, 4, HW)
+        assert t_frozen < t_trained and m_frozen < m_trained
+    # frozen without an input gradient: no backward at all, only the weights (4 bytes an element)
+    assert predict(frozen, "1×1×4", 4, HW)[1] == pytest.approx(2 * 1024 * 4096 * 4)
+
+
+def test_a_boundary_between_mesh_shapes_is_priced_by_what_redistribute_moves():
+    a = Block("a", "mlp", 4096, 1024, 4096)
+    b = Block("b", "mlp", 4096, 1024, 4096, input_grad=True)
+    same = next(row for row in choose([a, b], 4, HW).table if row[0] == {"a": "2×2×1", "b": "2×2×1"})
+    moved = next(row for row in choose([a, b], 4, HW).table if row[0] == {"a": "2×2×1", "b": "1×1×4"})
+    alone = predict(b, "1×1×4", 4, HW)[0] - predict(b, "2×2×1", 4, HW)[0]
+    assert moved[1] - same[1] > alone  # the move of b's input (and its gradient back) costs on top

@@ -1,0 +1,95 @@
+"""``parallelize(model, mesh, plan="auto")``: the planner's pick applied, and exact against serial.
+
+A model of two MLPs around a norm: the planner lays each MLP out as 1D, on the model's mesh or on
+another mesh shape over the same ranks; whatever it picks, the output, the input gradient and one
+AdamW step equal the serial model's on every mesh of the world. A given ``Hardware`` makes the
+picks deterministic (few tokens: 1D; many: a mesh shape); this machine's is measured once, the
+same on every rank, and cached."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import _meshes, mesh_shapes
+from helpers import check_against_serial
+from torch import nn
+
+import optimus2d
+from optimus2d import Mesh
+from optimus2d.convert.auto import Auto, choose_plan
+from optimus2d.cost import calibration
+from optimus2d.cost.planner import Hardware
+from optimus2d.megatron import runs_split
+
+pytestmark = pytest.mark.mpi
+HW = Hardware(flops=50e9, bandwidth=2e9, latency=50e-6, bytes_per_element=4)
+
+
+class TwoMLPs(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mlp1 = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.norm = nn.LayerNorm(width)
+        self.mlp2 = nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp2(self.norm(self.mlp1(x)))
+
+
+def _meshes_of(world) -> list[Mesh]:
+    for shape in mesh_shapes(world.size):
+        _meshes.setdefault(shape, Mesh(*shape))
+    return [_meshes[shape] for shape in mesh_shapes(world.size)]
+
+
+def _layout_of(module: nn.Module, mesh: Mesh) -> str:
+    """The layout ``parallelize`` gave an MLP: "1d", or its mesh's "q×q×d"."""
+    if any(runs_split(m) for m in module.modules()):
+        return "1d"
+    used = next(m.mesh for m in module.modules() if isinstance(getattr(m, "mesh", None), Mesh))
+    return f"{used.q}×{used.q}×{used.depth}"
+
+
+def test_auto_applies_its_pick_and_is_exact_on_every_mesh(world):
+    torch.manual_seed(1)
+    x = torch.randn(2 * world.size, 3, 6 * world.size, dtype=torch.float64)
+    for mesh in _meshes_of(world):
+        picked = set()
+        for tokens in (16, 1 << 22):
+            torch.manual_seed(0)
+            serial = TwoMLPs(6 * world.size).double()  # fresh: check_against_serial steps it
+            auto = Auto(tokens=tokens, hardware=HW)
+            choice, _ = choose_plan(serial, mesh, auto)
+            parallel = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=auto)
+            for path in ("mlp1", "mlp2"):
+                assert _layout_of(getattr(parallel, path), mesh) == choice.layouts[path], (path, choice.layouts)
+            check_against_serial(serial, parallel, x, mesh, tol=1e-9, optimizer=torch.optim.AdamW)
+            picked |= set(choice.layouts.values())
+        if world.size > 1:  # few tokens: 1D; many: a mesh shape
+            assert "1d" in picked and picked - {"1d"}, picked
+
+
+def test_auto_refuses_what_it_cannot_read_on_every_rank(world):
+    mesh = _meshes_of(world)[0]
+    with pytest.raises(TypeError, match="'auto' or an Auto"):
+        optimus2d.parallelize(TwoMLPs(6 * world.size), mesh, plan="fastest")
+    with pytest.raises(ValueError, match="positive number of rows"):
+        optimus2d.parallelize(TwoMLPs(6 * world.size), mesh, plan=Auto(tokens=0))
+
+
+def test_the_calibration_is_the_same_on_every_rank_and_cached(world, tmp_path, monkeypatch):
+    mesh = _meshes_of(world)[0]
+    monkeypatch.setenv("OPTIMUS2D_CACHE", str(tmp_path))  # rank 0's is the one read and written
+    measured = calibration.hardware(mesh, refresh=True)
+    assert measured.flops > 0 and measured.bandwidth > 0 and measured.latency >= 0
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, measured)
+        assert all(h == measured for h in everyone)
+    if mesh.ranks.index(mesh.rank) == 0:
+        assert (tmp_path / "hardware.json").is_file()
+    monkeypatch.setattr(calibration, "_measure", lambda mesh: pytest.fail("measured again"))
+    assert calibration.hardware(mesh) == measured  # from rank 0's cache, on every rank
