@@ -156,4 +156,9 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     if world.rank == 0:
         compare.print_table(compare.title(what + ", loss fwd+bwd", args, mesh), results, serial_act, p)
         print(f"elements sent by rank 0 per training step: {counter.numel:,}")
+        rows = {r["peer"]: r for r in results}
+        if "optimus2d auto" in rows and "DTensor 1D" in rows:
+            ratio = rows["optimus2d auto"]["train_ms"] / rows["DTensor 1D"]["train_ms"]
+            largest = rows["optimus2d auto"]["largest_batch"]
+            print(f"optimus2d auto: fwd+bwd {ratio:.3f} × DTensor 1D's; largest batch {largest}")
     return compare.result(args, mesh, serial_act, results)
