@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import optimus2d
@@ -118,9 +119,11 @@ def _auto_line(results: list[dict]) -> str:
     if auto is None or not ones:
         return ""
     best = min(r["train_ms"] for r in ones)
+    inferred = " (inferred: the layout it picks when asked for it)" if auto.get("largest_batch_inferred") else ""
     return (
         f"optimus2d auto: fwd+bwd {auto['train_ms'] / best:.3f} × the best of DTensor 1D and 1D + SP; largest batch "
-        f"{auto['largest_batch']} (optimus2d {results[0]['peer'].split()[-1]}: {results[0]['largest_batch']})"
+        f"{auto['largest_batch']}{inferred} "
+        f"(optimus2d {results[0]['peer'].split()[-1]}: {results[0]['largest_batch']})"
     )
 
 
@@ -132,12 +135,15 @@ def _auto_largest_batch(results: list[dict], serial: nn.Module, mesh: optimus2d.
     if "optimus2d auto" not in rows:
         return
     measured = {f"{mesh.q}×{mesh.q}×{mesh.depth}": rows[results[0]["peer"]], "1d": rows.get("optimus2d 1D (plan)")}
+    sizes = [sorted({r["largest_batch"] for r in measured.values() if r}, reverse=True)]
+    dist.broadcast_object_list(sizes, src=0)  # rank 0's figures (the report's): every rank plans as often
     best = 0
-    for b in sorted({r["largest_batch"] for r in measured.values() if r}, reverse=True):
+    for b in sizes[0]:
         auto = optimus2d.Auto(tokens=b * args.seq, memory=args.cap_mib * 2**20)
         choice, _ = optimus2d.convert.choose_plan(peers._Holder(serial), mesh, auto)
         picked = measured.get(choice.layouts.get("inner", ""))
         if b > 0 and picked is not None and picked["largest_batch"] >= b:
             best = b
             break
+    rows["optimus2d auto"]["largest_batch_inferred"] = best > rows["optimus2d auto"]["largest_batch"]
     rows["optimus2d auto"]["largest_batch"] = max(best, rows["optimus2d auto"]["largest_batch"])

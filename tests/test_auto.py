@@ -70,3 +70,36 @@ def test_a_boundary_between_mesh_shapes_is_priced_by_what_redistribute_moves():
     moved = next(row for row in choose([a, b], 4, HW).table if row[0] == {"a": "2×2×1", "b": "1×1×4"})
     alone = predict(b, "1×1×4", 4, HW)[0] - predict(b, "2×2×1", 4, HW)[0]
     assert moved[1] - same[1] > alone  # the move of b's input (and its gradient back) costs on top
+
+
+def test_the_blocks_are_the_mlps_with_their_flags_in_order():
+    """``plan="auto"``'s blocks: every MLP the 1D split knows, outermost first, the model itself
+    excepted; frozen when none of its weights trains; an input gradient when something before it trains
+    (the model's own parameters first, as a class token); a gated MLP priced as f' = 3f/2."""
+    import torch
+    from torch import nn
+
+    from optimus2d.convert.auto import _blocks
+
+    transformers = pytest.importorskip("transformers")
+    llama = transformers.LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=2)
+
+    class Model(nn.Module):
+        def __init__(self, token: bool) -> None:
+            super().__init__()
+            if token:
+                self.token = nn.Parameter(torch.zeros(8))
+            self.tower = nn.Module()
+            self.tower.mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)).requires_grad_(False)
+            self.mid = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # no activation between: a Sequential MLP
+            self.gated = transformers.models.llama.modeling_llama.LlamaMLP(llama)
+
+    blocks = _blocks(Model(token=False), tokens=64, ranks=4)
+    assert [(b.path, b.hidden, b.ffn, b.frozen, b.input_grad) for b in blocks] == [
+        ("tower.mlp", 8, 32, True, False),
+        ("mid", 8, 8, False, False),  # 2·h·f = 8·8 + 8·8
+        ("gated", 8, 24, False, True),  # 3·8·16 = 2·8·24
+    ]
+    assert all(b.splits_1d and b.rows == 64 and b.kind == "mlp" for b in blocks)
+    assert [b.input_grad for b in _blocks(Model(token=True), tokens=64, ranks=4)] == [True, True, True]
+    assert [b.splits_1d for b in _blocks(Model(token=False), tokens=64, ranks=3)] == [False, False, False]

@@ -173,3 +173,64 @@ def test_rank_sets_that_differ_between_ranks_are_refused_on_every_rank(world):
     split = 1 if world.rank == 0 else 2  # rank 0 asks for another split than its peers
     with pytest.raises(ValueError, match="rank_sets"):
         rank_sets([range(split), range(split, world.size)], q=1, depth=[split, world.size - split])
+
+
+def test_neighbours_that_declare_different_activations_are_refused_on_every_rank(world):
+    """Stage 1 declares 4 tokens where stage 0 sends 3 (and, on torch 2.13, a gradient stage 0 does not
+    expect): every rank raises the same ValueError at the step's first exchange, before any activation."""
+    tower, tower_shape, llm_shape = _cases(world)[0]
+    pipe = _pipe(world, tower, (tower_shape, llm_shape))
+    mb = 2 * tower_shape[1] * llm_shape[1] * tower_shape[0] * llm_shape[0]
+    chunk = optimus2d.parallelize(torch.nn.Linear(8, 8), pipe.mesh)
+    for seq, grads in ((4, True), (3, False)) if not compat.OLD_PIPELINES else ((4, True),):
+        declared = (mb, 3 if pipe.stage == 0 else seq, 8)
+        stage = pipeline_stage(chunk, pipe, microbatch_shape=declared, output_grad=grads or pipe.stage == 1)
+        loss_fn = lambda out, w: optimus2d.pipeline.mesh_sum(out * w, pipe.mesh)  # noqa: E731
+        schedule = ScheduleGPipe(stage, n_microbatches=N, loss_fn=loss_fn, scale_grads=False)
+        x = torch.randn(N * mb, declared[1], 8)
+        with pytest.raises(ValueError, match="Neighbouring stages must declare the same activation"):
+            if pipe.stage == 0:
+                schedule.step(scatter_microbatches(x, pipe.mesh, N))
+            else:
+                schedule.step(target=scatter_microbatches(x, pipe.mesh, N), losses=[])
+
+
+def test_a_chunk_whose_output_is_not_the_declared_block_is_refused():
+    """Packed would send a part of a larger block, silently: it refuses, naming both shapes."""
+    from optimus2d.pipeline.rank_sets import Packed
+
+    packed = Packed(torch.nn.Identity(), (2, 3), [(slice(0, 2), slice(0, 3))])
+    assert packed(torch.ones(2, 3)).shape == (6,)
+    with pytest.raises(ValueError, match=r"output block is \[2, 4\], but its output_shape declares the block \[2, 3\]"):
+        packed(torch.ones(2, 4))
+
+
+def test_a_chain_of_three_rank_sets_matches_serial(world):
+    """Sets of 1, 1 and p - 2 ranks (4 ranks: 1×1, 1×1, 1×1×2) under GPipe."""
+    if world.size != 4:
+        pytest.skip("runs on 4 ranks")
+    if "chain" not in _pipes:
+        _pipes["chain"] = rank_sets([[0], [1], [2, 3]], q=1, depth=(1, 1, 2))
+    pipe, n, h, mb = _pipes["chain"], 3, 8, 2
+    torch.manual_seed(4)
+    serial = torch.nn.ModuleList([torch.nn.Linear(h, h), torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Tanh()),
+                                  torch.nn.Linear(h, h)])  # fmt: skip
+    chunk = optimus2d.parallelize(copy.deepcopy(serial[pipe.stage]), pipe.mesh)
+    stage = pipeline_stage(chunk, pipe, microbatch_shape=(mb, 3, h))
+    x, weight = torch.randn(n * mb, 3, h), torch.randn(n * mb, 3, h)
+    loss_fn = lambda out, w: optimus2d.pipeline.mesh_sum(out * w, pipe.mesh)  # noqa: E731
+    schedule = ScheduleGPipe(stage, n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
+    losses: list = []
+    if pipe.stage == 0:
+        schedule.step(scatter_microbatches(x, pipe.mesh, n))
+    elif pipe.stage == 2:
+        schedule.step(target=scatter_microbatches(weight, pipe.mesh, n), losses=losses)
+    else:
+        schedule.step()
+    ref = (serial[2](serial[1](serial[0](x))) * weight).sum()
+    ref.backward()
+    if pipe.stage == 2:
+        assert_close(torch.stack(losses).sum(), ref.detach(), 1e-5, "loss")
+    grads = _grads(chunk, pipe.mesh)
+    for key, q in serial[pipe.stage].named_parameters():
+        assert_close(grads[key], q.grad, 1e-5, key)

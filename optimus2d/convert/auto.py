@@ -17,10 +17,11 @@ step and no memory cap. ``explain=True`` prints the candidates (rank 0) before c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
+from optimus2d.comm.agreement import agree
 from optimus2d.comm.mesh import Mesh
 from optimus2d.cost.auto import Block, Choice, choose
 from optimus2d.cost.calibration import hardware
@@ -46,7 +47,8 @@ class Auto:
 
 def _blocks(model: nn.Module, tokens: int, ranks: int) -> list[Block]:
     """The model's MLP blocks, outermost first, in the order ``named_modules`` gives them."""
-    blocks, inside, trained_before = [], [], False
+    blocks, inside = [], []
+    trained_before = any(p.requires_grad for p in model.parameters(recurse=False))  # the model's own (a token)
     for path, module in model.named_modules():
         if path == "" or any(path.startswith(f"{outer}.") for outer in inside):
             continue
@@ -79,11 +81,16 @@ def choose_plan(model: nn.Module, mesh: Mesh, auto: Auto | str = "auto") -> tupl
     if not isinstance(auto.tokens, int) or auto.tokens < 1:
         raise ValueError(f"parallelize: Auto(tokens={auto.tokens!r}) must be a positive number of rows a step")
     here = f"{mesh.q}×{mesh.q}×{mesh.depth}"
+    # the same request on every rank of the mesh, before anything is measured or built
+    agree(mesh, "parallelize(plan='auto')", description=repr(replace(auto, explain=False)))
     blocks = _blocks(model, auto.tokens, mesh.size)
     if len(mesh.replicas) > 1:  # a 1D module over a mesh with replicas is refused: keep to mesh shapes
-        blocks = [Block(**{**b.__dict__, "splits_1d": False}) for b in blocks]
+        blocks = [replace(b, splits_1d=False) for b in blocks]
     costs = auto.hardware if auto.hardware is not None else hardware(mesh)
-    choice = choose(blocks, mesh.size, costs, memory_cap=auto.memory, layout=here)
+    # another mesh shape is built by every rank of the world, but the other replicas of this mesh
+    # (pipeline stages, copies) may be converting other modules: then the model's own mesh only
+    only = {here} if len(mesh.replicas) > 1 else None
+    choice = choose(blocks, mesh.size, costs, memory_cap=auto.memory, layout=here, only=only)
     if auto.explain and mesh.rank == mesh.ranks[0]:
         where = f"Mesh(q={mesh.q}, depth={mesh.depth})"
         print(f"plan='auto' on {where} for {auto.tokens} tokens a step:\n{choice.explain()}", flush=True)

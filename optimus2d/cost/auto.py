@@ -7,10 +7,11 @@ whole on every rank, the batch split, data parallelism) and, where the module sp
 way (``Block.splits_1d``), "1d". Each is priced by ``planner``'s formulas on a ``Hardware``
 (``calibration.hardware``: measured on this machine, cached): compute split p ways, communication
 per collective kind, latency per sync stage; memory as the weights (with gradient and two AdamW
-moments when trained) and the activations backward keeps. A boundary between two blocks of
-different layouts adds what it moves: ``redistribute`` between mesh shapes, an all-gather of the
-activation into and out of a 1D block (forward in, backward out). ``choose`` tries every
-combination and keeps the fastest that fits the memory cap; ``Choice.table`` lists them all.
+moments when trained) and the activations backward keeps. A block off the model's mesh adds what
+its boundaries move: ``redistribute`` to its mesh shape and back (the rest of the model runs on the
+model's mesh), an all-gather of the activation into and out of a 1D block (forward in, backward
+out). ``choose`` tries every combination and keeps the fastest that fits the memory cap;
+``Choice.table`` lists them all.
 """
 
 from __future__ import annotations
@@ -130,20 +131,32 @@ class Choice:
         return "\n".join(lines)
 
 
-def choose(blocks: list[Block], p: int, hw: Hardware, *, memory_cap: float | None = None, layout: str = "") -> Choice:
-    """The fastest combination of layouts for ``blocks`` (a chain, each handing its activation to the
-    next, the first receiving the model's input in ``layout``, default the first candidate) whose
-    bytes a rank fit ``memory_cap`` (the least memory, when none fits)."""
+def choose(
+    blocks: list[Block],
+    p: int,
+    hw: Hardware,
+    *,
+    memory_cap: float | None = None,
+    layout: str = "",
+    only: set[str] | None = None,
+) -> Choice:
+    """The fastest combination of layouts for ``blocks`` whose bytes a rank fit ``memory_cap`` (the
+    least memory, when none fits); the rest of the model runs in ``layout`` (the model's mesh,
+    default the first candidate), the blocks' inputs come from it and their outputs return to it.
+    ``only``: the layouts allowed (default every candidate)."""
     table = []
-    options = [candidates(block, p) for block in blocks]
+    options = [[c for c in candidates(block, p) if only is None or c in only] for block in blocks]
     start = layout or (options[0][0] if options else "")
     for combo in itertools.product(*options):
-        seconds, memory, previous = 0.0, 0.0, start
+        seconds, memory = 0.0, 0.0
         for block, choice in zip(blocks, combo, strict=True):
             t, m = predict(block, choice, p, hw)
-            seconds += t + _boundary(block, previous, choice, block.input_grad or not block.frozen, p, hw)
+            # on another mesh shape: its input moves there (its gradient back where it has one) and its
+            # output back to the model's mesh (the gradient back where the block has a backward)
+            into = _boundary(block, start, choice, block.input_grad, p, hw)
+            back = _boundary(block, choice, start, block.input_grad or not block.frozen, p, hw)
+            seconds += t + into + back
             memory += m
-            previous = choice if choice != "1d" else start
         fits = memory_cap is None or memory <= memory_cap
         table.append(({b.path: c for b, c in zip(blocks, combo, strict=True)}, seconds, memory, fits))
     table.sort(key=lambda row: (not row[3], row[1] if row[3] else row[2]))

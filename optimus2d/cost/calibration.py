@@ -80,8 +80,12 @@ def hardware(mesh: Mesh, *, cache: bool = True, refresh: bool = False) -> Hardwa
     if cache and not refresh and mesh.ranks.index(mesh.rank) == 0:
         try:
             found = json.loads(path.read_text()).get(key)
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError):
             found = None
+        fits = isinstance(found, list) and len(found) == 3
+        fits = fits and all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in found)
+        if not fits or min(found[:2]) <= 0:
+            found = None  # an entry edited or damaged: measured again (the same 4 words broadcast either way)
     words = torch.tensor([1.0, *found] if found else [0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
     if mesh.size > 1:  # rank 0's cache, or nothing, on every rank
         words = words.to(mesh.device)

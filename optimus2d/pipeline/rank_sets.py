@@ -192,14 +192,19 @@ class Packed(nn.Module):
     of its receivers (``pieces``: the slices of the block each receiver gets). forward: slicing and
     one ``cat``; backward: the flat gradient put back into the block. ``self.chunk`` is ``chunk``."""
 
-    def __init__(self, chunk: nn.Module, pieces: list[tuple[slice, ...]]) -> None:
+    def __init__(self, chunk: nn.Module, shape: tuple[int, ...], pieces: list[tuple[slice, ...]]) -> None:
         super().__init__()
-        self.chunk, self.pieces = chunk, pieces
+        self.chunk, self.shape, self.pieces = chunk, shape, pieces
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         out = self.chunk(*args, **kwargs)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"Packed: the chunk returned {type(out).__name__}, not one activation tensor")
+        if tuple(out.shape) != self.shape:  # slicing a larger block would send a part of it, silently
+            raise ValueError(
+                f"pipeline_stage: the chunk's output block is {list(out.shape)}, but its output_shape declares the "
+                f"block {list(self.shape)} on this rank"
+            )
         return torch.cat([out[at].reshape(-1) for at in self.pieces])
 
 
@@ -213,6 +218,8 @@ class Unpacked(nn.Module):
         self.chunk, self.shape, self.pieces = chunk, shape, pieces
 
     def forward(self, flat: torch.Tensor, *args, **kwargs):
+        if flat.shape != (sum(_numel(tuple((0, s.stop - s.start) for s in at)) for at in self.pieces),):
+            raise ValueError(f"Unpacked: received {list(flat.shape)} elements, not the block {list(self.shape)}")
         block = flat.new_empty(self.shape)
         start = 0
         for at in self.pieces:
@@ -256,27 +263,53 @@ class RankSetStage(LaneStage):
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         return self._route(super().get_bwd_send_ops(bwd_chunk_id), self.incoming)
 
+    def _handshake(self) -> None:
+        """Each pair of neighbouring ranks swaps what it declared of the piece between them, before any
+        activation: its elements a micro-batch and (torch 2.13) whether a gradient comes back, then
+        both raise the same ``ValueError`` if the two differ (stages that declared different shapes
+        or gradients would otherwise hang, or pair the wrong elements). This is also the first message
+        on each pair (opening NCCL's communicators)."""
+        declared_in, declared_out = self.declared
+        sides = [(peer, stop - start, declared_in, "receives from") for peer, start, stop in self.incoming]
+        sides += [(peer, stop - start, declared_out, "sends to") for peer, start, stop in self.outgoing]
+        ops, exchanged = [], []
+        for peer, size, meta, how in sides:
+            grad = -1 if compat.OLD_PIPELINES else int(bool(getattr(meta, "requires_grad", False)))
+            mine = torch.tensor([size, grad], dtype=torch.float64, device=self.device)
+            theirs = torch.empty_like(mine)
+            ops += [dist.P2POp(dist.isend, mine, peer, self.bridge), dist.P2POp(dist.irecv, theirs, peer, self.bridge)]
+            exchanged.append((peer, how, mine, theirs))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        for peer, how, mine, theirs in exchanged:
+            if not torch.equal(mine, theirs):
+                me, other = (int(v) for v in mine.tolist()), (int(v) for v in theirs.tolist())
+                raise ValueError(
+                    f"pipeline_stage: rank {dist.get_rank()} (stage {self.stage_index}) {how} rank {peer} a piece of "
+                    f"{next(me)} elements a micro-batch, rank {peer} declared {next(other)}; gradient back: "
+                    f"{_grad(next(me))} here, {_grad(next(other))} there. Neighbouring stages must declare the same "
+                    f"activation (output_shape of one = microbatch_shape of the next; output_grad = input_grad)"
+                )
+
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
         """torch 2.11's first message of a schedule (a word to and from each neighbour stage's peer,
-        which opens NCCL's communicators): to and from every peer of the bridge instead."""
-        ops = []
-        for peer in dict.fromkeys(peer for peer, _, _ in [*self.incoming, *self.outgoing]):
-            word = torch.zeros(1, device=self.device)
-            ops.append(dist.P2POp(dist.isend, word, peer, self.bridge))
-            ops.append(dist.P2POp(dist.irecv, word.clone(), peer, self.bridge))
-        return ops
+        which opens NCCL's communicators): the handshake with every peer of the bridge instead."""
+        self._handshake()
+        return []
 
     # torch 2.13's warm-up vote passes a word between neighbouring stages' peers in the lane; here the
     # neighbours are many, and every stage is declared static (``rank_set_stage`` gives both ends), so
-    # the vote's outcome, static, is known on every rank: the words go to and from every peer instead.
+    # the vote's outcome, static, is known on every rank: the handshake goes to every peer instead.
     def _warmup_forward_vote(self, has_backward: bool, received_acc: torch.Tensor | None = None) -> torch.Tensor:
-        ops = self._get_init_p2p_neighbors_ops()
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
+        self._handshake()
         return torch.ones(1, dtype=torch.int32, device=self.device)
 
     def _warmup_backward_result(self, received_result: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ones(1, dtype=torch.int32, device=self.device)
+
+
+def _grad(flag: int) -> str:
+    return {1: "yes", 0: "no"}.get(flag, "as torch 2.11 decides")
 
 
 def _block(what: str, shape: Sequence[int], meshes: tuple[Mesh, ...], kind: str) -> tuple[int, ...]:
@@ -345,7 +378,7 @@ def rank_set_stage(
             pieces.append(_local(part, block))
             outgoing.append((peer, start, start + _numel(part)))
             start += _numel(part)
-        chunk = Packed(chunk, pieces)
+        chunk = Packed(chunk, tuple(b - a for a, b in block), pieces)
         outputs = torch.empty(start, dtype=dtype, device="meta", requires_grad=output_grad)
     return RankSetStage(
         chunk, s, pipe.stages, mesh.device, input_args=inputs, output_args=outputs, group=pipe.lane, pipe=pipe,
