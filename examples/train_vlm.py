@@ -100,6 +100,33 @@ def adamw(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, eps=1e-6)
 
 
+def serial_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict) -> float:
+    """One step of the serial twin on the whole batch; its loss."""
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def beside_serial(line: str, loss: float, serial_loss: float) -> tuple[str, float]:
+    """``line`` with the serial loss and the relative difference, asserted within 1e-4; and that difference."""
+    diff = abs(loss - serial_loss) / abs(serial_loss)
+    line += f"  serial {serial_loss:.6f}  (relative difference {diff:.1e})"
+    assert diff <= 1e-4, line
+    return line, diff
+
+
+def weights_within(state: dict, reference: dict) -> float:
+    """The largest relative difference of ``state``'s tensors from ``reference``'s, each asserted within 1e-4."""
+    largest = 0.0
+    for key, value in state.items():
+        err = ((value - reference[key]).norm() / reference[key].norm().clamp(min=1e-12)).item()
+        assert err <= 1e-4, f"{key}: the trained weights differ from serial by {err:.2e}"
+        largest = max(largest, err)
+    return largest
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depth", type=int, default=1)
@@ -172,14 +199,8 @@ def main() -> None:
         times.append(time.perf_counter() - start)
         line = f"step {step:3d}  loss {loss:.6f}  {tokens / times[-1]:8.0f} tokens/s"
         if serial is not None:
-            serial_loss = serial(**full).loss
-            serial_loss.backward()
-            serial_opt.step()
-            serial_opt.zero_grad()
-            diff = abs(loss - serial_loss.item()) / abs(serial_loss.item())
+            line, diff = beside_serial(line, loss, serial_step(serial, serial_opt, full))
             worst = max(worst, diff)
-            line += f"  serial {serial_loss.item():.6f}  (relative difference {diff:.1e})"
-            assert diff <= 1e-4, line
         if world.rank == 0:
             print(line, flush=True)
 
@@ -191,11 +212,7 @@ def main() -> None:
         assert all(p.grad is None for t in frozen for p in t.parameters()), "the frozen tower got gradients"
         state = optimus2d.serial_state_dict(model)  # collective: every rank
         assert list(state) == list(serial.state_dict())
-        largest = 0.0
-        for key, value in serial.state_dict().items():
-            err = ((state[key] - value).norm() / value.norm().clamp(min=1e-12)).item()
-            assert err <= 1e-4, f"{key}: the trained weights differ from serial by {err:.2e}"
-            largest = max(largest, err)
+        largest = weights_within(state, serial.state_dict())
         if world.rank == 0:
             print(
                 f"check passed: {args.steps} steps equal to the serial model's (losses within {worst:.1e}, "
@@ -269,15 +286,10 @@ def train_on_rank_sets(args, world, parser) -> None:
             loss = torch.stack(losses).sum().item()
             line = f"step {step:3d}  loss {loss:.6f}  {tokens / times[-1]:8.0f} tokens/s"
         if serial_opt is not None:
-            serial_loss = model(**full).loss
-            serial_loss.backward()
-            serial_opt.step()
-            serial_opt.zero_grad()
+            serial_loss = serial_step(model, serial_opt, full)
             if stage == 1:
-                diff = abs(loss - serial_loss.item()) / abs(serial_loss.item())
+                line, diff = beside_serial(line, loss, serial_loss)
                 worst = max(worst, diff)
-                line += f"  serial {serial_loss.item():.6f}  (relative difference {diff:.1e})"
-                assert diff <= 1e-4, line
         if world.rank == first_llm:
             print(line, flush=True)
 
@@ -287,12 +299,7 @@ def train_on_rank_sets(args, world, parser) -> None:
     if serial_opt is not None:
         assert all(p.grad is None for p in model.model.vision_tower.parameters()), "the serial tower got gradients"
         assert all(p.grad is None for p in chunk.parameters() if not p.requires_grad), "the frozen tower got gradients"
-        state, reference = optimus2d.serial_state_dict(chunk), model.state_dict()  # collective over the set's mesh
-        largest = 0.0
-        for key, value in state.items():
-            err = ((value - reference[key]).norm() / reference[key].norm().clamp(min=1e-12)).item()
-            assert err <= 1e-4, f"{key}: the trained weights differ from serial by {err:.2e}"
-            largest = max(largest, err)
+        largest = weights_within(optimus2d.serial_state_dict(chunk), model.state_dict())  # collective over the set
         if world.rank in (0, first_llm):
             part = "tower" if stage == 0 else "projector and language model"
             print(
