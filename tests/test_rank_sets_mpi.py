@@ -121,32 +121,59 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
-def test_gpipe_on_rank_sets_matches_1f1b(world):
-    """The same step under ScheduleGPipe: every forward first, so the tower's ranks run ahead."""
+def _gpipe_matches_serial(pipe, serial: torch.nn.ModuleList, n: int, shapes: list[tuple]) -> None:
+    """Stage s of the chain ``serial`` on ``pipe`` under ScheduleGPipe, ``n`` micro-batches: the loss
+    Σ out·w and every gradient of this rank's stage equal serial's. ``shapes``: each stage's
+    (microbatch_shape, output_shape), global."""
+    chunk = optimus2d.parallelize(copy.deepcopy(serial[pipe.stage]), pipe.mesh)
+    stage = pipeline_stage(chunk, pipe, microbatch_shape=shapes[pipe.stage][0], output_shape=shapes[pipe.stage][1])
+    first, last = shapes[0][0], shapes[-1][1]
+    x, weight = torch.randn(n * first[0], *first[1:]), torch.randn(n * last[0], *last[1:])
+    loss_fn = lambda out, w: optimus2d.pipeline.mesh_sum(out * w, pipe.mesh)  # noqa: E731
+    schedule = ScheduleGPipe(stage, n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
+    losses: list = []
+    if pipe.stage == 0:
+        schedule.step(scatter_microbatches(x, pipe.mesh, n))
+    elif pipe.stage == pipe.stages - 1:
+        schedule.step(target=scatter_microbatches(weight, pipe.mesh, n), losses=losses)
+    else:
+        schedule.step()
+    out = x
+    for module in serial:
+        out = module(out)
+    ref = (out * weight).sum()
+    ref.backward()
+    if pipe.stage == pipe.stages - 1:
+        assert_close(torch.stack(losses).sum(), ref.detach(), 1e-5, "loss")
+    grads = _grads(chunk, pipe.mesh)
+    for key, q in serial[pipe.stage].named_parameters():
+        assert_close(grads[key], q.grad, 1e-5, key)
+
+
+def test_gpipe_on_rank_sets_matches_serial(world):
+    """Under ScheduleGPipe: every forward first, so the tower's ranks run ahead."""
     tower, tower_shape, llm_shape = _cases(world)[0]
     pipe = _pipe(world, tower, (tower_shape, llm_shape))
     torch.manual_seed(3)
     h, mb = 12, 2 * tower_shape[1] * llm_shape[1] * tower_shape[0] * llm_shape[0]
     serial = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(h, 2 * h), torch.nn.GELU()),
                                   torch.nn.Linear(2 * h, h)])  # fmt: skip
-    chunk = optimus2d.parallelize(copy.deepcopy(serial[pipe.stage]), pipe.mesh)
-    shape = (mb, 3, h) if pipe.stage == 0 else (mb, 3, 2 * h)
-    stage = pipeline_stage(chunk, pipe, microbatch_shape=shape, output_shape=(mb, 3, (2 - pipe.stage) * h))
-    x, weight = torch.randn(N * mb, 3, h), torch.randn(N * mb, 3, h)
-    loss_fn = lambda out, w: optimus2d.pipeline.mesh_sum(out * w, pipe.mesh)  # noqa: E731
-    schedule = ScheduleGPipe(stage, n_microbatches=N, loss_fn=loss_fn, scale_grads=False)
-    losses: list = []
-    if pipe.stage == 0:
-        schedule.step(scatter_microbatches(x, pipe.mesh, N))
-    else:
-        schedule.step(target=scatter_microbatches(weight, pipe.mesh, N), losses=losses)
-    ref = (serial[1](serial[0](x)) * weight).sum()
-    ref.backward()
-    if pipe.stage == 1:
-        assert_close(torch.stack(losses).sum(), ref.detach(), 1e-5, "loss")
-    grads = _grads(chunk, pipe.mesh)
-    for key, q in serial[pipe.stage].named_parameters():
-        assert_close(grads[key], q.grad, 1e-5, key)
+    _gpipe_matches_serial(pipe, serial, N, [((mb, 3, h), (mb, 3, 2 * h)), ((mb, 3, 2 * h), (mb, 3, h))])
+
+
+def test_a_shape_a_set_does_not_divide_is_refused_with_its_numbers(world):
+    """Before any message: the batch of a micro-batch must split over both meshes of a boundary."""
+    tower, tower_shape, llm_shape = _cases(world)[0]
+    pipe = _pipe(world, tower, (tower_shape, llm_shape))
+    chunk = optimus2d.parallelize(torch.nn.Linear(8, 8), pipe.mesh)
+    odd = (
+        tower_shape[0] ** 2 * tower_shape[1] * llm_shape[0] ** 2 * llm_shape[1] + 1
+    )  # the LLM's d·q does not divide it
+    # the tower's ranks refuse their output (what they send), the LLM's their input
+    with pytest.raises(
+        ValueError, match=rf"(microbatch|output)_shape=\[{odd}, 3, 8\] must be \[b, ...\] with b divisible"
+    ):
+        pipeline_stage(chunk, pipe, microbatch_shape=(odd, 3, 8))
 
 
 @pytest.mark.parametrize(
@@ -206,31 +233,13 @@ def test_a_chunk_whose_output_is_not_the_declared_block_is_refused():
 
 
 def test_a_chain_of_three_rank_sets_matches_serial(world):
-    """Sets of 1, 1 and p - 2 ranks (4 ranks: 1×1, 1×1, 1×1×2) under GPipe."""
+    """Sets of 1, 1 and 2 ranks on 4 ranks (1×1, 1×1, 1×1×2) under GPipe."""
     if world.size != 4:
         pytest.skip("runs on 4 ranks")
     if "chain" not in _pipes:
         _pipes["chain"] = rank_sets([[0], [1], [2, 3]], q=1, depth=(1, 1, 2))
-    pipe, n, h, mb = _pipes["chain"], 3, 8, 2
+    h, mb = 8, 2
     torch.manual_seed(4)
     serial = torch.nn.ModuleList([torch.nn.Linear(h, h), torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Tanh()),
                                   torch.nn.Linear(h, h)])  # fmt: skip
-    chunk = optimus2d.parallelize(copy.deepcopy(serial[pipe.stage]), pipe.mesh)
-    stage = pipeline_stage(chunk, pipe, microbatch_shape=(mb, 3, h))
-    x, weight = torch.randn(n * mb, 3, h), torch.randn(n * mb, 3, h)
-    loss_fn = lambda out, w: optimus2d.pipeline.mesh_sum(out * w, pipe.mesh)  # noqa: E731
-    schedule = ScheduleGPipe(stage, n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
-    losses: list = []
-    if pipe.stage == 0:
-        schedule.step(scatter_microbatches(x, pipe.mesh, n))
-    elif pipe.stage == 2:
-        schedule.step(target=scatter_microbatches(weight, pipe.mesh, n), losses=losses)
-    else:
-        schedule.step()
-    ref = (serial[2](serial[1](serial[0](x))) * weight).sum()
-    ref.backward()
-    if pipe.stage == 2:
-        assert_close(torch.stack(losses).sum(), ref.detach(), 1e-5, "loss")
-    grads = _grads(chunk, pipe.mesh)
-    for key, q in serial[pipe.stage].named_parameters():
-        assert_close(grads[key], q.grad, 1e-5, key)
+    _gpipe_matches_serial(_pipes["chain"], serial, 3, [((mb, 3, h), (mb, 3, h))] * 3)
