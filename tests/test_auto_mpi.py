@@ -73,11 +73,15 @@ def test_auto_applies_its_pick_and_is_exact_on_every_mesh(world):
 
 
 def test_auto_refuses_what_it_cannot_read_on_every_rank(world):
-    mesh = _meshes_of(world)[0]
+    """Each on a fresh mesh: a mesh whose ranks refused together is not to be used again."""
+    model = TwoMLPs(6 * world.size)
     with pytest.raises(TypeError, match="'auto' or an Auto"):
-        optimus2d.parallelize(TwoMLPs(6 * world.size), mesh, plan="fastest")
-    with pytest.raises(ValueError, match="positive number of rows"):
-        optimus2d.parallelize(TwoMLPs(6 * world.size), mesh, plan=Auto(tokens=0))
+        optimus2d.parallelize(model, Mesh(1, world.size), plan="fastest")
+    with pytest.raises(ValueError, match="positive number of rows"):  # one rank's bad request: every rank's
+        optimus2d.parallelize(model, Mesh(1, world.size), plan=Auto(tokens=0 if world.rank == 0 else 64))
+    if world.size > 1:  # ranks that ask for different plans: all refuse, before any mesh is built
+        with pytest.raises(ValueError, match="plan='auto'"):
+            optimus2d.parallelize(model, Mesh(1, world.size), plan=Auto(tokens=64 + world.rank, hardware=HW))
 
 
 def test_the_calibration_is_the_same_on_every_rank_and_cached(world, tmp_path, monkeypatch):

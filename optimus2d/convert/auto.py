@@ -75,20 +75,22 @@ def choose_plan(model: nn.Module, mesh: Mesh, auto: Auto | str = "auto") -> tupl
     """(the choice with its table, the ``plan=`` that applies it) for ``model`` on ``mesh``.
     Collective over the mesh (the calibration, or its cached value, agreed from rank 0; building the
     meshes the plan names). No model is changed."""
-    auto = Auto() if auto == "auto" else auto
+    auto = Auto() if isinstance(auto, str) and auto == "auto" else auto
+    error = None
     if not isinstance(auto, Auto):
-        raise TypeError(f"parallelize: plan= is a mapping, 'auto' or an Auto(...), got {auto!r}")
-    if not isinstance(auto.tokens, int) or auto.tokens < 1:
-        raise ValueError(f"parallelize: Auto(tokens={auto.tokens!r}) must be a positive number of rows a step")
+        error = TypeError(f"parallelize: plan= is a mapping, 'auto' or an Auto(...), got {auto!r}")
+    elif not isinstance(auto.tokens, int) or isinstance(auto.tokens, bool) or auto.tokens < 1:
+        error = ValueError(f"parallelize: Auto(tokens={auto.tokens!r}) must be a positive number of rows a step")
+    # the same request on every rank of the mesh (or the same refusal), before anything is measured or built
+    asked = repr(replace(auto, explain=False) if error is None else auto)
+    agree(mesh, "parallelize(plan='auto')", description=asked, error=error)
+    if error is not None:  # a mesh of one rank, or checks off: raised here
+        raise error
     here = f"{mesh.q}×{mesh.q}×{mesh.depth}"
-    # the same request on every rank of the mesh, before anything is measured or built
-    agree(mesh, "parallelize(plan='auto')", description=repr(replace(auto, explain=False)))
     blocks = _blocks(model, auto.tokens, mesh.size)
-    if len(mesh.replicas) > 1:  # a 1D module over a mesh with replicas is refused: keep to mesh shapes
-        blocks = [replace(b, splits_1d=False) for b in blocks]
     costs = auto.hardware if auto.hardware is not None else hardware(mesh)
-    # another mesh shape is built by every rank of the world, but the other replicas of this mesh
-    # (pipeline stages, copies) may be converting other modules: then the model's own mesh only
+    # on a mesh with replicas (pipeline stages, copies) the model's own mesh only: 1D is refused there,
+    # and another mesh shape is built by every rank of the world while the others convert other modules
     only = {here} if len(mesh.replicas) > 1 else None
     choice = choose(blocks, mesh.size, costs, memory_cap=auto.memory, layout=here, only=only)
     if auto.explain and mesh.rank == mesh.ranks[0]:
