@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The whole test suite, at both ends of the torch and transformers ranges that setup.py declares:
 # - .venv (torch 2.13.0, transformers 5.24.0; constraints.txt): serial tests, then the MPI tests
-#   under mpiexec at 1, 4 and 9 ranks (meshes 1, 2×2 and 1×1×4, 3×3; MPI carries the
-#   meshes), the model families and replicas at 8 (2×2×2), pipelines of 2 stages × 2×2×2 at 16 and
-#   × 3×3 at 18;
-# - .venv-torch211 (torch 2.11.0, transformers 5.23.0; the low ends): the core and the families at 4;
+#   under mpiexec at 1 and 9 ranks (meshes 1, 3×3; MPI carries the meshes), the model families and
+#   replicas at 8 (2×2×2), pipelines of 2 stages × 2×2×2 at 16 and × 3×3 at 18;
+# - .venv-torch211 (torch 2.11.0, transformers 5.23.0; the low ends): the core and the families at 4
+#   ranks (2×2, 1×1×4);
 # - .venv-timm (torch 2.14.1, transformers 5.24.0; the high end of torch): timm's ViT, then the core
-#   at 4 with gloo carrying the meshes (OPTIMUS2D_TRANSPORT=torch) and the families at 4.
+#   at 4 with gloo carrying the meshes (OPTIMUS2D_TRANSPORT=torch) and the families at 4 (without
+#   it, for want of disk or with OPTIMUS2D_SKIP_TIMM=1, the core and families at 4 run on .venv).
+# The two other environments install in the background while the serial tests run. Each section prints
+# its time.
 # Extra arguments go to every pytest of the .venv runs.
 #
 #   bash scripts/test.sh --newest   # the newest torch and transformers pip finds, in .venv-newest:
@@ -21,52 +24,79 @@ fi
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1
 start=$SECONDS
+lap=$SECONDS
+took() { echo "   ($1: $((SECONDS - lap)) s; whole suite so far $((SECONDS - start)) s)"; lap=$SECONDS; }
+# timm needs torchvision, which needs another torch: a second environment, when the disk allows it
+free_gb=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
+timm=1
+if [ "${OPTIMUS2D_SKIP_TIMM:-0}" = "1" ]; then
+  timm=0 why="OPTIMUS2D_SKIP_TIMM=1"
+elif [ "$free_gb" -lt 12 ] && [ ! -x .venv-timm/bin/python ]; then
+  timm=0 why="${free_gb} GB free, .venv-timm needs about 6"
+fi
+# The other environments install while the serial tests run (pip waits on the disk, the tests on the CPU)
+mkdir -p .ci-logs
+(bash scripts/setup_torch211.sh && if [ "$timm" = 1 ]; then bash scripts/setup_timm.sh; fi) > .ci-logs/setup.log 2>&1 &
+setting_up=$!
 python -m pytest -q "$@"
-for n in 1 4 9; do  # each in two sessions: a session's meshes (and their groups) add up
+took "serial"
+# 4 ranks (2×2, 1×1×4) run at the two ends below; here 1 and 9 ranks, each in two sessions (a session's
+# meshes and their groups add up)
+for n in 1 9; do
   echo "== mpiexec -n $n"
   mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider -m "not families" "$@"
+  took "$n ranks"
   echo "== mpiexec -n $n, model families"
   mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider -m families "$@"
+  took "$n ranks, families"
 done
 # 8 ranks: the model families on 2×2×2, the data-parallel replicas (2 × 2×2), redistribute and
 # per-module layouts between 2×2×2 and 1×1×8, pipelines of 2 stages × 2×2 (and × 2 copies of 1×1×2), context
 # parallelism with c = 2 on 2×2 (2×2×2) and c = 8 (1×1×8), torch's own tools on DTensor parameters (2×2×2,
-# 1×1×8, and FSDP2 over 2 replicas of 2×2), checkpoints as DCP's on 2×2×2 and 1×1×8, a module in 1D beside
-# 2×2×2 and 1×1×8. The other tests
-# also pass there (`mpiexec -n 8 python -m pytest -q --only-mpi`, about 10 minutes on 2 cores),
-# left out of this command to keep it within CI's 30 minutes
+# and FSDP2 over 2 replicas of 2×2), checkpoints as DCP's on 2×2×2, a module in 1D beside 2×2×2 and 1×1×8.
+# The other tests also pass there (`mpiexec -n 8 python -m pytest -q --only-mpi`, about 15 minutes on 2
+# cores), left out of this command to keep CI within its time
 echo "== mpiexec -n 8: model families (2×2×2), replicas"
 mpiexec -n 8 python -m pytest -q --only-mpi -p no:cacheprovider -m families "$@"
+took "8 ranks, families"
 mpiexec -n 8 python -m pytest -q --only-mpi -p no:cacheprovider tests/test_device_mesh_mpi.py \
   tests/test_redistribute_mpi.py tests/test_layouts_mpi.py tests/test_pipeline_mpi.py tests/test_pipeline_llama_mpi.py \
   tests/test_pipeline_bubbles_mpi.py tests/test_pipeline_gpt2_mpi.py tests/test_pipeline_layouts_mpi.py \
   tests/test_pipeline_dp_mpi.py tests/test_context_attention_mpi.py tests/test_context_block_mpi.py \
   tests/test_torch_tools_mpi.py tests/test_checkpoint_dcp_mpi.py tests/test_megatron_mpi.py tests/test_auto_mpi.py "$@"
+took "8 ranks"
 for n in 16 18; do  # pipelines of 2 stages × 2×2×2, × 3×3: every schedule, the refusals (the rest runs at 4 and 8)
   echo "== mpiexec -n $n: pipelines of 2 stages, every schedule"
   mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider tests/test_pipeline_mpi.py -k "sum or refuses or lanes" "$@"
+  took "$n ranks"
 done
-# The low ends of both ranges: torch 2.11.0 with transformers 5.23.0 (what needs a newer torch is skipped
-# there, and a test proves it is refused with the version it needs)
+wait "$setting_up" || { cat .ci-logs/setup.log; exit 1; }
+cat .ci-logs/setup.log
+# 4 ranks at the low ends of both ranges: torch 2.11.0 with transformers 5.23.0 (what needs a newer torch is
+# skipped there, and a test proves it is refused with the version it needs)
 echo "== torch 2.11.0 + transformers 5.23.0: mpiexec -n 4 (core, then model families)"
-bash scripts/setup_torch211.sh
 for marks in "not families" families; do
   env PATH="$PWD/.venv-torch211/bin:$PATH" .venv-torch211/bin/mpiexec -n 4 .venv-torch211/bin/python -m pytest -q \
     --only-mpi -p no:cacheprovider -m "$marks"
+  took "torch 2.11, 4 ranks, $marks"
 done
-# timm needs torchvision, which needs another torch: a second environment, when the disk allows it
-free_gb=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
-if [ "${OPTIMUS2D_SKIP_TIMM:-0}" = "1" ]; then
-  echo "== timm tests skipped: OPTIMUS2D_SKIP_TIMM=1"
-elif [ "$free_gb" -lt 12 ] && [ ! -x .venv-timm/bin/python ]; then
-  echo "== timm and torch 2.14.1 tests skipped: ${free_gb} GB free, .venv-timm needs about 6"
-else
-  bash scripts/setup_timm.sh
+# 4 ranks at the high end of torch: timm, the core with gloo carrying the meshes (OPTIMUS2D_TRANSPORT=torch;
+# MPI carries them everywhere else), the families. Without that environment, the core and families at 4 ranks
+# run here on .venv instead
+if [ "$timm" = 1 ]; then
   run=(env PATH="$PWD/.venv-timm/bin:$PATH" .venv-timm/bin/mpiexec -n 4 .venv-timm/bin/python -m pytest -q --only-mpi
     -p no:cacheprovider)
   echo "== torch 2.14.1 + transformers 5.24.0 + timm: mpiexec -n 4 (timm; core over gloo; model families)"
   "${run[@]}" tests/test_timm_mpi.py
   "${run[@]:0:2}" OPTIMUS2D_TRANSPORT=torch "${run[@]:2}" -m "not families"
+  took "torch 2.14.1, 4 ranks over gloo"
   "${run[@]}" -m families
+  took "torch 2.14.1, 4 ranks, families"
+else
+  echo "== timm and torch 2.14.1 tests skipped ($why): mpiexec -n 4 on .venv (torch 2.13.0)"
+  for marks in "not families" families; do
+    mpiexec -n 4 python -m pytest -q --only-mpi -p no:cacheprovider -m "$marks" "$@"
+    took "4 ranks, $marks"
+  done
 fi
 echo "whole suite: $((SECONDS - start)) s"

@@ -56,7 +56,8 @@ def pytest_report_header(config):
 def pytest_generate_tests(metafunc):
     if "mesh_shape" in metafunc.fixturenames:
         shapes = mesh_shapes(_world_size(metafunc.config))
-        if metafunc.definition.get_closest_marker("families"):  # the meshes the families promise:
+        promised = getattr(metafunc.module, "PROMISED_MESHES_ONLY", False)  # a module's heavy tests (DCP)
+        if promised or metafunc.definition.get_closest_marker("families"):  # the meshes the families promise:
             shapes = [(q, d) for q, d in shapes if q > 1 or d <= 4]  # 1, 2×2, 2×2×2, 3×3 (and 1×1×4)
         elif (1, 9) in shapes:  # 1×1×9 proves nothing 1×1×4 and 1×1×8 do not, and CI's 9 ranks share
             shapes.remove((1, 9))  # 2 cores (the tests that pair 3×3 with 1×1×9 still build both)

@@ -4,8 +4,9 @@ A converted model's parameters are DTensors of the serial tensors (``convert/dte
 so a training loop written for one process — ``torch.nn.utils.clip_grad_norm_``, ``torch.optim.AdamW``
 (``foreach``), an EMA by ``torch.optim.swa_utils.AveragedModel``, ``torch.distributed.checkpoint``
 through ``get_state_dict``/``set_state_dict`` — gives the serial model's numbers. Checked against
-transformers' LLaMA itself on every mesh of the world (1, 2×2 and 1×1×4, 2×2×2 and 1×1×8, 3×3 and
-1×1×9), the checkpoint loaded onto another mesh shape; and GPT-2, whose fused q/k/v and padded
+transformers' LLaMA itself on the meshes the families promise (1, 2×2 and 1×1×4, 2×2×2, 3×3: DCP over
+gloo is slow on CI's 2 cores, and 1×1×8 proves nothing 1×1×4 does not), the checkpoint loaded onto another
+mesh shape of the world (1×1×8 among them); and GPT-2, whose fused q/k/v and padded
 vocabulary are not DTensor's shards as stored, through DCP onto another mesh.
 """
 
@@ -31,6 +32,7 @@ from optimus2d.convert import parallelizer
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.mpi
+PROMISED_MESHES_ONLY = True  # conftest: no 1×1×8
 
 SPMD_FSDP = hasattr(fsdp_common, "DataParallelMeshDims")  # torch >= 2.13
 ADAM = dict(lr=1e-2, eps=1e-3, weight_decay=0.1)
@@ -259,10 +261,11 @@ def _fsdp(model, dm):
 
 @pytest.mark.skipif(not SPMD_FSDP, reason="FSDP2 of DTensors on a mesh of more than 2 dims: torch 2.13's dp_mesh_dims")
 def test_fsdp2_over_two_replicas_steps_like_serial(world, tmp_path_factory):
-    """The same three steps with torch's FSDP2 over two replicas of 2×2 on 8 ranks: ``parallelize``
-    given a DeviceMesh with a "dp" dim makes every parameter a DTensor on all of it, ``Replicate``
-    over "dp", which ``fully_shard(..., dp_mesh_dims=)`` shards further; then DCP onto 2 replicas of
-    1×1×4 under FSDP2 and onto one 2×2×2 mesh, a fourth step on each."""
+    """Two of the same steps (the EMA's first update copies, the second averages) with torch's FSDP2
+    over two replicas of 2×2 on 8 ranks: ``parallelize`` given a DeviceMesh with a "dp" dim makes every
+    parameter a DTensor on all of it, ``Replicate`` over "dp", which ``fully_shard(..., dp_mesh_dims=)``
+    shards further; then DCP onto 2 replicas of 1×1×4 under FSDP2 and onto one 2×2×2 mesh, a third step
+    on each."""
     if world.size != 8:
         pytest.skip("2 replicas of 2×2: 8 ranks")
     dm = init_device_mesh("cpu", (2, 1, 2, 2), mesh_dim_names=("dp", "depth", "row", "col"))
@@ -276,8 +279,8 @@ def test_fsdp2_over_two_replicas_steps_like_serial(world, tmp_path_factory):
     ema_ref = AveragedModel(serial, multi_avg_fn=get_ema_multi_avg_fn(0.8))
     ema = {name: p.detach().clone() for name, p in model.named_parameters()}  # FSDP refuses deepcopy
     torch.manual_seed(1)
-    batches = [torch.randint(0, 72, (4 * mesh.size, 10)) for _ in range(4)]
-    for ids in batches[:3]:
+    batches = [torch.randint(0, 72, (4 * mesh.size, 10)) for _ in range(3)]
+    for ids in batches[:2]:  # each FSDP step costs ~16 s on 8 ranks over 2 cores
         want, want_norm = _step(serial, opt_ref, ema_ref, ids)
         got, norm = _step(model, opt, None, ids.chunk(2)[mesh.replica], mesh)  # each replica half the batch
         with torch.no_grad():  # AveragedModel's EMA (its first update copies), written with foreach
@@ -294,7 +297,7 @@ def test_fsdp2_over_two_replicas_steps_like_serial(world, tmp_path_factory):
         assert_close(_full(value), ema_reference[key], 1e-6, f"EMA {key}")
 
     path = _save_dcp(model, opt, shared_tmp(tmp_path_factory, "dcp_fsdp"))
-    want, _ = _step(serial, opt_ref, None, batches[3])
+    want, _ = _step(serial, opt_ref, None, batches[2])
     reference = serial.state_dict()
     dm4 = init_device_mesh("cpu", (2, 4, 1, 1), mesh_dim_names=("dp", "depth", "row", "col"))
     for other_mesh in (dm4, Mesh(2, 2)):
@@ -305,7 +308,7 @@ def test_fsdp2_over_two_replicas_steps_like_serial(world, tmp_path_factory):
         for key, value in other.state_dict().items():
             assert_close(_full(value), trained[key], 0, f"loaded {key} onto {other_mesh}")
         as_mesh = optimus2d.comm.mesh.as_mesh(other_mesh)
-        ids = batches[3].chunk(2)[as_mesh.replica] if fsdp else batches[3]
+        ids = batches[2].chunk(2)[as_mesh.replica] if fsdp else batches[2]
         got, _ = _step(other, other_opt, None, ids, as_mesh)
         for key, value in other.state_dict().items():
             assert_close(_full(value), reference[key], 1e-6, f"a step after loading onto {other_mesh}: {key}")
