@@ -6,6 +6,8 @@ blocks or split activations; a memory cap moves the choice to a layout that fits
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from optimus2d.cost.auto import Block, candidates, choose, predict
@@ -51,6 +53,16 @@ def test_the_table_holds_every_combination_best_first_and_explains_it():
     assert times == sorted(times) and choice.seconds == times[0]
     text = choice.explain(limit=3)
     assert text.count("\n") == 3 and "predicted ms" in text and "mlp: " in text and "head: " in text
+    assert "measured ms" not in text and text.splitlines()[1].endswith("<- picked")
+
+
+def test_measured_rows_get_their_column_and_show_past_the_limit():
+    choice = choose([_mlp(4096)], 4, HW)
+    slow_first = dataclasses.replace(choice, layouts=choice.table[2][0], measured={0: 0.5, 2: 0.25})
+    lines = slow_first.explain(limit=1).splitlines()
+    assert "measured ms" in lines[0] and len(lines) == 3  # row 0, and row 2 although past the limit
+    assert "500.00" in lines[1] and "250.00" in lines[2] and lines[2].endswith("<- picked")
+    assert "<- picked" not in lines[1]
 
 
 def test_a_frozen_block_is_cheaper_and_holds_no_gradients_or_moments():

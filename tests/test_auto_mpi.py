@@ -97,3 +97,51 @@ def test_the_calibration_is_the_same_on_every_rank_and_cached(world, tmp_path, m
         assert (tmp_path / "hardware.json").is_file()
     monkeypatch.setattr(calibration, "_measure", lambda mesh: pytest.fail("measured again"))
     assert calibration.hardware(mesh) == measured  # from rank 0's cache, on every rank
+
+
+def test_auto_times_the_best_predicted_on_request_and_picks_the_fastest_measured(world, capsys):
+    """``Auto(measure=step, top=3)``: the 3 best predicted converted on copies and timed; every rank gets
+    the same times (the slowest rank's) and so the same pick; the model itself untouched; the plan exact."""
+    mesh = _meshes_of(world)[0]
+    torch.manual_seed(1)
+    x = torch.randn(2 * world.size, 3, 6 * world.size, dtype=torch.float64)
+    torch.manual_seed(0)
+    serial = TwoMLPs(6 * world.size).double()
+    before = copy.deepcopy(serial.state_dict())
+    runs = []
+
+    def step(model):
+        runs.append(model)
+        model(optimus2d.scatter(x, mesh)).pow(2).sum().backward()
+
+    auto = Auto(tokens=64, hardware=HW, measure=step, top=3, explain=True)
+    choice, plan = choose_plan(serial, mesh, auto)
+    timed = min(3, sum(fits for *_, fits in choice.table))
+    assert sorted(choice.measured) == list(range(timed)) and all(t > 0 for t in choice.measured.values())
+    assert len(runs) == 4 * timed and all(r is not serial for r in runs)  # a warm-up and 3 timed, on copies
+    assert choice.layouts == choice.table[min(choice.measured, key=choice.measured.get)][0]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (choice.layouts, choice.measured))
+        assert all(e == everyone[0] for e in everyone)
+    assert all(p.grad is None for p in serial.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in serial.state_dict().items())
+    printed = capsys.readouterr().out
+    assert ("measured ms" in printed and "<- picked" in printed) == (mesh.rank == mesh.ranks[0])
+    parallel = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=plan)
+    for path in ("mlp1", "mlp2"):
+        assert _layout_of(getattr(parallel, path), mesh) == choice.layouts[path]
+    check_against_serial(serial, parallel, x, mesh, tol=1e-9, optimizer=torch.optim.AdamW)
+
+
+def test_a_measure_that_cannot_run_is_refused_on_every_rank(world):
+    """Each on a fresh mesh (a mesh whose ranks refused together is not used again)."""
+    model = TwoMLPs(6 * world.size)
+    with pytest.raises(TypeError, match=r"measure=\) takes step"):
+        optimus2d.parallelize(model, Mesh(1, world.size), plan=Auto(hardware=HW, measure=5))
+    with pytest.raises(ValueError, match="top=0"):
+        optimus2d.parallelize(model, Mesh(1, world.size), plan=Auto(hardware=HW, measure=print, top=0))
+    with torch.device("meta"):
+        on_meta = TwoMLPs(6 * world.size)
+    with pytest.raises(ValueError, match=r"on meta: \['mlp1\.0\.weight'"):
+        optimus2d.parallelize(on_meta, Mesh(1, world.size), plan=Auto(hardware=HW, measure=print))

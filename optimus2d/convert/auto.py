@@ -12,11 +12,17 @@ is priced as an MLP of the same weights (f' = 3f/2).
 
 ``Auto(tokens=, memory=, explain=)`` says for what: ``plan="auto"`` is ``Auto()``, 8192 tokens a
 step and no memory cap. ``explain=True`` prints the candidates (rank 0) before converting.
-``choose_plan(model, mesh, auto)`` returns the ``Choice`` and the plan without converting.
+``Auto(measure=step, top=4)`` also times the ``top`` best predicted that fit: each on a converted
+deep copy of the model, ``step(copy)`` (one forward and backward, as the user trains) once to warm
+up and three times timed (``calibration.time_step``: the slowest rank's median), and picks the
+fastest measured; the table gains a "measured ms" column. ``choose_plan(model, mesh, auto)`` returns
+the ``Choice`` and the plan without converting.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from torch import nn
@@ -24,7 +30,7 @@ from torch import nn
 from optimus2d.comm.agreement import agree
 from optimus2d.comm.mesh import Mesh
 from optimus2d.cost.auto import Block, Choice, choose
-from optimus2d.cost.calibration import hardware
+from optimus2d.cost.calibration import hardware, time_step
 from optimus2d.cost.planner import Hardware
 from optimus2d.megatron import Megatron, split_of, tensor_parallel_plan
 from optimus2d.megatron.plans import COLWISE
@@ -37,12 +43,16 @@ class Auto:
     """``plan=Auto(...)``: choose each MLP's layout for ``tokens`` rows a step (batch × sequence of the
     whole model, as it enters), within ``memory`` bytes a rank (None: no cap); ``explain``: print the
     table of candidates on rank 0 of the mesh; ``hardware``: the costs to price with (a cluster's,
-    ``cost.planner.Hardware``; default this machine's, ``cost.calibration.hardware``)."""
+    ``cost.planner.Hardware``; default this machine's, ``cost.calibration.hardware``); ``measure``:
+    ``step(model)``, one forward and backward of a converted model, to time the ``top`` best predicted
+    candidates with and pick the fastest measured (None: the best predicted, nothing run)."""
 
     tokens: int = 8192
     memory: float | None = None
     explain: bool = False
     hardware: Hardware | None = None  # the costs to price with; None: this machine's, measured (cached)
+    measure: Callable[[nn.Module], object] | None = None
+    top: int = 4
 
 
 def _blocks(model: nn.Module, tokens: int, ranks: int) -> list[Block]:
@@ -81,8 +91,18 @@ def choose_plan(model: nn.Module, mesh: Mesh, auto: Auto | str = "auto") -> tupl
         error = TypeError(f"parallelize: plan= is a mapping, 'auto' or an Auto(...), got {auto!r}")
     elif not isinstance(auto.tokens, int) or isinstance(auto.tokens, bool) or auto.tokens < 1:
         error = ValueError(f"parallelize: Auto(tokens={auto.tokens!r}) must be a positive number of rows a step")
+    elif auto.measure is not None and not callable(auto.measure):
+        error = TypeError(f"parallelize: Auto(measure=) takes step(model), a function; got {auto.measure!r}")
+    elif not isinstance(auto.top, int) or isinstance(auto.top, bool) or auto.top < 1:
+        error = ValueError(f"parallelize: Auto(top={auto.top!r}) must be a positive number of candidates to time")
+    elif auto.measure is not None and (meta := [n for n, p in model.named_parameters() if p.is_meta]):
+        error = ValueError(f"parallelize: Auto(measure=) runs the model, whose parameters are on meta: {meta[:4]}"
+                           " (materialize or load them first, or leave measure out)")  # fmt: skip
     # the same request on every rank of the mesh (or the same refusal), before anything is measured or built
-    asked = repr(replace(auto, explain=False) if error is None else auto)
+    if error is None:  # (a function's repr differs between ranks)
+        asked = repr(replace(auto, explain=False, measure=None if auto.measure is None else "step"))
+    else:
+        asked = repr(auto)
     agree(mesh, "parallelize(plan='auto')", description=asked, error=error)
     if error is not None:  # a mesh of one rank, or checks off: raised here
         raise error
@@ -93,16 +113,47 @@ def choose_plan(model: nn.Module, mesh: Mesh, auto: Auto | str = "auto") -> tupl
     # and another mesh shape is built by every rank of the world while the others convert other modules
     only = {here} if len(mesh.replicas) > 1 else None
     choice = choose(blocks, mesh.size, costs, memory_cap=auto.memory, layout=here, only=only)
+    built = {here: mesh}
+    if auto.measure is not None:
+        choice = _measured(model, mesh, auto, choice, built)
     if auto.explain and mesh.rank == mesh.ranks[0]:
         where = f"Mesh(q={mesh.q}, depth={mesh.depth})"
         print(f"plan='auto' on {where} for {auto.tokens} tokens a step:\n{choice.explain()}", flush=True)
-    plan, built = {}, {here: mesh}
-    for path, layout in choice.layouts.items():  # the same layouts on every rank: built in the same order
+    return choice, _plan(choice.layouts, mesh, built)
+
+
+def _plan(layouts: dict, mesh: Mesh, built: dict) -> dict:
+    """The ``plan=`` that puts each block in its layout; the meshes it names from ``built`` (layout →
+    mesh), made there once: the same layouts on every rank, so built in the same order."""
+    plan = {}
+    for path, layout in layouts.items():
         if layout == "1d":
             plan[path] = Megatron(mesh)
-        elif layout != here:
-            if layout not in built:
-                q, _, depth = (int(n) for n in layout.split("×"))
-                built[layout] = Mesh(q, depth, ranks=mesh.ranks, transport=mesh.transport, check=mesh.check)
+        elif layout not in built:
+            q, _, depth = (int(n) for n in layout.split("×"))
+            built[layout] = plan[path] = Mesh(q, depth, ranks=mesh.ranks, transport=mesh.transport, check=mesh.check)
+        elif built[layout] is not mesh:
             plan[path] = built[layout]
-    return choice, plan
+    return plan
+
+
+def _measured(model: nn.Module, mesh: Mesh, auto: Auto, choice: Choice, built: dict) -> Choice:
+    """``choice`` with the ``auto.top`` best predicted rows that fit timed on deep copies of ``model``,
+    the fastest measured picked (every rank times the same rows and gets the slowest rank's times)."""
+    from optimus2d.convert.parallelizer import parallelize  # it imports this module
+
+    rows = [row for row, (*_, fits) in enumerate(choice.table) if fits][: auto.top]
+    measured = {}
+    for row in rows:
+        trial = parallelize(copy.deepcopy(model), mesh, plan=_plan(choice.table[row][0], mesh, built))
+
+        def step(trial=trial):
+            auto.measure(trial)
+            trial.zero_grad(set_to_none=True)
+
+        measured[row] = time_step(step, mesh)
+        del trial
+    if not measured:  # no block to lay out, or none fits
+        return choice
+    layouts, seconds, memory, _ = choice.table[min(measured, key=measured.get)]
+    return Choice(layouts, seconds, memory, choice.table, measured)

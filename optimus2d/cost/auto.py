@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from optimus2d.cost.planner import (
     Hardware,
@@ -115,19 +115,35 @@ def _boundary(block: Block, before: str, after: str, backward: bool, p: int, hw:
 @dataclass(frozen=True)
 class Choice:
     """``layouts``: block path → layout name; ``seconds``/``memory``: its predicted step time and bytes
-    a rank holds; ``table``: every combination, best first, as (layouts, seconds, bytes, fits)."""
+    a rank holds; ``table``: every combination, best predicted first, as (layouts, seconds, bytes,
+    fits); ``measured``: row of ``table`` → its measured step time, for the rows that were timed."""
 
     layouts: dict
     seconds: float
     memory: float
     table: list
+    measured: dict = field(default_factory=dict)
 
     def explain(self, limit: int = 8) -> str:
-        """The candidates as a table, best first (at most ``limit`` rows)."""
-        lines = [f"{'layouts':<48}{'predicted ms':>14}{'MiB a rank':>12}  fits"]
-        for layouts, seconds, memory, fits in self.table[:limit]:
+        """The candidates as a table, best predicted first (at most ``limit`` rows, and every measured
+        one), with a "measured ms" column when some were timed."""
+        head = f"{'layouts':<48}{'predicted ms':>14}" + (f"{'measured ms':>13}" if self.measured else "")
+        lines = [f"{head}{'MiB a rank':>12}  fits"]
+        for row, (layouts, seconds, memory, fits) in enumerate(self.table):
+            if row >= limit and row not in self.measured:
+                continue
             named = ", ".join(f"{path or '(model)'}: {layout}" for path, layout in layouts.items())
-            lines.append(f"{named:<48}{seconds * 1e3:>14.2f}{memory / 2**20:>12.1f}  {'yes' if fits else 'no'}")
+            timed = (
+                ""
+                if not self.measured
+                else f"{self.measured[row] * 1e3:>13.2f}"
+                if row in self.measured
+                else f"{'-':>13}"
+            )
+            picked = "  <- picked" if layouts == self.layouts else ""
+            lines.append(
+                f"{named:<48}{seconds * 1e3:>14.2f}{timed}{memory / 2**20:>12.1f}  {'yes' if fits else 'no'}{picked}"
+            )
         return "\n".join(lines)
 
 

@@ -27,7 +27,7 @@ from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
 from optimus2d.cost.planner import Hardware
 
-__all__ = ["cache_path", "hardware"]
+__all__ = ["cache_path", "hardware", "time_step"]
 
 
 def cache_path() -> Path:
@@ -55,6 +55,29 @@ def _median_s(fn, device: torch.device, runs: int = 5) -> float:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def time_step(step, mesh: Mesh, runs: int = 3) -> float:
+    """Seconds of ``step()`` over ``mesh``: one warm-up, then the median of ``runs``, each started
+    together (a 1-element all-reduce before it); the slowest rank's, so every rank returns the same
+    number. Collective over the mesh."""
+    step()
+    start_together = torch.zeros(1, device=mesh.device)
+    times = []
+    for _ in range(runs):
+        if mesh.size > 1:
+            P.all_reduce(start_together, mesh, "mesh")
+        if mesh.device.type == "cuda":
+            torch.cuda.synchronize(mesh.device)
+        start = time.perf_counter()
+        step()
+        if mesh.device.type == "cuda":
+            torch.cuda.synchronize(mesh.device)
+        times.append(time.perf_counter() - start)
+    seconds = torch.tensor([statistics.median(times)], dtype=torch.float64, device=mesh.device)
+    if mesh.size > 1:
+        P.all_reduce_max(seconds, mesh, "mesh")
+    return seconds.item()
 
 
 def _measure(mesh: Mesh) -> list[float]:
