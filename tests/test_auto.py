@@ -115,3 +115,20 @@ def test_the_blocks_are_the_mlps_with_their_flags_in_order():
     assert all(b.splits_1d and b.rows == 64 and b.kind == "mlp" for b in blocks)
     assert [b.input_grad for b in _blocks(Model(token=True), tokens=64, ranks=4)] == [True, True, True]
     assert [b.splits_1d for b in _blocks(Model(token=False), tokens=64, ranks=3)] == [False, False, False]
+
+
+def test_torch_transformer_layers_are_blocks_offered_only_the_grids_their_sizes_divide():
+    from torch import nn
+
+    from optimus2d.convert.auto import _blocks
+
+    def layer(heads):
+        return nn.TransformerEncoderLayer(24, heads, 48, dropout=0.0, batch_first=True)
+
+    model = nn.Sequential(layer(3), layer(6))
+    model[0].requires_grad_(False)
+    blocks = _blocks(model, tokens=64, ranks=4, seq=8, own_q=1)
+    got = [(b.path, b.kind, b.hidden, b.ffn, b.heads, b.seq, b.frozen, b.input_grad) for b in blocks]
+    assert got == [("0", "layer", 24, 48, 3, 8, True, False), ("1", "layer", 24, 48, 6, 8, False, False)]
+    assert candidates(blocks[0], 4) == ["1×1×4"] and candidates(blocks[1], 4) == ["2×2×1", "1×1×4"]
+    assert candidates(_blocks(model, tokens=64, ranks=4, own_q=2)[0], 4) == ["2×2×1", "1×1×4"]  # the mesh's own

@@ -79,6 +79,8 @@ def test_auto_refuses_what_it_cannot_read_on_every_rank(world):
         optimus2d.parallelize(model, Mesh(1, world.size), plan="fastest")
     with pytest.raises(ValueError, match="positive number of rows"):  # one rank's bad request: every rank's
         optimus2d.parallelize(model, Mesh(1, world.size), plan=Auto(tokens=0 if world.rank == 0 else 64))
+    with pytest.raises(ValueError, match=r"seq=65\) must be a sequence length within tokens=64"):
+        optimus2d.parallelize(model, Mesh(1, world.size), plan=Auto(tokens=64, seq=65, hardware=HW))
     if world.size > 1:  # ranks that ask for different plans: all refuse, before any mesh is built
         with pytest.raises(ValueError, match="plan='auto'"):
             optimus2d.parallelize(model, Mesh(1, world.size), plan=Auto(tokens=64 + world.rank, hardware=HW))
@@ -145,3 +147,38 @@ def test_a_measure_that_cannot_run_is_refused_on_every_rank(world):
         on_meta = TwoMLPs(6 * world.size)
     with pytest.raises(ValueError, match=r"on meta: \['mlp1\.0\.weight'"):
         optimus2d.parallelize(on_meta, Mesh(1, world.size), plan=Auto(hardware=HW, measure=print))
+
+
+class Layers(nn.Module):
+    """Two torch transformer layers (the first frozen) and an MLP head: the blocks ``plan="auto"`` lays out."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        make = lambda: nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True)  # noqa: E731
+        self.first, self.second = make(), make()
+        self.first.requires_grad_(False)
+        self.head = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.second(self.first(x)))
+
+
+def test_auto_lays_out_torch_transformer_layers_and_is_exact_on_every_mesh(world):
+    torch.manual_seed(1)
+    x = torch.randn(2 * world.size, 4, 6 * world.size, dtype=torch.float64)
+    picked = set()
+    for mesh in _meshes_of(world):  # on 1×1×4, 3 heads: never offered the 2×2 grid (refused there)
+        for tokens, memory in ((8, None), (1 << 22, None), (8, 1.0)):  # a cap none fits: the leanest
+            torch.manual_seed(0)
+            serial = Layers(6 * world.size, heads=3 * mesh.q).double()
+            auto = Auto(tokens=tokens, seq=4, memory=memory, hardware=HW)
+            choice, _ = choose_plan(serial, mesh, auto)
+            picked |= {choice.layouts["first"], choice.layouts["second"]}
+            assert set(choice.layouts) == {"first", "second", "head"}
+            assert all(layout != "1d" for path, layout in choice.layouts.items() if path != "head")
+            parallel = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=auto)
+            for path in ("first", "second", "head"):
+                assert _layout_of(getattr(parallel, path), mesh) == choice.layouts[path], (path, choice.layouts)
+            check_against_serial(serial, parallel, x, mesh, tol=1e-9)  # SGD: AdamW steps a key bias by its rounding
+    if world.size == 4:  # the layers on the batch-split mesh and on the 2×2 grid, each exact
+        assert {"1×1×4", "2×2×1"} <= picked, picked

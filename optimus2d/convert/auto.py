@@ -1,14 +1,16 @@
-"""``parallelize(model, mesh, plan="auto")``: a layout for each MLP of the model, chosen by predicted cost.
+"""``parallelize(model, mesh, plan="auto")``: a layout for each MLP and layer of a model, chosen by cost.
 
 The blocks are the model's MLPs that Megatron's 1D split knows (``megatron.split_of`` without
 attention heads: an ``nn.Sequential`` Linear–element-wise–Linear, LLaMA's, CLIP's and SigLIP's
-MLPs, LLaVA's projector), outermost first, the model itself excepted (a 1D module needs a
-boundary around it). Each may stay on the model's mesh, move to another mesh shape over the same
-ranks (2×2, 1×1×4: its weights whole, the batch split), or run in 1D (``megatron.Megatron``); the
-rest of the model stays on the mesh. ``cost.auto.choose`` prices every combination on this
-machine's ``Hardware`` (``cost.calibration.hardware``, measured once and cached) for ``tokens``
-rows a step and keeps the fastest whose bytes a rank fit ``memory``. A gated MLP (three linears)
-is priced as an MLP of the same weights (f' = 3f/2).
+MLPs, LLaVA's projector) and its ``nn.TransformerEncoderLayer``s (priced as pre-norm layers over
+sequences of ``Auto(seq=)``; mesh shapes only: their attention has no 1D split), outermost first,
+the model itself excepted (a 1D module needs a boundary around it). Each may stay on the model's
+mesh, move to another mesh shape over the same ranks (2×2, 1×1×4: its weights whole, the batch
+split), or run in 1D (``megatron.Megatron``); the rest of the model stays on the mesh.
+``cost.auto.choose`` prices every combination on this machine's ``Hardware``
+(``cost.calibration.hardware``, measured once and cached) for ``tokens`` rows a step and keeps the
+fastest whose bytes a rank fit ``memory``. A gated MLP (three linears) is priced as an MLP of the
+same weights (f' = 3f/2).
 
 ``Auto(tokens=, memory=, explain=)`` says for what: ``plan="auto"`` is ``Auto()``, 8192 tokens a
 step and no memory cap. ``explain=True`` prints the candidates (rank 0) before converting.
@@ -22,6 +24,7 @@ the ``Choice`` and the plan without converting.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -45,7 +48,8 @@ class Auto:
     table of candidates on rank 0 of the mesh; ``hardware``: the costs to price with (a cluster's,
     ``cost.planner.Hardware``; default this machine's, ``cost.calibration.hardware``); ``measure``:
     ``step(model)``, one forward and backward of a converted model, to time the ``top`` best predicted
-    candidates with and pick the fastest measured (None: the best predicted, nothing run)."""
+    candidates with and pick the fastest measured (None: the best predicted, nothing run); ``seq``:
+    the length of the sequences the model's transformer layers attend over."""
 
     tokens: int = 8192
     memory: float | None = None
@@ -53,14 +57,31 @@ class Auto:
     hardware: Hardware | None = None  # the costs to price with; None: this machine's, measured (cached)
     measure: Callable[[nn.Module], object] | None = None
     top: int = 4
+    seq: int = 1  # the sequence length a transformer layer attends over (1: its projections alone priced)
 
 
-def _blocks(model: nn.Module, tokens: int, ranks: int) -> list[Block]:
-    """The model's MLP blocks, outermost first, in the order ``named_modules`` gives them."""
+def _divides(sizes: list[int], ranks: int, own: int) -> tuple[int, ...]:
+    """The grid sizes q (q² dividing ``ranks``) that divide every one of ``sizes``, and ``own`` (the
+    model's mesh's: a block that does not fit it is refused there, by ``parallelize``, as without a plan)."""
+    fits = {q for q in range(1, math.isqrt(ranks) + 1) if ranks % (q * q) == 0 and all(n % q == 0 for n in sizes)}
+    return tuple(sorted(fits | {own}))
+
+
+def _blocks(model: nn.Module, tokens: int, ranks: int, seq: int = 1, own_q: int = 1) -> list[Block]:
+    """The model's MLP and transformer-layer blocks, outermost first, in ``named_modules``' order."""
     blocks, inside = [], []
     trained_before = any(p.requires_grad for p in model.parameters(recurse=False))  # the model's own (a token)
     for path, module in model.named_modules():
         if path == "" or any(path.startswith(f"{outer}.") for outer in inside):
+            continue
+        if isinstance(module, nn.TransformerEncoderLayer):
+            frozen = not any(p.requires_grad for p in module.parameters())
+            hidden, ffn, heads = module.linear1.in_features, module.linear1.out_features, module.self_attn.num_heads
+            qs = _divides([hidden, ffn, heads], ranks, own_q)
+            blocks.append(Block(path, "layer", tokens, hidden, ffn, heads=heads, seq=seq, frozen=frozen,
+                                input_grad=trained_before, qs=qs))  # fmt: skip
+            trained_before |= not frozen
+            inside.append(path)
             continue
         split = split_of(module)
         if split is None or split.heads(module):
@@ -70,11 +91,12 @@ def _blocks(model: nn.Module, tokens: int, ranks: int) -> list[Block]:
         hidden = next(lin.in_features for name, lin in zip(split.roles, linears, strict=True)
                       if split.roles[name] == COLWISE)  # fmt: skip
         weights = sum(lin.in_features * lin.out_features for lin in linears)
+        sizes = [n for lin in linears for n in (lin.in_features, lin.out_features)]
         frozen = not any(p.requires_grad for p in module.parameters())
         _, refused = tensor_parallel_plan(module, path, ranks)
         blocks.append(
             Block(path, "mlp", tokens, hidden, weights // (2 * hidden), frozen=frozen, input_grad=trained_before,
-                  splits_1d=not refused)
+                  splits_1d=not refused, qs=_divides(sizes, ranks, own_q))
         )  # fmt: skip
         trained_before |= not frozen
         inside.append(path)
@@ -91,6 +113,8 @@ def choose_plan(model: nn.Module, mesh: Mesh, auto: Auto | str = "auto") -> tupl
         error = TypeError(f"parallelize: plan= is a mapping, 'auto' or an Auto(...), got {auto!r}")
     elif not isinstance(auto.tokens, int) or isinstance(auto.tokens, bool) or auto.tokens < 1:
         error = ValueError(f"parallelize: Auto(tokens={auto.tokens!r}) must be a positive number of rows a step")
+    elif not isinstance(auto.seq, int) or isinstance(auto.seq, bool) or not 1 <= auto.seq <= auto.tokens:
+        error = ValueError(f"parallelize: Auto(seq={auto.seq!r}) must be a sequence length within tokens={auto.tokens}")
     elif auto.measure is not None and not callable(auto.measure):
         error = TypeError(f"parallelize: Auto(measure=) takes step(model), a function; got {auto.measure!r}")
     elif not isinstance(auto.top, int) or isinstance(auto.top, bool) or auto.top < 1:
@@ -107,7 +131,7 @@ def choose_plan(model: nn.Module, mesh: Mesh, auto: Auto | str = "auto") -> tupl
     if error is not None:  # a mesh of one rank, or checks off: raised here
         raise error
     here = f"{mesh.q}×{mesh.q}×{mesh.depth}"
-    blocks = _blocks(model, auto.tokens, mesh.size)
+    blocks = _blocks(model, auto.tokens, mesh.size, auto.seq, mesh.q)
     costs = auto.hardware if auto.hardware is not None else hardware(mesh)
     # on a mesh with replicas (pipeline stages, copies) the model's own mesh only: 1D is refused there,
     # and another mesh shape is built by every rank of the world while the others convert other modules

@@ -39,7 +39,7 @@ class Block:
     """A module to lay out: ``kind`` "mlp" (h → f → h) or "layer" (a pre-norm transformer layer of
     ``heads`` heads over sequences of ``seq``), at ``path``; ``rows``: tokens a step; ``frozen``: no
     weight gradient; ``input_grad``: a gradient goes back from its input; ``splits_1d``: it may run
-    in Megatron's 1D layout."""
+    in Megatron's 1D layout; ``qs``: the grid sizes q its dimensions divide (empty: any)."""
 
     path: str
     kind: str
@@ -51,6 +51,7 @@ class Block:
     frozen: bool = False
     input_grad: bool = False
     splits_1d: bool = False
+    qs: tuple[int, ...] = ()
 
     @property
     def params(self) -> int:
@@ -59,7 +60,11 @@ class Block:
 
 def candidates(block: Block, p: int) -> list[str]:
     """The layouts ``block`` may take over ``p`` ranks: "q×q×d" for each mesh shape, then "1d"."""
-    shapes = [f"{q}×{q}×{p // (q * q)}" for q in range(math.isqrt(p), 0, -1) if p % (q * q) == 0]
+    shapes = [
+        f"{q}×{q}×{p // (q * q)}"
+        for q in range(math.isqrt(p), 0, -1)
+        if p % (q * q) == 0 and (not block.qs or q in block.qs)
+    ]
     return shapes + (["1d"] if block.splits_1d and p > 1 else [])
 
 
