@@ -20,6 +20,11 @@ calibrated in this run (``benchmarks/calibrate.py``), its pick under ``--cap-mib
 measured best agrees. Parameters, their gradients and two AdamW moments of the trained modules
 count against the cap (16 bytes a trained parameter, 4 a frozen one, plus what autograd keeps).
 
+One more peer per encoder setting: ``parallelize(model, mesh, plan=Auto(tokens=, seq=, memory=))``
+(``plan="auto"`` on the world's squarest mesh, costs from ``optimus2d.cost.calibration``): each
+encoder and LM layer on the mesh shape it predicts fastest, checked and timed with the rest, and
+reported against the measured best of the mesh pairs ("auto ÷ best").
+
 ``--workloads`` runs several shapes in one process (a size given on the command line overrides
 theirs), each as above, and ends with one line per workload: the best homogeneous layout (every
 module on one mesh), the best heterogeneous one, the planner's pick and the measured best, with the
@@ -45,6 +50,7 @@ from torch import nn
 import optimus2d
 from benchmarks import calibrate, compare
 from benchmarks.compare import Peer
+from optimus2d.convert import choose_plan
 from optimus2d.cost.planner import Layer, Part, propose_layouts
 
 
@@ -107,6 +113,19 @@ def _peer(serial, enc: optimus2d.Mesh, lm: optimus2d.Mesh, x, probe, frozen: boo
     )
 
 
+def _auto_peer(serial, mesh: optimus2d.Mesh, plan: dict, x, probe, frozen: bool) -> Peer:
+    """``plan="auto"``'s layouts (``plan``, from ``choose_plan``) applied to a copy of ``serial`` on ``mesh``."""
+    model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=plan)
+    local_x, local_probe = optimus2d.scatter(x, mesh, check=False), optimus2d.scatter(probe, mesh, check=False)
+    return Peer(
+        f"{'frozen' if frozen else 'trained'} encoder, plan='auto' on {_shape(mesh)}",
+        model,
+        lambda: model(local_x),
+        lambda out: (out * local_probe).sum().backward(),
+        lambda out: optimus2d.gather(out, mesh),
+    )
+
+
 def _sent_bytes(peer: Peer) -> int:
     """The most bytes a rank sends in one fwd+bwd step (``count_comm``), over the ranks."""
     with optimus2d.count_comm() as counter:
@@ -134,18 +153,21 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     summary = [_verdict(name, result["rows"]) for name, result in results.items()]
     if dist.get_rank() == 0:
         print(f"{'workload':16} {'best homogeneous':>32} {'best heterogeneous':>34} {'hetero ÷ homo':>13} "
-              f"{'pick ÷ best':>11}  the planner's pick")  # fmt: skip
+              f"{'pick ÷ best':>11} {'auto ÷ best':>11}  the planner's pick")  # fmt: skip
         for v in summary:
             print(
                 f"{v['workload']:16} {v['homogeneous']:>24} {v['homogeneous_ms']:6.1f} ms "
                 f"{v['heterogeneous']:>26} {v['heterogeneous_ms']:6.1f} ms {v['speedup']:13.2f} "
-                f"{v['pick_over_best']:11.3f}  {v['pick']} (best: {v['best']})"
+                f"{v['pick_over_best']:11.3f} {v['auto_over_best']:11.3f}  {v['pick']} (best: {v['best']})"
             )
     return {"ranks": p, "workloads": results, "summary": summary}
 
 
 def _verdict(name: str, rows: list[dict]) -> dict:
-    """A workload's line: its best homogeneous and heterogeneous layouts, the pick, the best."""
+    """A workload's line: its best homogeneous and heterogeneous layouts, the pick, the best (of the
+    mesh pairs), and ``plan="auto"``'s time over that best."""
+    auto = min((r for r in rows if r["auto"]), key=lambda r: r["train_ms"])
+    rows = [r for r in rows if not r["auto"]]
     homo = min((r for r in rows if r["encoder"] == r["lm"]), key=lambda r: r["train_ms"])
     hetero = min((r for r in rows if r["encoder"] != r["lm"]), key=lambda r: r["train_ms"])
     best, pick = min(rows, key=lambda r: r["train_ms"]), next(r for r in rows if r["plan_pick"])
@@ -153,7 +175,8 @@ def _verdict(name: str, rows: list[dict]) -> dict:
         "workload": name, "homogeneous": homo["peer"], "homogeneous_ms": homo["train_ms"],
         "heterogeneous": hetero["peer"], "heterogeneous_ms": hetero["train_ms"],
         "speedup": homo["train_ms"] / hetero["train_ms"], "pick": pick["peer"], "best": best["peer"],
-        "pick_over_best": pick["train_ms"] / best["train_ms"],
+        "pick_over_best": pick["train_ms"] / best["train_ms"], "auto": auto["peer"],
+        "auto_over_best": auto["train_ms"] / best["train_ms"], "auto_layouts": auto["layouts"],
     }  # fmt: skip
 
 
@@ -175,6 +198,9 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
             reference = serial(x)
         combos = list(itertools.product(shapes, repeat=2))
         peers = [_peer(serial, meshes[e], meshes[m], x, probe, frozen) for e, m in combos]
+        auto = optimus2d.Auto(tokens=args.batch * args.seq, seq=args.seq, memory=cap)
+        choice, plan = choose_plan(serial, mesh, auto)
+        peers.append(_auto_peer(serial, mesh, plan, x, probe, frozen))
         compare.check(peers, reference)
         sent = [_sent_bytes(peer) for peer in peers]
         compare.time_rounds(peers, args.rounds, device, f"{'frozen' if frozen else 'trained'} encoder")
@@ -186,13 +212,18 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
         ]  # fmt: skip
         proposal = propose_layouts(parts, p, hw, memory_cap=cap)
         predicted = {(tuple(r[0]["encoder"]), tuple(r[0]["lm"])): r for r in proposal.table}
-        for (e, m), row, nbytes in zip(combos, measured, sent, strict=True):
+        for (e, m), row, nbytes in zip(combos, measured[:-1], sent[:-1], strict=True):  # the last: plan="auto"
             _, seconds, memory, fits = predicted[(e, m)]
             row.update(
                 frozen=frozen, encoder=list(e), lm=list(m), sent_bytes=nbytes, predicted_ms=1e3 * seconds,
                 predicted_memory=memory, fits_cap=fits, plan_pick=(e, m) == (proposal.layouts["encoder"],
-                proposal.layouts["lm"]),
+                proposal.layouts["lm"]), auto=False,
             )  # fmt: skip
+        measured[-1].update(
+            frozen=frozen, encoder=None, lm=None, sent_bytes=sent[-1], predicted_ms=1e3 * choice.seconds,
+            predicted_memory=choice.memory, fits_cap=choice.memory <= cap, plan_pick=False, auto=True,
+            layouts=choice.layouts,
+        )  # fmt: skip
         rows += measured
     _print(rows, args, p, hw)
     return {"config": vars(args), "ranks": p, "hardware": calibrate._fields(hw), "rows": rows}
@@ -214,7 +245,7 @@ def _print(rows: list[dict], args: argparse.Namespace, p: int, hw) -> None:
             f"{'yes' if r['fits_cap'] else 'no':>5} {'<-' if r['plan_pick'] else ''}"
         )
     for frozen in dict.fromkeys(r["frozen"] for r in rows):
-        mine = [r for r in rows if r["frozen"] == frozen]
+        mine = [r for r in rows if r["frozen"] == frozen and not r["auto"]]
         pick = next(r for r in mine if r["plan_pick"])
         for label, pool in (("every layout", mine), ("within the cap", [r for r in mine if r["fits_cap"]])):
             homo = min((r for r in pool if r["encoder"] == r["lm"]), key=lambda r: r["train_ms"], default=None)
@@ -227,3 +258,12 @@ def _print(rows: list[dict], args: argparse.Namespace, p: int, hw) -> None:
                 f"÷ best homogeneous ({homo['peer']}) throughput {homo['train_ms'] / hetero['train_ms']:.2f}; "
                 f"measured best {best['peer']!r}" + (f"; the plan's pick {pick['peer']!r}" if pick in pool else "")
             )
+        auto, best = (
+            next(r for r in rows if r["frozen"] == frozen and r["auto"]),
+            min(mine, key=lambda r: r["train_ms"]),
+        )
+        placed = ", ".join(f"{path}: {layout}" for path, layout in auto["layouts"].items())
+        print(
+            f"  plan='auto' {auto['train_ms']:.1f} ms, {auto['train_ms'] / best['train_ms']:.2f}× the measured best: "
+            + placed
+        )

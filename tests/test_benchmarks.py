@@ -246,7 +246,11 @@ def test_vlm_benchmark_compares_layouts_per_workload_and_the_planners_pick(tmp_p
     result = json.loads((tmp_path / "vlm-p4-q2d1.json").read_text())
     assert [v["workload"] for v in result["summary"]] == ["small-frozen", "long-sequence"]
     for verdict, rows in zip(result["summary"], result["workloads"].values(), strict=True):
-        times = {r["peer"]: r["train_ms"] for r in rows["rows"]}
+        times = {r["peer"]: r["train_ms"] for r in rows["rows"] if not r["auto"]}
         assert len(times) == 4 and sum(r["plan_pick"] for r in rows["rows"]) == 1  # 2 meshes² on 4 ranks
         assert verdict["pick_over_best"] == times[verdict["pick"]] / min(times.values())
+        (auto,) = [r for r in rows["rows"] if r["auto"]]  # plan="auto": a layout for each of the 2 layers
+        assert set(auto["layouts"]) == {"encoder.layers.0", "lm.layers.0"} and auto["train_ms"] > 0
+        assert set(auto["layouts"].values()) <= {"2×2×1", "1×1×4"}
+        assert verdict["auto_over_best"] == auto["train_ms"] / min(times.values())
         assert verdict["speedup"] == times[verdict["homogeneous"]] / times[verdict["heterogeneous"]]
