@@ -19,7 +19,7 @@ from torch import nn
 
 import optimus2d
 from optimus2d import Mesh
-from optimus2d.convert.auto import Auto, choose_plan
+from optimus2d.convert import Auto, choose_plan
 from optimus2d.cost import calibration
 from optimus2d.cost.planner import Hardware
 from optimus2d.megatron import runs_split

@@ -11,12 +11,13 @@ shared embedding tables shared; ``layouts.py`` moves tensors between per-module 
 This is the API for writing converters; a training script needs only ``optimus2d.parallelize``.
 """
 
-from optimus2d.convert.auto import Auto, choose_plan
+from optimus2d.convert.auto import Auto
 from optimus2d.convert.blockwise import as_norm, forward_problems
 from optimus2d.convert.meta_init import materialize
 from optimus2d.convert.parallelizer import (
     ELEMENTWISE,
     Converter,
+    choose_plan,
     convert_children,
     converter_for,
     keep,

@@ -103,10 +103,13 @@ def _blocks(model: nn.Module, tokens: int, ranks: int, seq: int = 1, own_q: int 
     return blocks
 
 
-def choose_plan(model: nn.Module, mesh: Mesh, auto: Auto | str = "auto") -> tuple[Choice, dict]:
+def choose_plan(
+    model: nn.Module, mesh: Mesh, auto: Auto | str = "auto", *, convert: Callable | None = None
+) -> tuple[Choice, dict]:
     """(the choice with its table, the ``plan=`` that applies it) for ``model`` on ``mesh``.
     Collective over the mesh (the calibration, or its cached value, agreed from rank 0; building the
-    meshes the plan names). No model is changed."""
+    meshes the plan names). No model is changed. ``convert``: ``parallelize``, for the copies
+    ``Auto(measure=)`` times (``optimus2d.convert.choose_plan`` passes it)."""
     auto = Auto() if isinstance(auto, str) and auto == "auto" else auto
     error = None
     if not isinstance(auto, Auto):
@@ -115,6 +118,8 @@ def choose_plan(model: nn.Module, mesh: Mesh, auto: Auto | str = "auto") -> tupl
         error = ValueError(f"parallelize: Auto(tokens={auto.tokens!r}) must be a positive number of rows a step")
     elif not isinstance(auto.seq, int) or isinstance(auto.seq, bool) or not 1 <= auto.seq <= auto.tokens:
         error = ValueError(f"parallelize: Auto(seq={auto.seq!r}) must be a sequence length within tokens={auto.tokens}")
+    elif auto.measure is not None and convert is None:
+        error = TypeError("choose_plan: Auto(measure=) converts copies: call optimus2d.convert.choose_plan")
     elif auto.measure is not None and not callable(auto.measure):
         error = TypeError(f"parallelize: Auto(measure=) takes step(model), a function; got {auto.measure!r}")
     elif not isinstance(auto.top, int) or isinstance(auto.top, bool) or auto.top < 1:
@@ -139,7 +144,7 @@ def choose_plan(model: nn.Module, mesh: Mesh, auto: Auto | str = "auto") -> tupl
     choice = choose(blocks, mesh.size, costs, memory_cap=auto.memory, layout=here, only=only)
     built = {here: mesh}
     if auto.measure is not None:
-        choice = _measured(model, mesh, auto, choice, built)
+        choice = _measured(model, mesh, auto, choice, built, convert)
     if auto.explain and mesh.rank == mesh.ranks[0]:
         where = f"Mesh(q={mesh.q}, depth={mesh.depth})"
         print(f"plan='auto' on {where} for {auto.tokens} tokens a step:\n{choice.explain()}", flush=True)
@@ -161,15 +166,13 @@ def _plan(layouts: dict, mesh: Mesh, built: dict) -> dict:
     return plan
 
 
-def _measured(model: nn.Module, mesh: Mesh, auto: Auto, choice: Choice, built: dict) -> Choice:
+def _measured(model: nn.Module, mesh: Mesh, auto: Auto, choice: Choice, built: dict, convert: Callable) -> Choice:
     """``choice`` with the ``auto.top`` best predicted rows that fit timed on deep copies of ``model``,
     the fastest measured picked (every rank times the same rows and gets the slowest rank's times)."""
-    from optimus2d.convert.parallelizer import parallelize  # it imports this module
-
     rows = [row for row, (*_, fits) in enumerate(choice.table) if fits][: auto.top]
     measured = {}
     for row in rows:
-        trial = parallelize(copy.deepcopy(model), mesh, plan=_plan(choice.table[row][0], mesh, built))
+        trial = convert(copy.deepcopy(model), mesh, plan=_plan(choice.table[row][0], mesh, built))
 
         def step(trial=trial):
             auto.measure(trial)

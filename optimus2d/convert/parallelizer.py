@@ -22,11 +22,13 @@ from optimus2d.comm.calls import layout
 from optimus2d.comm.dtensor import DIM_NAMES
 from optimus2d.comm.mesh import Mesh, as_mesh
 from optimus2d.context.parallel import ContextParallel
+from optimus2d.convert import auto as auto_plan
 from optimus2d.convert import blockwise, forward_reader, layouts
-from optimus2d.convert.auto import Auto, choose_plan
+from optimus2d.convert.auto import Auto
 from optimus2d.convert.dtensor_params import distribute_parameters
 from optimus2d.convert.meta_init import has_meta, record_init
 from optimus2d.convert.tied import tied_embeddings
+from optimus2d.cost.auto import Choice
 from optimus2d.layers import (
     Dropout2D,
     Embedding2D,
@@ -610,3 +612,9 @@ class _KeepAsRead:
         if self.reading.draws:
             forward_reader.draw_per_shard(module, mesh)
         return module
+
+
+def choose_plan(model: nn.Module, mesh: Mesh, auto: Auto | str = "auto") -> tuple[Choice, dict]:
+    """``plan="auto"``'s (choice with its table, ``plan=``) for ``model`` on ``mesh``, nothing converted
+    (``convert.auto.choose_plan``; the copies ``Auto(measure=)`` times are converted by ``parallelize``)."""
+    return auto_plan.choose_plan(model, mesh, auto, convert=parallelize)
