@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -113,12 +114,18 @@ def _peer(serial, enc: optimus2d.Mesh, lm: optimus2d.Mesh, x, probe, frozen: boo
     )
 
 
-def _auto_peer(serial, mesh: optimus2d.Mesh, plan: dict, x, probe, frozen: bool) -> Peer:
-    """``plan="auto"``'s layouts (``plan``, from ``choose_plan``) applied to a copy of ``serial`` on ``mesh``."""
+def _step_of(local_x: torch.Tensor, local_probe: torch.Tensor):
+    """``Auto(measure=)``'s step: the peers' own forward and backward."""
+    return lambda model: (model(local_x) * local_probe).sum().backward()
+
+
+def _auto_peer(serial, mesh: optimus2d.Mesh, plan: dict, x, probe, frozen: bool, timed: bool) -> Peer:
+    """``plan="auto"``'s layouts (``plan``, from ``choose_plan``; ``timed``: with ``measure=``) applied to a
+    copy of ``serial`` on ``mesh``."""
     model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=plan)
     local_x, local_probe = optimus2d.scatter(x, mesh, check=False), optimus2d.scatter(probe, mesh, check=False)
     return Peer(
-        f"{'frozen' if frozen else 'trained'} encoder, plan='auto' on {_shape(mesh)}",
+        f"{'frozen' if frozen else 'trained'} encoder, plan='auto'{' measured' if timed else ''} on {_shape(mesh)}",
         model,
         lambda: model(local_x),
         lambda out: (out * local_probe).sum().backward(),
@@ -153,12 +160,13 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     summary = [_verdict(name, result["rows"]) for name, result in results.items()]
     if dist.get_rank() == 0:
         print(f"{'workload':16} {'best homogeneous':>32} {'best heterogeneous':>34} {'hetero ÷ homo':>13} "
-              f"{'pick ÷ best':>11} {'auto ÷ best':>11}  the planner's pick")  # fmt: skip
+              f"{'pick ÷ best':>11} {'auto ÷ best':>11} {'measured':>8}  the planner's pick")  # fmt: skip
         for v in summary:
             print(
                 f"{v['workload']:16} {v['homogeneous']:>24} {v['homogeneous_ms']:6.1f} ms "
                 f"{v['heterogeneous']:>26} {v['heterogeneous_ms']:6.1f} ms {v['speedup']:13.2f} "
-                f"{v['pick_over_best']:11.3f} {v['auto_over_best']:11.3f}  {v['pick']} (best: {v['best']})"
+                f"{v['pick_over_best']:11.3f} {v['auto_over_best']:11.3f} {v['measured_auto_over_best']:8.3f}  "
+                f"{v['pick']} (best: {v['best']})"
             )
     return {"ranks": p, "workloads": results, "summary": summary}
 
@@ -166,7 +174,8 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
 def _verdict(name: str, rows: list[dict]) -> dict:
     """A workload's line: its best homogeneous and heterogeneous layouts, the pick, the best (of the
     mesh pairs), and ``plan="auto"``'s time over that best."""
-    auto = min((r for r in rows if r["auto"]), key=lambda r: r["train_ms"])
+    auto = min((r for r in rows if r["auto"] and not r["measured"]), key=lambda r: r["train_ms"])
+    timed = min((r for r in rows if r["auto"] and r["measured"]), key=lambda r: r["train_ms"])
     rows = [r for r in rows if not r["auto"]]
     homo = min((r for r in rows if r["encoder"] == r["lm"]), key=lambda r: r["train_ms"])
     hetero = min((r for r in rows if r["encoder"] != r["lm"]), key=lambda r: r["train_ms"])
@@ -177,6 +186,7 @@ def _verdict(name: str, rows: list[dict]) -> dict:
         "speedup": homo["train_ms"] / hetero["train_ms"], "pick": pick["peer"], "best": best["peer"],
         "pick_over_best": pick["train_ms"] / best["train_ms"], "auto": auto["peer"],
         "auto_over_best": auto["train_ms"] / best["train_ms"], "auto_layouts": auto["layouts"],
+        "measured_auto_over_best": timed["train_ms"] / best["train_ms"], "measured_auto_layouts": timed["layouts"],
     }  # fmt: skip
 
 
@@ -198,9 +208,14 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
             reference = serial(x)
         combos = list(itertools.product(shapes, repeat=2))
         peers = [_peer(serial, meshes[e], meshes[m], x, probe, frozen) for e, m in combos]
+        local_x, local_probe = optimus2d.scatter(x, mesh, check=False), optimus2d.scatter(probe, mesh, check=False)
         auto = optimus2d.Auto(tokens=args.batch * args.seq, seq=args.seq, memory=cap)
-        choice, plan = choose_plan(serial, mesh, auto)
-        peers.append(_auto_peer(serial, mesh, plan, x, probe, frozen))
+        timed = replace(auto, measure=_step_of(local_x, local_probe), top=3)  # the 3 best predicted, timed
+        choices = [choose_plan(serial, mesh, a) for a in (auto, timed)]
+        peers += [
+            _auto_peer(serial, mesh, plan, x, probe, frozen, a is timed)
+            for a, (_, plan) in zip((auto, timed), choices, strict=True)
+        ]
         compare.check(peers, reference)
         sent = [_sent_bytes(peer) for peer in peers]
         compare.time_rounds(peers, args.rounds, device, f"{'frozen' if frozen else 'trained'} encoder")
@@ -212,18 +227,19 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
         ]  # fmt: skip
         proposal = propose_layouts(parts, p, hw, memory_cap=cap)
         predicted = {(tuple(r[0]["encoder"]), tuple(r[0]["lm"])): r for r in proposal.table}
-        for (e, m), row, nbytes in zip(combos, measured[:-1], sent[:-1], strict=True):  # the last: plan="auto"
+        for (e, m), row, nbytes in zip(combos, measured[:-2], sent[:-2], strict=True):  # the last two: plan="auto"
             _, seconds, memory, fits = predicted[(e, m)]
             row.update(
                 frozen=frozen, encoder=list(e), lm=list(m), sent_bytes=nbytes, predicted_ms=1e3 * seconds,
                 predicted_memory=memory, fits_cap=fits, plan_pick=(e, m) == (proposal.layouts["encoder"],
                 proposal.layouts["lm"]), auto=False,
             )  # fmt: skip
-        measured[-1].update(
-            frozen=frozen, encoder=None, lm=None, sent_bytes=sent[-1], predicted_ms=1e3 * choice.seconds,
-            predicted_memory=choice.memory, fits_cap=choice.memory <= cap, plan_pick=False, auto=True,
-            layouts=choice.layouts,
-        )  # fmt: skip
+        for row, nbytes, (choice, _), timed_too in zip(measured[-2:], sent[-2:], choices, (False, True), strict=True):
+            row.update(
+                frozen=frozen, encoder=None, lm=None, sent_bytes=nbytes, predicted_ms=1e3 * choice.seconds,
+                predicted_memory=choice.memory, fits_cap=choice.memory <= cap, plan_pick=False, auto=True,
+                layouts=choice.layouts, measured=timed_too,
+            )  # fmt: skip
         rows += measured
     _print(rows, args, p, hw)
     return {"config": vars(args), "ranks": p, "hardware": calibrate._fields(hw), "rows": rows}
@@ -258,12 +274,10 @@ def _print(rows: list[dict], args: argparse.Namespace, p: int, hw) -> None:
                 f"÷ best homogeneous ({homo['peer']}) throughput {homo['train_ms'] / hetero['train_ms']:.2f}; "
                 f"measured best {best['peer']!r}" + (f"; the plan's pick {pick['peer']!r}" if pick in pool else "")
             )
-        auto, best = (
-            next(r for r in rows if r["frozen"] == frozen and r["auto"]),
-            min(mine, key=lambda r: r["train_ms"]),
-        )
-        placed = ", ".join(f"{path}: {layout}" for path, layout in auto["layouts"].items())
-        print(
-            f"  plan='auto' {auto['train_ms']:.1f} ms, {auto['train_ms'] / best['train_ms']:.2f}× the measured best: "
-            + placed
-        )
+        best = min(mine, key=lambda r: r["train_ms"])
+        for auto in (r for r in rows if r["frozen"] == frozen and r["auto"]):
+            placed = ", ".join(f"{path}: {layout}" for path, layout in auto["layouts"].items())
+            print(
+                f"  {auto['peer']}: {auto['train_ms']:.1f} ms, {auto['train_ms'] / best['train_ms']:.2f}× the measured "
+                "best: " + placed
+            )

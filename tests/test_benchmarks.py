@@ -249,8 +249,11 @@ def test_vlm_benchmark_compares_layouts_per_workload_and_the_planners_pick(tmp_p
         times = {r["peer"]: r["train_ms"] for r in rows["rows"] if not r["auto"]}
         assert len(times) == 4 and sum(r["plan_pick"] for r in rows["rows"]) == 1  # 2 meshes² on 4 ranks
         assert verdict["pick_over_best"] == times[verdict["pick"]] / min(times.values())
-        (auto,) = [r for r in rows["rows"] if r["auto"]]  # plan="auto": a layout for each of the 2 layers
-        assert set(auto["layouts"]) == {"encoder.layers.0", "lm.layers.0"} and auto["train_ms"] > 0
-        assert set(auto["layouts"].values()) <= {"2×2×1", "1×1×4"}
+        auto, timed = [r for r in rows["rows"] if r["auto"]]  # plan="auto": a layout for each of the 2 layers
+        for row in (auto, timed):  # predicted, then measured (Auto(measure=))
+            assert set(row["layouts"]) == {"encoder.layers.0", "lm.layers.0"} and row["train_ms"] > 0
+            assert set(row["layouts"].values()) <= {"2×2×1", "1×1×4"}
+        assert not auto["measured"] and timed["measured"]
         assert verdict["auto_over_best"] == auto["train_ms"] / min(times.values())
+        assert verdict["measured_auto_over_best"] == timed["train_ms"] / min(times.values())
         assert verdict["speedup"] == times[verdict["homogeneous"]] / times[verdict["heterogeneous"]]
