@@ -101,36 +101,39 @@ def _shape(mesh: optimus2d.Mesh) -> str:
     return f"{mesh.q}×{mesh.q}" + (f"×{mesh.depth}" if mesh.depth > 1 else "") if mesh.q > 1 else f"1×1×{mesh.depth}"
 
 
-def _peer(serial, enc: optimus2d.Mesh, lm: optimus2d.Mesh, x, probe, frozen: bool) -> Peer:
-    model = optimus2d.parallelize(copy.deepcopy(serial), lm, plan={"encoder": enc})
-    local_x, local_probe = optimus2d.scatter(x, enc, check=False), optimus2d.scatter(probe, lm, check=False)
-    name = f"{'frozen' if frozen else 'trained'} encoder {_shape(enc)}, LM {_shape(lm)}"
+def _peer(name: str, serial, mesh: optimus2d.Mesh, plan: dict, x_mesh: optimus2d.Mesh, x, probe) -> Peer:
+    """A copy of ``serial`` converted on ``mesh`` with ``plan``; its input scattered on ``x_mesh`` (the
+    encoder's), the probe and the output on ``mesh`` (the LM's)."""
+    model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=plan)
+    local_x, local_probe = optimus2d.scatter(x, x_mesh, check=False), optimus2d.scatter(probe, mesh, check=False)
+    step = _Step(local_x, local_probe)
     return Peer(
-        name,
-        model,
-        lambda: model(local_x),
-        lambda out: (out * local_probe).sum().backward(),
-        lambda out: optimus2d.gather(out, lm),
+        name, model, lambda: model(local_x), lambda out: step.backward(out), lambda out: optimus2d.gather(out, mesh)
     )
 
 
-def _step_of(local_x: torch.Tensor, local_probe: torch.Tensor):
-    """``Auto(measure=)``'s step: the peers' own forward and backward."""
-    return lambda model: (model(local_x) * local_probe).sum().backward()
+def _pair_peer(serial, enc: optimus2d.Mesh, lm: optimus2d.Mesh, x, probe, frozen: bool) -> Peer:
+    name = f"{'frozen' if frozen else 'trained'} encoder {_shape(enc)}, LM {_shape(lm)}"
+    return _peer(name, serial, lm, {"encoder": enc}, enc, x, probe)
 
 
 def _auto_peer(serial, mesh: optimus2d.Mesh, plan: dict, x, probe, frozen: bool, timed: bool) -> Peer:
-    """``plan="auto"``'s layouts (``plan``, from ``choose_plan``; ``timed``: with ``measure=``) applied to a
-    copy of ``serial`` on ``mesh``."""
-    model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=plan)
-    local_x, local_probe = optimus2d.scatter(x, mesh, check=False), optimus2d.scatter(probe, mesh, check=False)
-    return Peer(
-        f"{'frozen' if frozen else 'trained'} encoder, plan='auto'{' measured' if timed else ''} on {_shape(mesh)}",
-        model,
-        lambda: model(local_x),
-        lambda out: (out * local_probe).sum().backward(),
-        lambda out: optimus2d.gather(out, mesh),
-    )
+    """``plan="auto"``'s layouts (``plan``, from ``choose_plan``; ``timed``: with ``measure=``) on ``mesh``."""
+    name = f"{'frozen' if frozen else 'trained'} encoder, plan='auto'{' measured' if timed else ''} on {_shape(mesh)}"
+    return _peer(name, serial, mesh, plan, mesh, x, probe)
+
+
+class _Step:
+    """The peers' forward and backward; called on a model, ``Auto(measure=)``'s step."""
+
+    def __init__(self, local_x: torch.Tensor, local_probe: torch.Tensor) -> None:
+        self.x, self.probe = local_x, local_probe
+
+    def backward(self, out: torch.Tensor) -> None:
+        (out * self.probe).sum().backward()
+
+    def __call__(self, model: nn.Module) -> None:
+        self.backward(model(self.x))
 
 
 def _sent_bytes(peer: Peer) -> int:
@@ -207,10 +210,10 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
         with torch.no_grad():
             reference = serial(x)
         combos = list(itertools.product(shapes, repeat=2))
-        peers = [_peer(serial, meshes[e], meshes[m], x, probe, frozen) for e, m in combos]
+        peers = [_pair_peer(serial, meshes[e], meshes[m], x, probe, frozen) for e, m in combos]
         local_x, local_probe = optimus2d.scatter(x, mesh, check=False), optimus2d.scatter(probe, mesh, check=False)
         auto = optimus2d.Auto(tokens=args.batch * args.seq, seq=args.seq, memory=cap)
-        timed = replace(auto, measure=_step_of(local_x, local_probe), top=3)  # the 3 best predicted, timed
+        timed = replace(auto, measure=_Step(local_x, local_probe), top=3)  # the 3 best predicted, timed
         choices = [choose_plan(serial, mesh, a) for a in (auto, timed)]
         peers += [
             _auto_peer(serial, mesh, plan, x, probe, frozen, a is timed)
