@@ -213,7 +213,7 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
         peers = [_pair_peer(serial, meshes[e], meshes[m], x, probe, frozen) for e, m in combos]
         local_x, local_probe = optimus2d.scatter(x, mesh, check=False), optimus2d.scatter(probe, mesh, check=False)
         auto = optimus2d.Auto(tokens=args.batch * args.seq, seq=args.seq, memory=cap)
-        timed = replace(auto, measure=_Step(local_x, local_probe), top=3)  # the 3 best predicted, timed
+        timed = replace(auto, measure=_Step(local_x, local_probe), top=4)  # the 4 best predicted, timed
         choices = [choose_plan(serial, mesh, a) for a in (auto, timed)]
         peers += [
             _auto_peer(serial, mesh, plan, x, probe, frozen, a is timed)

@@ -132,3 +132,51 @@ def test_torch_transformer_layers_are_blocks_offered_only_the_grids_their_sizes_
     assert got == [("0", "layer", 24, 48, 3, 8, True, False), ("1", "layer", 24, 48, 6, 8, False, False)]
     assert candidates(blocks[0], 4) == ["1×1×4"] and candidates(blocks[1], 4) == ["2×2×1", "1×1×4"]
     assert candidates(_blocks(model, tokens=64, ranks=4, own_q=2)[0], 4) == ["2×2×1", "1×1×4"]  # the mesh's own
+
+
+def test_a_part_of_blocks_is_laid_out_whole_with_one_boundary_in_and_out():
+    """A module of two or more blocks of one width (an ``nn.TransformerEncoder``, a Sequential of
+    MLPs) is one "part": laid out whole on each mesh shape, its boundary paid once; MLPs alone in 1D."""
+    from torch import nn
+
+    from optimus2d.convert.auto import _blocks
+
+    def layer():
+        return nn.TransformerEncoderLayer(24, 4, 48, dropout=0.0, batch_first=True)
+
+    def mlp(width=24):
+        return nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.TransformerEncoder(layer(), 3, norm=nn.LayerNorm(24), enable_nested_tensor=False)
+            self.mlps = nn.Sequential(mlp(), nn.LayerNorm(24), mlp())
+            self.mixed = nn.Sequential(mlp(), nn.Linear(24, 24), mlp())  # a weight of its own: no part
+            self.widths = nn.Sequential(mlp(), nn.Linear(24, 12), mlp(12))  # two widths: no part
+            self.head = mlp()
+
+    model = Model()
+    model.encoder.requires_grad_(False)
+    blocks = _blocks(model, tokens=64, ranks=4, seq=8, own_q=2)
+    assert [(b.path, b.kind) for b in blocks] == [
+        ("encoder", "part"), ("mlps", "part"), ("mixed.0", "mlp"), ("mixed.2", "mlp"), ("widths.0", "mlp"),
+        ("widths.2", "mlp"), ("head", "mlp"),
+    ]  # fmt: skip
+    encoder, mlps = blocks[:2]
+    assert [b.path for b in encoder.inner] == ["encoder.layers.0", "encoder.layers.1", "encoder.layers.2"]
+    assert encoder.frozen and not encoder.input_grad and encoder.qs == (1, 2) and encoder.hidden == 24
+    assert encoder.params == sum(b.params for b in encoder.inner)
+    for layout in ("2×2×1", "1×1×4"):  # whole: its blocks' prices summed
+        assert predict(encoder, layout, 4, HW) == tuple(
+            map(sum, zip(*(predict(b, layout, 4, HW) for b in encoder.inner), strict=True))
+        )
+    options = {tuple(sorted(row[0].items())) for row in choose([encoder], 4, HW, layout="2×2×1").table}
+    assert options == {(("encoder", "2×2×1"),), (("encoder", "1×1×4"),)}  # whole only: attention has no 1D
+    rows = {tuple(sorted(row[0].items())): row[1] for row in choose([mlps], 4, HW, layout="2×2×1").table}
+    assert set(rows) == {(("mlps", "2×2×1"),), (("mlps", "1×1×4"),), (("mlps.0", "1d"), ("mlps.2", "1d"))}
+    whole = predict(mlps, "1×1×4", 4, HW)[0]
+    one_boundary = rows[(("mlps", "1×1×4"),)] - whole  # in and out once, not around each MLP
+    alone = choose([mlps.inner[0]], 4, HW, layout="2×2×1").table
+    assert one_boundary == pytest.approx(next(r[1] for r in alone if r[0] == {"mlps.0": "1×1×4"}) - predict(
+        mlps.inner[0], "1×1×4", 4, HW)[0])  # fmt: skip

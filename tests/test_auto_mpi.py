@@ -20,6 +20,7 @@ from torch import nn
 import optimus2d
 from optimus2d import Mesh
 from optimus2d.convert import Auto, choose_plan
+from optimus2d.convert.auto import _plan
 from optimus2d.cost import calibration
 from optimus2d.cost.planner import Hardware
 from optimus2d.megatron import runs_split
@@ -182,3 +183,42 @@ def test_auto_lays_out_torch_transformer_layers_and_is_exact_on_every_mesh(world
             check_against_serial(serial, parallel, x, mesh, tol=1e-9)  # SGD: AdamW steps a key bias by its rounding
     if world.size == 4:  # the layers on the batch-split mesh and on the 2×2 grid, each exact
         assert {"1×1×4", "2×2×1"} <= picked, picked
+
+
+class Parts(nn.Module):
+    """A frozen ``nn.TransformerEncoder`` and a trained stack of two MLPs: two parts ``plan="auto"`` lays
+    out whole (the stack's MLPs also each in 1D)."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).requires_grad_(False)
+        mlp = lambda: nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))  # noqa: E731
+        self.mlps = nn.Sequential(mlp(), nn.LayerNorm(width), mlp())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlps(self.encoder(x))
+
+
+def test_every_layout_of_the_parts_the_planner_offers_is_exact(world):
+    """Each row of the table (a part whole on each mesh shape; the MLPs each in 1D) applied by the plan
+    ``choose_plan`` would return for it, and ``plan=Auto`` itself: exact against serial on every mesh."""
+    torch.manual_seed(1)
+    x = torch.randn(2 * world.size, 4, 6 * world.size, dtype=torch.float64)
+    for mesh in _meshes_of(world):
+        torch.manual_seed(0)
+        serial = Parts(6 * world.size, heads=6).double()
+        auto = Auto(tokens=x.shape[0] * x.shape[1], seq=4, hardware=HW)
+        choice, _ = choose_plan(serial, mesh, auto)
+        assert set(choice.layouts) in ({"encoder", "mlps"}, {"encoder", "mlps.0", "mlps.2"})
+        built = {f"{mesh.q}×{mesh.q}×{mesh.depth}": mesh}
+        rows = [row[0] for row in choice.table]
+        shapes = sum(world.size % (q * q) == 0 for q in range(1, world.size + 1))  # mesh shapes: each fits
+        assert len(rows) == (shapes * (shapes + 1) if world.size > 1 else 1)  # encoder whole × (mlps whole, 1D)
+        for layouts in rows:
+            parallel = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=_plan(layouts, mesh, built))
+            for path, layout in layouts.items():
+                assert _layout_of(parallel.get_submodule(path), mesh) == layout, (path, layouts)
+            check_against_serial(copy.deepcopy(serial), parallel, x, mesh, tol=1e-9)  # SGD, as the layers' test
+        parallel = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=auto)
+        check_against_serial(serial, parallel, x, mesh, tol=1e-9)

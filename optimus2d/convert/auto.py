@@ -4,7 +4,9 @@ The blocks are the model's MLPs that Megatron's 1D split knows (``megatron.split
 attention heads: an ``nn.Sequential`` Linear–element-wise–Linear, LLaMA's, CLIP's and SigLIP's
 MLPs, LLaVA's projector) and its ``nn.TransformerEncoderLayer``s (priced as pre-norm layers over
 sequences of ``Auto(seq=)``; mesh shapes only: their attention has no 1D split), outermost first,
-the model itself excepted (a 1D module needs a boundary around it). Each may stay on the model's
+the model itself excepted (a 1D module needs a boundary around it). A module below the model made
+of two or more blocks of one width, with no weights of its own but norms' (an ``nn.TransformerEncoder``),
+is one part (``_parts``): laid out whole, one boundary in and out (``cost.auto``). Each may stay on the model's
 mesh, move to another mesh shape over the same ranks (2×2, 1×1×4: its weights whole, the batch
 split), or run in 1D (``megatron.Megatron``); the rest of the model stays on the mesh.
 ``cost.auto.choose`` prices every combination on this machine's ``Hardware``
@@ -100,7 +102,38 @@ def _blocks(model: nn.Module, tokens: int, ranks: int, seq: int = 1, own_q: int 
         )  # fmt: skip
         trained_before |= not frozen
         inside.append(path)
-    return blocks
+    return _parts(model, blocks)
+
+
+def _parts(model: nn.Module, blocks: list[Block]) -> list[Block]:
+    """``blocks`` with those of each part gathered into it (in the first one's place): a module below
+    the model that runs (not a ``ModuleList``/``ModuleDict``), holding two or more blocks of one width
+    and no weights of its own but 1-D ones (norms, not priced), outermost first."""
+    parts: dict[str, Block] = {}
+    for path, module in model.named_modules():
+        if (
+            path == ""
+            or isinstance(module, (nn.ModuleList, nn.ModuleDict))
+            or any(path.startswith(f"{o}.") for o in parts)
+        ):
+            continue
+        inner = [b for b in blocks if b.path.startswith(f"{path}.")]
+        if len(inner) < 2 or len({b.hidden for b in inner}) > 1:
+            continue
+        theirs = {id(p) for b in inner for p in model.get_submodule(b.path).parameters()}
+        if any(p.dim() > 1 and id(p) not in theirs for p in module.parameters()):
+            continue
+        qs = set.intersection(*(set(b.qs) for b in inner))
+        parts[path] = Block(path, "part", inner[0].rows, inner[0].hidden, 0, frozen=all(b.frozen for b in inner),
+                            input_grad=inner[0].input_grad, qs=tuple(sorted(qs)), inner=tuple(inner))  # fmt: skip
+    out = []
+    for block in blocks:
+        part = next((b for path, b in parts.items() if block.path.startswith(f"{path}.")), None)
+        if part is None:
+            out.append(block)
+        elif part.inner[0] is block:
+            out.append(part)
+    return out
 
 
 def choose_plan(

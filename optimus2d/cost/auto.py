@@ -10,7 +10,9 @@ per collective kind, latency per sync stage; memory as the weights (with gradien
 moments when trained) and the activations backward keeps. A block off the model's mesh adds what
 its boundaries move: ``redistribute`` to its mesh shape and back (the rest of the model runs on the
 model's mesh), an all-gather of the activation into and out of a 1D block (forward in, backward
-out). ``choose`` tries every combination and keeps the fastest that fits the memory cap;
+out). A "part" (a module of several blocks of one width) is priced as its blocks side by side,
+whole on one mesh shape: its boundary once; or, where all split in 1D, each block in 1D.
+``choose`` tries every combination and keeps the fastest that fits the memory cap;
 ``Choice.table`` lists them all.
 """
 
@@ -36,10 +38,12 @@ __all__ = ["Block", "Choice", "candidates", "choose", "predict"]
 
 @dataclass(frozen=True)
 class Block:
-    """A module to lay out: ``kind`` "mlp" (h → f → h) or "layer" (a pre-norm transformer layer of
-    ``heads`` heads over sequences of ``seq``), at ``path``; ``rows``: tokens a step; ``frozen``: no
-    weight gradient; ``input_grad``: a gradient goes back from its input; ``splits_1d``: it may run
-    in Megatron's 1D layout; ``qs``: the grid sizes q its dimensions divide (empty: any)."""
+    """A module to lay out: ``kind`` "mlp" (h → f → h), "layer" (a pre-norm transformer layer of
+    ``heads`` heads over sequences of ``seq``) or "part" (a module made of the blocks ``inner``, of
+    one width ``hidden``, laid out whole: one boundary in and out), at ``path``; ``rows``: tokens a
+    step; ``frozen``: no weight gradient; ``input_grad``: a gradient goes back from its input;
+    ``splits_1d``: it may run in Megatron's 1D layout; ``qs``: the grid sizes q its dimensions divide
+    (empty: any)."""
 
     path: str
     kind: str
@@ -52,9 +56,12 @@ class Block:
     input_grad: bool = False
     splits_1d: bool = False
     qs: tuple[int, ...] = ()
+    inner: tuple[Block, ...] = ()  # a "part"'s blocks, in order
 
     @property
     def params(self) -> int:
+        if self.kind == "part":
+            return sum(b.params for b in self.inner)
         return 2 * self.hidden * self.ffn + (4 * self.hidden * self.hidden if self.kind == "layer" else 0)
 
 
@@ -78,6 +85,9 @@ def _scheme(layout: str, p: int) -> tuple[str, int, int]:
 
 def predict(block: Block, layout: str, p: int, hw: Hardware) -> tuple[float, float]:
     """(seconds of forward + backward, bytes a rank holds) of ``block`` in ``layout`` over ``p`` ranks."""
+    if block.kind == "part":  # its blocks side by side on one mesh: no boundary between them
+        priced = [predict(b, layout, p, hw) for b in block.inner]
+        return sum(t for t, _ in priced), sum(m for _, m in priced)
     scheme, q, depth = _scheme(layout, p)
     trained = not block.frozen
     backward = trained or block.input_grad
@@ -152,6 +162,26 @@ class Choice:
         return "\n".join(lines)
 
 
+def _options(block: Block, p: int, hw: Hardware, start: str, only: set[str] | None) -> list[tuple[dict, float, float]]:
+    """Every way to lay out ``block`` as (path → layout, seconds, bytes a rank), its boundaries from and
+    back to ``start`` priced: each of its candidates; a part whole on each mesh shape, or, where every
+    one of its blocks splits in 1D, each of them in 1D (each with its own boundary, as a block alone)."""
+    options = []
+    for layout in candidates(block, p):
+        if only is not None and layout not in only:
+            continue
+        t, m = predict(block, layout, p, hw)
+        # on another mesh shape: its input moves there (its gradient back where it has one) and its
+        # output back to the model's mesh (the gradient back where the block has a backward)
+        into = _boundary(block, start, layout, block.input_grad, p, hw)
+        back = _boundary(block, layout, start, block.input_grad or not block.frozen, p, hw)
+        options.append(({block.path: layout}, t + into + back, m))
+    if block.inner and all(b.splits_1d for b in block.inner) and p > 1 and (only is None or "1d" in only):
+        priced = [predict(b, "1d", p, hw) for b in block.inner]
+        options.append(({b.path: "1d" for b in block.inner}, sum(t for t, _ in priced), sum(m for _, m in priced)))
+    return options
+
+
 def choose(
     blocks: list[Block],
     p: int,
@@ -166,20 +196,11 @@ def choose(
     default the first candidate), the blocks' inputs come from it and their outputs return to it.
     ``only``: the layouts allowed (default every candidate)."""
     table = []
-    options = [[c for c in candidates(block, p) if only is None or c in only] for block in blocks]
-    start = layout or (options[0][0] if options else "")
-    for combo in itertools.product(*options):
-        seconds, memory = 0.0, 0.0
-        for block, choice in zip(blocks, combo, strict=True):
-            t, m = predict(block, choice, p, hw)
-            # on another mesh shape: its input moves there (its gradient back where it has one) and its
-            # output back to the model's mesh (the gradient back where the block has a backward)
-            into = _boundary(block, start, choice, block.input_grad, p, hw)
-            back = _boundary(block, choice, start, block.input_grad or not block.frozen, p, hw)
-            seconds += t + into + back
-            memory += m
+    start = layout or (candidates(blocks[0], p)[0] if blocks else "")
+    for combo in itertools.product(*(_options(block, p, hw, start, only) for block in blocks)):
+        seconds, memory = sum(o[1] for o in combo), sum(o[2] for o in combo)
         fits = memory_cap is None or memory <= memory_cap
-        table.append(({b.path: c for b, c in zip(blocks, combo, strict=True)}, seconds, memory, fits))
+        table.append(({k: v for layouts, _, _ in combo for k, v in layouts.items()}, seconds, memory, fits))
     table.sort(key=lambda row: (not row[3], row[1] if row[3] else row[2]))
     best = table[0] if table else ({}, 0.0, 0.0, True)
     return Choice(best[0], best[1], best[2], table)
