@@ -133,7 +133,9 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         group.append(Peer(f"{name}, plain blocks", plain, plain_loss, lambda loss: loss.backward(), lambda loss: loss))
     if p > 1:  # the planner's pick for each MLP (LLaMA's split in 1D or on another mesh; GPT-2's Conv1D stay)
         auto = optimus2d.parallelize(
-            copy.deepcopy(serial), mesh, plan=optimus2d.Auto(tokens=args.batch * args.seq, memory=args.cap_mib * 2**20)
+            copy.deepcopy(serial),
+            mesh,
+            plan=optimus2d.Auto(tokens=args.batch * args.seq, seq=args.seq, memory=args.cap_mib * 2**20),
         )
         group.append(Peer("optimus2d auto", auto, functools.partial(loss_of, auto), lambda loss: loss.backward(),
                           lambda loss: loss))  # fmt: skip

@@ -4,6 +4,7 @@ and plain torch on one rank. Each takes the same serial module (copied) and the 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -54,16 +55,21 @@ def optimus_1d(serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: t
     )
 
 
-def optimus_auto(serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: torch.Tensor, cap_mib: float) -> Peer:
+def optimus_auto(
+    serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: torch.Tensor, cap_mib: float, measured: bool = False
+) -> Peer:
     """``serial`` under ``parallelize(plan=Auto(...))``: the layout of least predicted time on this
     machine for this many tokens, within ``cap_mib`` a rank (held as ``_Holder``'s one module, so
-    that 1D is a choice)."""
+    that 1D is a choice); ``measured``: ``Auto(measure=step)``, the 4 best predicted timed on copies
+    (this peer's forward and backward) and the fastest measured taken."""
     tokens = x.numel() // x.shape[-1]
-    auto = optimus2d.Auto(tokens=tokens, memory=cap_mib * 2**20)
-    model = optimus2d.parallelize(_Holder(copy.deepcopy(serial)), mesh, plan=auto)
     x_local, grad_local = optimus2d.scatter(x, mesh), optimus2d.scatter(grad, mesh)  # tagged: a boundary reads it
+    auto = optimus2d.Auto(tokens=tokens, seq=x.shape[-2] if x.dim() > 2 else 1, memory=cap_mib * 2**20)
+    if measured:
+        auto = dataclasses.replace(auto, measure=lambda model: model(x_local).backward(grad_local), top=4)
+    model = optimus2d.parallelize(_Holder(copy.deepcopy(serial)), mesh, plan=auto)
     return Peer(
-        "optimus2d auto",
+        "optimus2d auto" + (", measured" if measured else ""),
         model,
         lambda: model(x_local),
         lambda out: out.backward(grad_local),

@@ -132,6 +132,8 @@ def test_torch_transformer_layers_are_blocks_offered_only_the_grids_their_sizes_
     assert got == [("0", "layer", 24, 48, 3, 8, True, False), ("1", "layer", 24, 48, 6, 8, False, False)]
     assert candidates(blocks[0], 4) == ["1×1×4"] and candidates(blocks[1], 4) == ["2×2×1", "1×1×4"]
     assert candidates(_blocks(model, tokens=64, ranks=4, own_q=2)[0], 4) == ["2×2×1", "1×1×4"]  # the mesh's own
+    few = _blocks(model, tokens=16, ranks=4, seq=8, own_q=2)  # a batch of 2: 1×1×4 cannot split it
+    assert [candidates(b, 4) for b in few] == [["2×2×1"], ["2×2×1"]]
 
 
 def test_a_part_of_blocks_is_laid_out_whole_with_one_boundary_in_and_out():

@@ -58,7 +58,7 @@ def test_mlp_and_block_benchmarks_count_what_the_formulas_say_then_report(tmp_pa
     )  # the other transport
     assert set(mlp) == {
         "optimus2d 2D", "optimus2d 2D SUMMA", twin, "DTensor 1D", "DTensor 1D + SP", "optimus2d 1D (plan)",
-        "optimus2d auto", "torch, 1 rank",
+        "optimus2d auto", "optimus2d auto, measured", "torch, 1 rank",
     }  # fmt: skip
     # re-planned for the 2D layout's largest batch within the cap, the planner picks a layout that holds it
     # (its memory model agrees with the bytes measured here)

@@ -51,7 +51,8 @@ class Auto:
     ``cost.planner.Hardware``; default this machine's, ``cost.calibration.hardware``); ``measure``:
     ``step(model)``, one forward and backward of a converted model, to time the ``top`` best predicted
     candidates with and pick the fastest measured (None: the best predicted, nothing run); ``seq``:
-    the length of the sequences the model's transformer layers attend over."""
+    the length of the sequences (``tokens`` = batch × ``seq``): the model's transformer layers attend
+    over them, and a mesh shape is offered only where its depth·q splits the batch."""
 
     tokens: int = 8192
     memory: float | None = None
@@ -59,13 +60,18 @@ class Auto:
     hardware: Hardware | None = None  # the costs to price with; None: this machine's, measured (cached)
     measure: Callable[[nn.Module], object] | None = None
     top: int = 4
-    seq: int = 1  # the sequence length a transformer layer attends over (1: its projections alone priced)
+    seq: int = 1  # the sequence length: a layer attends over it; tokens / seq, the batch a mesh splits
 
 
-def _divides(sizes: list[int], ranks: int, own: int) -> tuple[int, ...]:
-    """The grid sizes q (q² dividing ``ranks``) that divide every one of ``sizes``, and ``own`` (the
-    model's mesh's: a block that does not fit it is refused there, by ``parallelize``, as without a plan)."""
-    fits = {q for q in range(1, math.isqrt(ranks) + 1) if ranks % (q * q) == 0 and all(n % q == 0 for n in sizes)}
+def _divides(sizes: list[int], ranks: int, own: int, batch: int) -> tuple[int, ...]:
+    """The grid sizes q (q² dividing ``ranks``) that divide every one of ``sizes`` and whose mesh splits
+    ``batch`` (over depth·q = ranks / q), and ``own`` (the model's mesh's: a block that does not fit it
+    is refused there, by ``parallelize``, as without a plan)."""
+    fits = {
+        q
+        for q in range(1, math.isqrt(ranks) + 1)
+        if ranks % (q * q) == 0 and all(n % q == 0 for n in sizes) and batch % (ranks // q) == 0
+    }
     return tuple(sorted(fits | {own}))
 
 
@@ -79,7 +85,7 @@ def _blocks(model: nn.Module, tokens: int, ranks: int, seq: int = 1, own_q: int 
         if isinstance(module, nn.TransformerEncoderLayer):
             frozen = not any(p.requires_grad for p in module.parameters())
             hidden, ffn, heads = module.linear1.in_features, module.linear1.out_features, module.self_attn.num_heads
-            qs = _divides([hidden, ffn, heads], ranks, own_q)
+            qs = _divides([hidden, ffn, heads], ranks, own_q, tokens // seq)
             blocks.append(Block(path, "layer", tokens, hidden, ffn, heads=heads, seq=seq, frozen=frozen,
                                 input_grad=trained_before, qs=qs))  # fmt: skip
             trained_before |= not frozen
@@ -98,7 +104,7 @@ def _blocks(model: nn.Module, tokens: int, ranks: int, seq: int = 1, own_q: int 
         _, refused = tensor_parallel_plan(module, path, ranks)
         blocks.append(
             Block(path, "mlp", tokens, hidden, weights // (2 * hidden), frozen=frozen, input_grad=trained_before,
-                  splits_1d=not refused, qs=_divides(sizes, ranks, own_q))
+                  splits_1d=not refused, qs=_divides(sizes, ranks, own_q, tokens // seq))
         )  # fmt: skip
         trained_before |= not frozen
         inside.append(path)
