@@ -163,13 +163,16 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     summary = [_verdict(name, result["rows"]) for name, result in results.items()]
     if dist.get_rank() == 0:
         print(f"{'workload':16} {'best homogeneous':>32} {'best heterogeneous':>34} {'hetero ÷ homo':>13} "
-              f"{'pick ÷ best':>11} {'auto ÷ best':>11} {'measured':>8}  the planner's pick")  # fmt: skip
+              f"{'pick ÷ best':>11} {'auto ÷ best':>11} {'measured':>8} {'as pairs':>11}  "
+              "the planner's pick")  # fmt: skip
         for v in summary:
+            pairs = "/".join("-" if r is None else f"{r:.3f}" for r in (v["auto_pair_over_best"],
+                             v["measured_auto_pair_over_best"]))  # fmt: skip
             print(
                 f"{v['workload']:16} {v['homogeneous']:>24} {v['homogeneous_ms']:6.1f} ms "
                 f"{v['heterogeneous']:>26} {v['heterogeneous_ms']:6.1f} ms {v['speedup']:13.2f} "
-                f"{v['pick_over_best']:11.3f} {v['auto_over_best']:11.3f} {v['measured_auto_over_best']:8.3f}  "
-                f"{v['pick']} (best: {v['best']})"
+                f"{v['pick_over_best']:11.3f} {v['auto_over_best']:11.3f} {v['measured_auto_over_best']:8.3f} "
+                f"{pairs:>11}  {v['pick']} (best: {v['best']})"
             )
     return {"ranks": p, "workloads": results, "summary": summary}
 
@@ -183,6 +186,16 @@ def _verdict(name: str, rows: list[dict]) -> dict:
     homo = min((r for r in rows if r["encoder"] == r["lm"]), key=lambda r: r["train_ms"])
     hetero = min((r for r in rows if r["encoder"] != r["lm"]), key=lambda r: r["train_ms"])
     best, pick = min(rows, key=lambda r: r["train_ms"]), next(r for r in rows if r["plan_pick"])
+
+    def as_pair(auto: dict) -> float | None:
+        """The mesh pair laid out as ``auto`` picked ÷ the best: the pick itself, without the boundaries
+        the auto peer's model mesh adds (a pair's input enters on its encoder's mesh, its output stays
+        on its LM's)."""
+        shapes = {part: [int(n) for n in layout.split("×")[1:]] for part, layout in auto["layouts"].items()}
+        same = [r for r in rows if set(shapes) == {"encoder", "lm"} and [r["encoder"], r["lm"]] == [shapes["encoder"],
+                shapes["lm"]]]  # fmt: skip
+        return same[0]["train_ms"] / best["train_ms"] if same else None
+
     return {
         "workload": name, "homogeneous": homo["peer"], "homogeneous_ms": homo["train_ms"],
         "heterogeneous": hetero["peer"], "heterogeneous_ms": hetero["train_ms"],
@@ -190,6 +203,7 @@ def _verdict(name: str, rows: list[dict]) -> dict:
         "pick_over_best": pick["train_ms"] / best["train_ms"], "auto": auto["peer"],
         "auto_over_best": auto["train_ms"] / best["train_ms"], "auto_layouts": auto["layouts"],
         "measured_auto_over_best": timed["train_ms"] / best["train_ms"], "measured_auto_layouts": timed["layouts"],
+        "auto_pair_over_best": as_pair(auto), "measured_auto_pair_over_best": as_pair(timed),
     }  # fmt: skip
 
 

@@ -256,4 +256,8 @@ def test_vlm_benchmark_compares_layouts_per_workload_and_the_planners_pick(tmp_p
         assert not auto["measured"] and timed["measured"]
         assert verdict["auto_over_best"] == auto["train_ms"] / min(times.values())
         assert verdict["measured_auto_over_best"] == timed["train_ms"] / min(times.values())
+        for row, key in ((auto, "auto_pair_over_best"), (timed, "measured_auto_pair_over_best")):  # the pick as a pair
+            pair = next(r for r in rows["rows"] if not r["auto"] and [r["encoder"], r["lm"]] == [
+                [int(n) for n in row["layouts"][part].split("×")[1:]] for part in ("encoder", "lm")])  # fmt: skip
+            assert verdict[key] == pair["train_ms"] / min(times.values())
         assert verdict["speedup"] == times[verdict["homogeneous"]] / times[verdict["heterogeneous"]]
