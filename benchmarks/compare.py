@@ -30,6 +30,7 @@ class Peer:
     ``forward()`` runs it on this rank's share of the batch and returns its output (or loss);
     ``backward(out)`` back-propagates from it; ``full_output(out)`` is the whole output, to check
     against serial. ``rank0_only``: a serial baseline that runs on rank 0 while the others wait.
+    ``extra``: fields copied into its row of ``summarize`` (the layouts a planner picked).
     """
 
     name: str
@@ -40,6 +41,7 @@ class Peer:
     rank0_only: bool = False
     train_ms: list[float] = field(default_factory=list)
     infer_ms: list[float] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
 
     def runs_here(self) -> bool:
         return not self.rank0_only or dist.get_rank() == 0
@@ -254,6 +256,7 @@ def summarize(peers: list[Peer], tokens: int, batch: int, cap_mib: float, flops:
                 "peak_step_bytes": peak_step_bytes(peer),
                 "parameter_bytes": params,
                 "largest_batch": largest,
+                **peer.extra,
             }
         )
     for r in rows:

@@ -123,8 +123,13 @@ def _auto_line(results: list[dict]) -> str:
     inferred = " (inferred: the layout it picks when asked for it)" if auto.get("largest_batch_inferred") else ""
     timed = rows.get("optimus2d auto, measured")
     return (
-        f"optimus2d auto: fwd+bwd {auto['train_ms'] / best:.3f} × the best of DTensor 1D and 1D + SP"
-        + (f" (measured on request: {timed['train_ms'] / best:.3f} ×)" if timed else "")
+        f"optimus2d auto ({auto['layouts'].get('inner')}): fwd+bwd {auto['train_ms'] / best:.3f} × the best of "
+        "DTensor 1D and 1D + SP"
+        + (
+            f" (measured on request, {timed['layouts'].get('inner')}: {timed['train_ms'] / best:.3f} ×)"
+            if timed
+            else ""
+        )
         + f"; largest batch {auto['largest_batch']}{inferred} "
         f"(optimus2d {results[0]['peer'].split()[-1]}: {results[0]['largest_batch']})"
     )

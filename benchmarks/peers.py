@@ -67,13 +67,16 @@ def optimus_auto(
     auto = optimus2d.Auto(tokens=tokens, seq=x.shape[-2] if x.dim() > 2 else 1, memory=cap_mib * 2**20)
     if measured:
         auto = dataclasses.replace(auto, measure=lambda model: model(x_local).backward(grad_local), top=4)
-    model = optimus2d.parallelize(_Holder(copy.deepcopy(serial)), mesh, plan=auto)
+    holder = _Holder(copy.deepcopy(serial))
+    choice, plan = optimus2d.convert.choose_plan(holder, mesh, auto)  # what plan=auto applies, and its pick
+    model = optimus2d.parallelize(holder, mesh, plan=plan)
     return Peer(
         "optimus2d auto" + (", measured" if measured else ""),
         model,
         lambda: model(x_local),
         lambda out: out.backward(grad_local),
         lambda out: optimus2d.gather(out, mesh),
+        extra={"layouts": choice.layouts},
     )
 
 

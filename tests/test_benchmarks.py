@@ -63,6 +63,7 @@ def test_mlp_and_block_benchmarks_count_what_the_formulas_say_then_report(tmp_pa
     # re-planned for the 2D layout's largest batch within the cap, the planner picks a layout that holds it
     # (its memory model agrees with the bytes measured here)
     assert mlp["optimus2d auto"]["largest_batch"] >= mlp["optimus2d 2D"]["largest_batch"]
+    assert {mlp[n]["layouts"]["inner"] for n in ("optimus2d auto", "optimus2d auto, measured")} <= {"2×2×1", "1d"}
     assert (tmp_path / "cache" / "hardware.json").is_file()
     assert mlp["optimus2d 1D (plan)"]["activation_bytes"] == mlp["DTensor 1D"]["activation_bytes"]  # the whole input
     # saved activations per row: serial keeps h + 2·ffn (32 + 256), optimus2d (h + ffn)/4 (it recomputes
