@@ -2,8 +2,9 @@
 its vision tower on its own ranks and the language model on the rest, under torch's schedules. The
 loss of ``labels=``, every gradient and one AdamW step equal the serial model's, frozen tower and
 trained; the features cross the sets as exactly each rank's block, and a frozen tower gets nothing
-back. Refusals (sets that overlap, leave a rank out, do not fit their meshes, or differ between
-ranks) are the same ``ValueError`` on every rank.
+back; the same with the LLM's MLPs in 1D (``Megatron`` over the LLM's own ranks). Refusals (sets
+that overlap, leave a rank out, do not fit their meshes, or differ between ranks) are the same
+``ValueError`` on every rank.
 
 Sets by world: 4 ranks: tower on 1, LLM on 3 (1×1×3); 8: 4 + 4 (1×1×4 → 2×2) and 2 + 6 (1×1×2 →
 1×1×6); 9: 1 + 8 (1×1 → 2×2×2)."""
@@ -20,6 +21,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 import optimus2d
 from optimus2d.comm import compat
+from optimus2d.megatron import Megatron, runs_split
 from optimus2d.pipeline import pipeline_stage, rank_sets, scatter_microbatches
 from optimus2d.pipeline.models.llama import causal_lm_loss, causal_lm_targets
 from optimus2d.pipeline.models.llava import llava_stages
@@ -57,14 +59,29 @@ def test_llava_with_its_tower_on_its_own_ranks_matches_serial(world, frozen):
         _check_llava(world, tower, (tower_shape, llm_shape), frozen)
 
 
-def _check_llava(world, tower: int, shapes, frozen: bool) -> None:
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "trained"])
+def test_the_llms_mlps_in_1d_inside_its_rank_set_match_serial(world, frozen):
+    """1D inside a rank set: the LLM's MLPs split Megatron's way over the LLM's ranks (its mesh's own
+    group), the rest of it on its mesh; the tower's stage as before."""
+    for tower, tower_shape, llm_shape in _cases(world)[:1]:
+        _check_llava(world, tower, (tower_shape, llm_shape), frozen, llm_1d=True)
+
+
+def _check_llava(world, tower: int, shapes, frozen: bool, llm_1d: bool = False) -> None:
     pipe = _pipe(world, tower, shapes)
     blocks = [q * d for q, d in shapes]
     b = N * blocks[0] * blocks[1] // _gcd(*blocks)
     serial = _llava()
     serial.model.vision_tower.requires_grad_(not frozen)
     encoders, texts = llava_stages(serial, [3], 1)
-    chunk = optimus2d.parallelize(encoders[0] if pipe.stage == 0 else texts[0], pipe.mesh)
+    part = encoders[0] if pipe.stage == 0 else texts[0]
+    plan = None
+    if llm_1d and pipe.stage == 1:
+        plan = {path: Megatron(pipe.mesh) for path, m in part.named_modules() if type(m).__name__ == "LlamaMLP"}
+        assert len(plan) == TEXT["num_hidden_layers"], sorted(plan)
+    chunk = optimus2d.parallelize(part, pipe.mesh, plan=plan)
+    if plan:
+        assert all(any(runs_split(m) for m in chunk.get_submodule(path).modules()) for path in plan)
     mb = b // N
     if pipe.stage == 0:
         shapes_here = dict(microbatch_shape=(mb, 3, 16, 16), input_layout="batch", output_shape=(mb, ROWS, 48))
