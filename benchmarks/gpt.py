@@ -25,6 +25,7 @@ import functools
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 import optimus2d
 from benchmarks import compare
@@ -131,14 +132,12 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         plain = _plain_blocks(serial, mesh)
         plain_loss = functools.partial(loss_of, plain)
         group.append(Peer(f"{name}, plain blocks", plain, plain_loss, lambda loss: loss.backward(), lambda loss: loss))
-    if p > 1:  # the planner's pick for each MLP (LLaMA's split in 1D or on another mesh; GPT-2's Conv1D stay)
-        auto = optimus2d.parallelize(
-            copy.deepcopy(serial),
-            mesh,
-            plan=optimus2d.Auto(tokens=args.batch * args.seq, seq=args.seq, memory=args.cap_mib * 2**20),
-        )
+    if p > 1:  # the planner's pick: LLaMA's decoder stack whole in 1D, or each MLP laid out alone; GPT-2's stay
+        auto_plan = optimus2d.Auto(tokens=args.batch * args.seq, seq=args.seq, memory=args.cap_mib * 2**20)
+        choice, plan = optimus2d.convert.choose_plan(serial, mesh, auto_plan)
+        auto = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=plan)
         group.append(Peer("optimus2d auto", auto, functools.partial(loss_of, auto), lambda loss: loss.backward(),
-                          lambda loss: loss))  # fmt: skip
+                          lambda loss: loss, extra={"layouts": choice.layouts}))  # fmt: skip
     if args.model == "llama" and p > 1:
         group.append(_dtensor_1d(serial, ids))
     group.append(
@@ -154,6 +153,7 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     compare.time_rounds(group, args.rounds, device, what)
     results = compare.summarize(group, tokens, args.batch, args.cap_mib, step_flops(args))
     results[0]["elements_measured"] = counter.numel
+    _auto_largest_batch(results, serial, mesh, args)
     serial_act = results[-1]["activation_bytes"]  # measured by rank 0, which reports
     if world.rank == 0:
         compare.print_table(compare.title(what + ", loss fwd+bwd", args, mesh), results, serial_act, p)
@@ -162,5 +162,26 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         if "optimus2d auto" in rows and "DTensor 1D" in rows:
             ratio = rows["optimus2d auto"]["train_ms"] / rows["DTensor 1D"]["train_ms"]
             largest = rows["optimus2d auto"]["largest_batch"]
-            print(f"optimus2d auto: fwd+bwd {ratio:.3f} × DTensor 1D's; largest batch {largest}")
+            picked = ", ".join(f"{k}: {v}" for k, v in rows["optimus2d auto"]["layouts"].items())
+            inferred = " (inferred: the layout it picks when asked for it)" if rows["optimus2d auto"].get(
+                "largest_batch_inferred") else ""  # fmt: skip
+            print(f"optimus2d auto ({picked}): fwd+bwd {ratio:.3f} × DTensor 1D's; largest batch {largest}{inferred} "
+                  f"(optimus2d 2D: {results[0]['largest_batch']})")  # fmt: skip
     return compare.result(args, mesh, serial_act, results)
+
+
+def _auto_largest_batch(results: list[dict], serial: nn.Module, mesh: optimus2d.Mesh, args) -> None:
+    """The auto row's largest batch: the planner re-plans for each batch, so asked for the 2D layout's
+    largest batch within the cap it holds that batch where it then leaves every module on the mesh
+    (the 2D row's layout, measured here). Collective."""
+    rows = {r["peer"]: r for r in results}
+    if "optimus2d auto" not in rows:
+        return
+    sizes = [results[0]["largest_batch"]]
+    dist.broadcast_object_list(sizes, src=0)  # rank 0's figures (the report's): every rank plans alike
+    here, b = f"{mesh.q}×{mesh.q}×{mesh.depth}", sizes[0]
+    auto = optimus2d.Auto(tokens=max(b, 1) * args.seq, seq=args.seq, memory=args.cap_mib * 2**20)
+    choice, _ = optimus2d.convert.choose_plan(serial, mesh, auto)
+    held = b if b > 0 and all(layout == here for layout in choice.layouts.values()) else 0
+    rows["optimus2d auto"]["largest_batch_inferred"] = held > rows["optimus2d auto"]["largest_batch"]
+    rows["optimus2d auto"]["largest_batch"] = max(held, rows["optimus2d auto"]["largest_batch"])

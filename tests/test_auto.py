@@ -182,3 +182,29 @@ def test_a_part_of_blocks_is_laid_out_whole_with_one_boundary_in_and_out():
     alone = choose([mlps.inner[0]], 4, HW, layout="2×2×1").table
     assert one_boundary == pytest.approx(next(r[1] for r in alone if r[0] == {"mlps.0": "1×1×4"}) - predict(
         mlps.inner[0], "1×1×4", 4, HW)[0])  # fmt: skip
+
+
+def test_a_llama_stack_is_a_region_offered_whole_in_1d_or_left_with_its_mlps_alone():
+    """LLaMA's ``model`` holds attention Megatron splits: one region, whole in 1D (its embedding then
+    whole on every rank) or on the mesh with each MLP laid out alone; not where 1D is refused."""
+    transformers = pytest.importorskip("transformers")
+    from optimus2d.convert.auto import _blocks
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    [region] = _blocks(model, tokens=64, ranks=4, seq=8, own_q=2)
+    assert (region.path, region.kind, region.layers, region.hidden, region.heads) == ("model", "region", 3, 32, 4)
+    assert [b.path for b in region.inner] == [f"model.layers.{n}.mlp" for n in range(3)]
+    assert region.ffn == 96 and region.other == 64 * 32  # gated: 3·64/2; the embedding
+    table = {tuple(sorted(row[0].items())): row for row in choose([region], 4, HW, layout="2×2×1").table}
+    assert len(table) == 1 + 3**3  # whole in 1D; each MLP on 2×2, 1×1×4 or in 1D
+    mlps = [f"model.layers.{n}.mlp" for n in range(3)]
+    stay = table[tuple(sorted({"model": "2×2×1", **dict.fromkeys(mlps, "2×2×1")}.items()))]
+    assert stay[1] == pytest.approx(predict(region, "2×2×1", 4, HW)[0])
+    assert table[(("model", "1d"),)][1] == pytest.approx(predict(region, "1d", 4, HW)[0])
+    layers = sum(predict(region.layer(n == 0), "1d", 4, HW)[1] for n in range(3))
+    assert predict(region, "1d", 4, HW)[1] == pytest.approx(layers + 64 * 32 * 16)  # the embedding whole, trained
+    assert all(b.kind == "mlp" for b in _blocks(model, tokens=63, ranks=3, seq=1))  # 4 heads on 3 ranks: no region

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import _meshes, mesh_shapes
-from helpers import check_against_serial
+from helpers import assert_close, check_against_serial
 from torch import nn
 
 import optimus2d
@@ -222,3 +222,49 @@ def test_every_layout_of_the_parts_the_planner_offers_is_exact(world):
             check_against_serial(copy.deepcopy(serial), parallel, x, mesh, tol=1e-9)  # SGD, as the layers' test
         parallel = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=auto)
         check_against_serial(serial, parallel, x, mesh, tol=1e-9)
+
+
+@pytest.mark.families
+def test_a_llama_decoder_stack_is_a_region_run_whole_in_1d_or_left_on_the_mesh_exactly(world):
+    """LLaMA's ``model`` (embedding, decoder layers, norm) is one region: the planner offers it whole in
+    1D (its attention and MLPs split, the rest replicated) or on the mesh with each MLP laid out alone.
+    The rows "model in 1D" and "every MLP in 1D", and ``plan=Auto``: loss, logits, gradient norm and
+    one AdamW step as serial on every mesh."""
+    transformers = pytest.importorskip("transformers")
+    if world.size == 1:
+        pytest.skip("1D needs two ranks or more")
+    p = world.size
+    config = transformers.LlamaConfig(
+        vocab_size=72, hidden_size=4 * p, intermediate_size=8 * p, num_hidden_layers=2, num_attention_heads=p,
+        num_key_value_heads=p, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(1)
+    ids = torch.randint(0, 72, (2 * p, 6))
+    for mesh in _meshes_of(world):
+        torch.manual_seed(0)
+        serial = transformers.LlamaForCausalLM(config)  # fp32: its eager softmax rounds to fp32 anyway
+        auto = Auto(tokens=ids.numel(), seq=ids.shape[1], hardware=HW)
+        choice, _ = choose_plan(serial, mesh, auto)
+        mlps = [f"model.layers.{n}.mlp" for n in range(2)]
+        here = f"{mesh.q}×{mesh.q}×{mesh.depth}"
+        rows = [row[0] for row in choice.table]
+        assert {"model": "1d"} in rows and {"model": here, **dict.fromkeys(mlps, "1d")} in rows
+        built = {here: mesh}
+        for plan in (_plan({"model": "1d"}, mesh, built), _plan(dict.fromkeys(mlps, "1d"), mesh, built), auto):
+            model = copy.deepcopy(serial)
+            parallel = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=plan)
+            ref = model(input_ids=ids, labels=ids)
+            ref.loss.backward()
+            out = parallel(input_ids=optimus2d.scatter_batch(ids, mesh), labels=optimus2d.scatter_batch(ids, mesh))
+            out.loss.backward()
+            assert_close(optimus2d.gather(out.logits.detach(), mesh)[..., :72], ref.logits, 1e-5, "logits")
+            assert_close(out.loss, ref.loss, 1e-5, "loss")
+            norm_ref = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1e9)
+            norm = optimus2d.clip_grad_norm_(list(parallel.parameters()), 1e9, mesh)
+            assert_close(norm, norm_ref, 1e-5, "gradient norm")  # each shard once, each replicated tensor once
+            eps = 1e-3 * max(p.grad.abs().max().item() for p in model.parameters())
+            for m in (model, parallel):
+                torch.optim.AdamW(m.parameters(), lr=1e-2, eps=eps).step()
+            state = optimus2d.serial_state_dict(parallel)
+            for key, value in model.state_dict().items():
+                assert_close(state[key], value, 1e-5, key)

@@ -163,6 +163,7 @@ def test_llama_benchmark_checks_dtensor_1d_under_the_model_plan_then_times_it(tm
     rows = {r["peer"]: r for r in json.loads((tmp_path / "llama-p4-q2d1.json").read_text())["rows"]}
     assert set(rows) == {"optimus2d 2D", "optimus2d 2D, plain blocks", "optimus2d auto", "DTensor 1D", "torch, 1 rank"}
     assert rows["optimus2d 2D"]["elements_measured"] > 0 and rows["DTensor 1D"]["train_ms"] > 0
+    assert "model" in rows["optimus2d auto"]["layouts"]  # LLaMA's decoder stack: a region the planner lays out
 
 
 def test_bf16_peers_are_checked_and_save_half_the_bytes_and_the_matmul_ceiling_is_reported(tmp_path):

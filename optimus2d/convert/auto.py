@@ -6,7 +6,9 @@ MLPs, LLaVA's projector) and its ``nn.TransformerEncoderLayer``s (priced as pre-
 sequences of ``Auto(seq=)``; mesh shapes only: their attention has no 1D split), outermost first,
 the model itself excepted (a 1D module needs a boundary around it). A module below the model made
 of two or more blocks of one width, with no weights of its own but norms' (an ``nn.TransformerEncoder``),
-is one part (``_parts``): laid out whole, one boundary in and out (``cost.auto``). Each may stay on the model's
+is one part (``_parts``): laid out whole, one boundary in and out (``cost.auto``). A module hanging
+from the model that holds attention Megatron splits (a LLaMA's ``model``) is a region (``_regions``):
+whole in 1D, or on the mesh with its blocks laid out alone. Each may stay on the model's
 mesh, move to another mesh shape over the same ranks (2×2, 1×1×4: its weights whole, the batch
 split), or run in 1D (``megatron.Megatron``); the rest of the model stays on the mesh.
 ``cost.auto.choose`` prices every combination on this machine's ``Hardware``
@@ -108,7 +110,52 @@ def _blocks(model: nn.Module, tokens: int, ranks: int, seq: int = 1, own_q: int 
         )  # fmt: skip
         trained_before |= not frozen
         inside.append(path)
-    return _parts(model, blocks)
+    return _regions(model, _parts(model, blocks), tokens, ranks, seq, own_q)
+
+
+def _top(model: nn.Module, path: str) -> bool:
+    """Whether the module at ``path`` hangs from the model itself, through lists at most (a module
+    deeper may be called by its parent from outside a region: LLaVA's ``embed_tokens``)."""
+    parents = path.split(".")[:-1]
+    return all(isinstance(model.get_submodule(".".join(parents[: n + 1])), (nn.ModuleList, nn.ModuleDict))
+               for n in range(len(parents)))  # fmt: skip
+
+
+def _regions(model: nn.Module, blocks: list[Block], tokens: int, ranks: int, seq: int, own_q: int) -> list[Block]:
+    """``blocks`` with those inside a region gathered into it (in its place): a module hanging from the
+    model (``_top``) that runs, holds attention Megatron's 1D split knows (``split_of`` with heads)
+    and splits in 1D over ``ranks`` without a refusal. It may run whole in 1D (a LLaMA's decoder
+    stack, its embedding and norms replicated, as DTensor's 1D runs it), or stay on the mesh, its
+    blocks laid out alone. Priced as its attention layers (the first's sizes, its MLP's width)."""
+    regions: dict[str, Block] = {}
+    seen_trained = False  # a module before the region trains: its input has a gradient
+    for path, module in model.named_modules():
+        if path == "" or any(path.startswith(f"{o}.") or path == o for o in regions):
+            continue
+        attention = [m for m in module.modules() if (split := split_of(m)) is not None and split.heads(m)]
+        runs = not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and _top(model, path)
+        if ranks > 1 and runs and attention and not tensor_parallel_plan(module, path, ranks)[1]:
+            split = split_of(attention[0])
+            first = next(n for n, role in split.roles.items() if role == COLWISE)
+            hidden, heads = attention[0]._modules[first].in_features, next(iter(split.heads(attention[0]).values()))
+            inner = tuple(b for b in blocks if b.path.startswith(f"{path}."))
+            ffn = next((b.ffn for b in inner if b.kind == "mlp"), 4 * hidden)
+            frozen = not any(p.requires_grad for p in module.parameters())
+            region = Block(path, "region", tokens, hidden, ffn, heads, seq, frozen, seen_trained, True, (own_q,),
+                           inner, layers=len(attention))  # fmt: skip
+            weights = sum(p.numel() for p in module.parameters() if p.dim() > 1)
+            regions[path] = replace(region, other=max(0, weights - region.params))
+            continue
+        seen_trained |= any(p.requires_grad for p in module.parameters(recurse=False))
+    out = []
+    for block in blocks:
+        region = next((r for path, r in regions.items() if block.path.startswith(f"{path}.")), None)
+        if region is None:
+            out.append(block)
+        elif region not in out:
+            out.append(region)
+    out += [r for r in regions.values() if r not in out]  # a region with no block inside
+    return out
 
 
 def _parts(model: nn.Module, blocks: list[Block]) -> list[Block]:

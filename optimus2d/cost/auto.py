@@ -11,7 +11,9 @@ moments when trained) and the activations backward keeps. A block off the model'
 its boundaries move: ``redistribute`` to its mesh shape and back (the rest of the model runs on the
 model's mesh), an all-gather of the activation into and out of a 1D block (forward in, backward
 out). A "part" (a module of several blocks of one width) is priced as its blocks side by side,
-whole on one mesh shape: its boundary once; or, where all split in 1D, each block in 1D.
+whole on one mesh shape: its boundary once; or, where all split in 1D, each block in 1D. A
+"region" (a module whose attention splits in 1D) runs whole in 1D, or stays on the model's mesh
+with its blocks laid out alone (its attention priced there).
 ``choose`` tries every combination and keeps the fastest that fits the memory cap;
 ``Choice.table`` lists them all.
 """
@@ -56,13 +58,21 @@ class Block:
     input_grad: bool = False
     splits_1d: bool = False
     qs: tuple[int, ...] = ()
-    inner: tuple[Block, ...] = ()  # a "part"'s blocks, in order
+    inner: tuple[Block, ...] = ()  # a "part"'s blocks, in order; a "region"'s, laid out alone when it stays
+    layers: int = 1  # a "region"'s transformer layers
+    other: int = 0  # a "region"'s weights outside its layers (an embedding): whole on every rank in 1D
 
     @property
     def params(self) -> int:
         if self.kind == "part":
             return sum(b.params for b in self.inner)
-        return 2 * self.hidden * self.ffn + (4 * self.hidden * self.hidden if self.kind == "layer" else 0)
+        per_layer = 2 * self.hidden * self.ffn + (4 * self.hidden * self.hidden if self.kind != "mlp" else 0)
+        return per_layer * (self.layers if self.kind == "region" else 1)
+
+    def layer(self, first: bool = True) -> Block:
+        """One of a region's transformer layers, as a "layer" block (the first takes the region's input)."""
+        grad = self.input_grad or (not first and not self.frozen)
+        return Block(self.path, "layer", self.rows, self.hidden, self.ffn, self.heads, self.seq, self.frozen, grad)
 
 
 def candidates(block: Block, p: int) -> list[str]:
@@ -88,6 +98,16 @@ def predict(block: Block, layout: str, p: int, hw: Hardware) -> tuple[float, flo
     if block.kind == "part":  # its blocks side by side on one mesh: no boundary between them
         priced = [predict(b, layout, p, hw) for b in block.inner]
         return sum(t for t, _ in priced), sum(m for _, m in priced)
+    if block.kind == "region":  # its layers, whole; in 1D its input gathered in, its output's gradient out
+        priced = [predict(block.layer(n == 0), layout, p, hw) for n in range(block.layers)]
+        seconds, memory = sum(t for t, _ in priced), sum(m for _, m in priced)
+        _, q, _ = _scheme(layout, p)
+        memory += block.other * (hw.bytes_per_element if block.frozen else 16) / (1 if layout == "1d" else q * q)
+        if layout == "1d":
+            backward = block.input_grad or not block.frozen
+            gather = [("all_gather", p, block.rows * block.hidden * (1 + int(backward)), 1 + int(backward))]
+            seconds += comm_time(gather, hw, 0.0)
+        return seconds, memory
     scheme, q, depth = _scheme(layout, p)
     trained = not block.frozen
     backward = trained or block.input_grad
@@ -168,7 +188,7 @@ def _options(block: Block, p: int, hw: Hardware, start: str, only: set[str] | No
     one of its blocks splits in 1D, each of them in 1D (each with its own boundary, as a block alone)."""
     options = []
     for layout in candidates(block, p):
-        if only is not None and layout not in only:
+        if (only is not None and layout not in only) or (block.kind == "region" and layout == start):
             continue
         t, m = predict(block, layout, p, hw)
         # on another mesh shape: its input moves there (its gradient back where it has one) and its
@@ -176,7 +196,14 @@ def _options(block: Block, p: int, hw: Hardware, start: str, only: set[str] | No
         into = _boundary(block, start, layout, block.input_grad, p, hw)
         back = _boundary(block, layout, start, block.input_grad or not block.frozen, p, hw)
         options.append(({block.path: layout}, t + into + back, m))
-    if block.inner and all(b.splits_1d for b in block.inner) and p > 1 and (only is None or "1d" in only):
+    if block.kind == "region":  # staying on the mesh: its attention there, each of its blocks laid out alone
+        t, m = predict(block, start, p, hw)
+        for b in block.inner:
+            t, m = t - predict(b, start, p, hw)[0], m - predict(b, start, p, hw)[1]
+        for combo in itertools.product(*(_options(b, p, hw, start, only) for b in block.inner)):
+            layouts = {block.path: start, **{k: v for chosen, _, _ in combo for k, v in chosen.items()}}
+            options.append((layouts, t + sum(o[1] for o in combo), m + sum(o[2] for o in combo)))
+    elif block.inner and all(b.splits_1d for b in block.inner) and p > 1 and (only is None or "1d" in only):
         priced = [predict(b, "1d", p, hw) for b in block.inner]
         options.append(({b.path: "1d" for b in block.inner}, sum(t for t, _ in priced), sum(m for _, m in priced)))
     return options
