@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 
 import torch
@@ -134,10 +135,12 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         group.append(Peer(f"{name}, plain blocks", plain, plain_loss, lambda loss: loss.backward(), lambda loss: loss))
     if p > 1:  # the planner's pick: LLaMA's decoder stack whole in 1D, or each MLP laid out alone; GPT-2's stay
         auto_plan = optimus2d.Auto(tokens=args.batch * args.seq, seq=args.seq, memory=args.cap_mib * 2**20)
-        choice, plan = optimus2d.convert.choose_plan(serial, mesh, auto_plan)
-        auto = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=plan)
-        group.append(Peer("optimus2d auto", auto, functools.partial(loss_of, auto), lambda loss: loss.backward(),
-                          lambda loss: loss, extra={"layouts": choice.layouts}))  # fmt: skip
+        timed = dataclasses.replace(auto_plan, measure=lambda model: loss_of(model).backward(), top=4)
+        for label, asked in (("optimus2d auto", auto_plan), ("optimus2d auto, measured", timed)):
+            choice, plan = optimus2d.convert.choose_plan(serial, mesh, asked)
+            auto = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=plan)
+            group.append(Peer(label, auto, functools.partial(loss_of, auto), lambda loss: loss.backward(),
+                              lambda loss: loss, extra={"layouts": choice.layouts}))  # fmt: skip
     if args.model == "llama" and p > 1:
         group.append(_dtensor_1d(serial, ids))
     group.append(
@@ -162,6 +165,11 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         if "optimus2d auto" in rows and "DTensor 1D" in rows:
             ratio = rows["optimus2d auto"]["train_ms"] / rows["DTensor 1D"]["train_ms"]
             largest = rows["optimus2d auto"]["largest_batch"]
+            timed = rows.get("optimus2d auto, measured")
+            if timed:
+                chosen = ", ".join(f"{k}: {v}" for k, v in timed["layouts"].items())
+                ratio_timed = timed["train_ms"] / rows["DTensor 1D"]["train_ms"]
+                print(f"optimus2d auto, measured ({chosen}): fwd+bwd {ratio_timed:.3f} × DTensor 1D's")
             picked = ", ".join(f"{k}: {v}" for k, v in rows["optimus2d auto"]["layouts"].items())
             inferred = " (inferred: the layout it picks when asked for it)" if rows["optimus2d auto"].get(
                 "largest_batch_inferred") else ""  # fmt: skip

@@ -103,8 +103,9 @@ def test_the_calibration_is_the_same_on_every_rank_and_cached(world, tmp_path, m
 
 
 def test_auto_times_the_best_predicted_on_request_and_picks_the_fastest_measured(world, capsys):
-    """``Auto(measure=step, top=3)``: the 3 best predicted converted on copies and timed; every rank gets
-    the same times (the slowest rank's) and so the same pick; the model itself untouched; the plan exact."""
+    """``Auto(measure=step, top=3)``: the 3 best predicted and the model's own mesh converted on copies
+    and timed; every rank gets the same times (the slowest rank's) and so the same pick; the model
+    itself untouched; the plan exact."""
     mesh = _meshes_of(world)[0]
     torch.manual_seed(1)
     x = torch.randn(2 * world.size, 3, 6 * world.size, dtype=torch.float64)
@@ -119,9 +120,11 @@ def test_auto_times_the_best_predicted_on_request_and_picks_the_fastest_measured
 
     auto = Auto(tokens=64, hardware=HW, measure=step, top=3, explain=True)
     choice, plan = choose_plan(serial, mesh, auto)
-    timed = min(3, sum(fits for *_, fits in choice.table))
-    assert sorted(choice.measured) == list(range(timed)) and all(t > 0 for t in choice.measured.values())
-    assert len(runs) == 4 * timed and all(r is not serial for r in runs)  # a warm-up and 3 timed, on copies
+    best = list(range(min(3, sum(fits for *_, fits in choice.table))))
+    here = f"{mesh.q}×{mesh.q}×{mesh.depth}"
+    own = next(r for r, row in enumerate(choice.table) if set(row[0].values()) == {here})  # no plan at all
+    assert sorted(choice.measured) == sorted({*best, own}) and all(t > 0 for t in choice.measured.values())
+    assert len(runs) == 4 * len(choice.measured) and all(r is not serial for r in runs)  # a warm-up, 3 timed; copies
     assert choice.layouts == choice.table[min(choice.measured, key=choice.measured.get)][0]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()

@@ -161,7 +161,10 @@ def test_llama_benchmark_checks_dtensor_1d_under_the_model_plan_then_times_it(tm
     tiny = ["--layers", "1", "--hidden", "32", "--heads", "4", "--vocab", "64", "--batch", "2", "--seq", "8"]
     _bench(tmp_path, 4, "--name", "llama", "gpt", "--model", "llama", *tiny, "--rounds", "1")
     rows = {r["peer"]: r for r in json.loads((tmp_path / "llama-p4-q2d1.json").read_text())["rows"]}
-    assert set(rows) == {"optimus2d 2D", "optimus2d 2D, plain blocks", "optimus2d auto", "DTensor 1D", "torch, 1 rank"}
+    assert set(rows) == {
+        "optimus2d 2D", "optimus2d 2D, plain blocks", "optimus2d auto", "optimus2d auto, measured", "DTensor 1D",
+        "torch, 1 rank",
+    }  # fmt: skip
     assert rows["optimus2d 2D"]["elements_measured"] > 0 and rows["DTensor 1D"]["train_ms"] > 0
     assert "model" in rows["optimus2d auto"]["layouts"]  # LLaMA's decoder stack: a region the planner lays out
 

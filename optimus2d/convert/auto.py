@@ -18,11 +18,12 @@ same weights (f' = 3f/2).
 
 ``Auto(tokens=, memory=, explain=)`` says for what: ``plan="auto"`` is ``Auto()``, 8192 tokens a
 step and no memory cap. ``explain=True`` prints the candidates (rank 0) before converting.
-``Auto(measure=step, top=4)`` also times the ``top`` best predicted that fit: each on a converted
-deep copy of the model, ``step(copy)`` (one forward and backward, as the user trains) once to warm
-up and three times timed (``calibration.time_step``: the slowest rank's median), and picks the
-fastest measured; the table gains a "measured ms" column. ``choose_plan(model, mesh, auto)`` returns
-the ``Choice`` and the plan without converting.
+``Auto(measure=step, top=4)`` also times the ``top`` best predicted that fit, and the model's own
+mesh for every block (no plan): each on a converted deep copy of the model, ``step(copy)`` (one
+forward and backward, as the user trains) once to warm up and three times timed
+(``calibration.time_step``: the slowest rank's median), and picks the fastest measured; the table
+gains a "measured ms" column. ``choose_plan(model, mesh, auto)`` returns the ``Choice`` and the plan
+without converting.
 """
 
 from __future__ import annotations
@@ -253,9 +254,14 @@ def _plan(layouts: dict, mesh: Mesh, built: dict) -> dict:
 
 
 def _measured(model: nn.Module, mesh: Mesh, auto: Auto, choice: Choice, built: dict, convert: Callable) -> Choice:
-    """``choice`` with the ``auto.top`` best predicted rows that fit timed on deep copies of ``model``,
-    the fastest measured picked (every rank times the same rows and gets the slowest rank's times)."""
-    rows = [row for row, (*_, fits) in enumerate(choice.table) if fits][: auto.top]
+    """``choice`` with the ``auto.top`` best predicted rows that fit, and the row that leaves every block
+    on the model's mesh (no plan at all: the measured pick is never slower than that, but for noise),
+    timed on deep copies of ``model``, the fastest measured picked (every rank times the same rows
+    and gets the slowest rank's times)."""
+    fitting = [row for row, (*_, fits) in enumerate(choice.table) if fits]
+    here = f"{mesh.q}×{mesh.q}×{mesh.depth}"
+    rows = fitting[: auto.top]
+    rows += [r for r in fitting if all(v == here for v in choice.table[r][0].values()) and r not in rows][:1]
     measured = {}
     for row in rows:
         trial = convert(copy.deepcopy(model), mesh, plan=_plan(choice.table[row][0], mesh, built))
