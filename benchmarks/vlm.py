@@ -20,10 +20,17 @@ calibrated in this run (``benchmarks/calibrate.py``), its pick under ``--cap-mib
 measured best agrees. Parameters, their gradients and two AdamW moments of the trained modules
 count against the cap (16 bytes a trained parameter, 4 a frozen one, plus what autograd keeps).
 
-One more peer per encoder setting: ``parallelize(model, mesh, plan=Auto(tokens=, seq=, memory=))``
-(``plan="auto"`` on the world's squarest mesh, costs from ``optimus2d.cost.calibration``): each
-encoder and LM layer on the mesh shape it predicts fastest, checked and timed with the rest, and
-reported against the measured best of the mesh pairs ("auto ÷ best").
+Two more peers per encoder setting: ``parallelize(model, mesh, plan=Auto(tokens=, seq=, memory=))``
+(``plan="auto"`` on the world's squarest mesh, costs from ``optimus2d.cost.calibration``): the
+encoder and the LM (each an ``nn.TransformerEncoder``: a part) each whole on the mesh shape it
+predicts fastest; and the same with ``measure=`` (the 4 best predicted timed on copies). Checked and
+timed with the rest, reported against the measured best of the mesh pairs ("auto ÷ best") and as
+the pair they picked ("as pairs": the pick without the boundaries of the model's own mesh).
+
+And the non-colocated peers (``benchmarks/vlm_apart.py``): the encoder on ranks of its own, the
+projector and the LM on the rest, two pipeline stages under ``Schedule1F1B`` ("apart": the best
+colocated pair's step over theirs). On cores the ranks share, a set that waits lends its core to
+the other: their times are honest only with a core per rank (``scripts/cores.sh``).
 
 ``--workloads`` runs several shapes in one process (a size given on the command line overrides
 theirs), each as above, and ends with one line per workload: the best homogeneous layout (every
@@ -49,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 import optimus2d
-from benchmarks import calibrate, compare
+from benchmarks import calibrate, compare, vlm_apart
 from benchmarks.compare import Peer
 from optimus2d.convert import choose_plan
 from optimus2d.cost.planner import Layer, Part, propose_layouts
@@ -163,7 +170,7 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     summary = [_verdict(name, result["rows"]) for name, result in results.items()]
     if dist.get_rank() == 0:
         print(f"{'workload':16} {'best homogeneous':>32} {'best heterogeneous':>34} {'hetero ÷ homo':>13} "
-              f"{'pick ÷ best':>11} {'auto ÷ best':>11} {'measured':>8} {'as pairs':>11}  "
+              f"{'pick ÷ best':>11} {'auto ÷ best':>11} {'measured':>8} {'as pairs':>11} {'apart':>6}  "
               "the planner's pick")  # fmt: skip
         for v in summary:
             pairs = "/".join("-" if r is None else f"{r:.3f}" for r in (v["auto_pair_over_best"],
@@ -172,7 +179,8 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
                 f"{v['workload']:16} {v['homogeneous']:>24} {v['homogeneous_ms']:6.1f} ms "
                 f"{v['heterogeneous']:>26} {v['heterogeneous_ms']:6.1f} ms {v['speedup']:13.2f} "
                 f"{v['pick_over_best']:11.3f} {v['auto_over_best']:11.3f} {v['measured_auto_over_best']:8.3f} "
-                f"{pairs:>11}  {v['pick']} (best: {v['best']})"
+                f"{pairs:>11} {'-' if v['apart_speedup'] is None else format(v['apart_speedup'], '.2f'):>6}  "
+                f"{v['pick']} (best: {v['best']})"
             )
     return {"ranks": p, "workloads": results, "summary": summary}
 
@@ -182,7 +190,8 @@ def _verdict(name: str, rows: list[dict]) -> dict:
     mesh pairs), and ``plan="auto"``'s time over that best."""
     auto = min((r for r in rows if r["auto"] and not r["measured"]), key=lambda r: r["train_ms"])
     timed = min((r for r in rows if r["auto"] and r["measured"]), key=lambda r: r["train_ms"])
-    rows = [r for r in rows if not r["auto"]]
+    apart = min((r for r in rows if r["apart"]), key=lambda r: r["train_ms"], default=None)
+    rows = [r for r in rows if not r["auto"] and not r["apart"]]
     homo = min((r for r in rows if r["encoder"] == r["lm"]), key=lambda r: r["train_ms"])
     hetero = min((r for r in rows if r["encoder"] != r["lm"]), key=lambda r: r["train_ms"])
     best, pick = min(rows, key=lambda r: r["train_ms"]), next(r for r in rows if r["plan_pick"])
@@ -204,6 +213,7 @@ def _verdict(name: str, rows: list[dict]) -> dict:
         "auto_over_best": auto["train_ms"] / best["train_ms"], "auto_layouts": auto["layouts"],
         "measured_auto_over_best": timed["train_ms"] / best["train_ms"], "measured_auto_layouts": timed["layouts"],
         "auto_pair_over_best": as_pair(auto), "measured_auto_pair_over_best": as_pair(timed),
+        "apart": apart and apart["peer"], "apart_speedup": apart and best["train_ms"] / apart["train_ms"],
     }  # fmt: skip
 
 
@@ -234,6 +244,9 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
             for a, (_, plan) in zip((auto, timed), choices, strict=True)
         ]
         compare.check(peers, reference)
+        apart = [vlm_apart.apart_peer(serial, x, probe, a, frozen) for a in vlm_apart.splits(p, args.batch)]
+        vlm_apart.check(apart, reference, probe)
+        peers += apart
         sent = [_sent_bytes(peer) for peer in peers]
         compare.time_rounds(peers, args.rounds, device, f"{'frozen' if frozen else 'trained'} encoder")
         measured = compare.summarize(peers, args.batch * args.seq, args.batch, args.cap_mib)
@@ -244,18 +257,26 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
         ]  # fmt: skip
         proposal = propose_layouts(parts, p, hw, memory_cap=cap)
         predicted = {(tuple(r[0]["encoder"]), tuple(r[0]["lm"])): r for r in proposal.table}
-        for (e, m), row, nbytes in zip(combos, measured[:-2], sent[:-2], strict=True):  # the last two: plan="auto"
+        k = len(combos)  # the pairs, then plan="auto" (predicted, measured), then the non-colocated peers
+        for (e, m), row, nbytes in zip(combos, measured[:k], sent[:k], strict=True):
             _, seconds, memory, fits = predicted[(e, m)]
             row.update(
                 frozen=frozen, encoder=list(e), lm=list(m), sent_bytes=nbytes, predicted_ms=1e3 * seconds,
                 predicted_memory=memory, fits_cap=fits, plan_pick=(e, m) == (proposal.layouts["encoder"],
-                proposal.layouts["lm"]), auto=False,
+                proposal.layouts["lm"]), auto=False, apart=False,
             )  # fmt: skip
-        for row, nbytes, (choice, _), timed_too in zip(measured[-2:], sent[-2:], choices, (False, True), strict=True):
+        autos = zip(measured[k : k + 2], sent[k : k + 2], choices, (False, True), strict=True)
+        for row, nbytes, (choice, _), timed_too in autos:
             row.update(
                 frozen=frozen, encoder=None, lm=None, sent_bytes=nbytes, predicted_ms=1e3 * choice.seconds,
                 predicted_memory=choice.memory, fits_cap=choice.memory <= cap, plan_pick=False, auto=True,
-                layouts=choice.layouts, measured=timed_too,
+                layouts=choice.layouts, measured=timed_too, apart=False,
+            )  # fmt: skip
+        for row, nbytes, a in zip(measured[k + 2 :], sent[k + 2 :], vlm_apart.splits(p, args.batch), strict=True):
+            row.update(
+                frozen=frozen, encoder=list(vlm_apart.squarest(a)), lm=list(vlm_apart.squarest(p - a)),
+                sent_bytes=nbytes, predicted_ms=float("nan"), predicted_memory=None, fits_cap=True, plan_pick=False,
+                auto=False, apart=True, encoder_ranks=a,
             )  # fmt: skip
         rows += measured
     _print(rows, args, p, hw)
@@ -278,7 +299,7 @@ def _print(rows: list[dict], args: argparse.Namespace, p: int, hw) -> None:
             f"{'yes' if r['fits_cap'] else 'no':>5} {'<-' if r['plan_pick'] else ''}"
         )
     for frozen in dict.fromkeys(r["frozen"] for r in rows):
-        mine = [r for r in rows if r["frozen"] == frozen and not r["auto"]]
+        mine = [r for r in rows if r["frozen"] == frozen and not r["auto"] and not r["apart"]]
         pick = next(r for r in mine if r["plan_pick"])
         for label, pool in (("every layout", mine), ("within the cap", [r for r in mine if r["fits_cap"]])):
             homo = min((r for r in pool if r["encoder"] == r["lm"]), key=lambda r: r["train_ms"], default=None)
@@ -298,3 +319,7 @@ def _print(rows: list[dict], args: argparse.Namespace, p: int, hw) -> None:
                 f"  {auto['peer']}: {auto['train_ms']:.1f} ms, {auto['train_ms'] / best['train_ms']:.2f}× the measured "
                 "best: " + placed
             )
+        for apart in (r for r in rows if r["frozen"] == frozen and r["apart"]):
+            gain = best["train_ms"] / apart["train_ms"]
+            print(f"  {apart['peer']}: {apart['train_ms']:.1f} ms, throughput {gain:.2f}× the best colocated "
+                  "(on shared cores a waiting set lends its core)")  # fmt: skip

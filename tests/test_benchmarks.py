@@ -251,8 +251,11 @@ def test_vlm_benchmark_compares_layouts_per_workload_and_the_planners_pick(tmp_p
     result = json.loads((tmp_path / "vlm-p4-q2d1.json").read_text())
     assert [v["workload"] for v in result["summary"]] == ["small-frozen", "long-sequence"]
     for verdict, rows in zip(result["summary"], result["workloads"].values(), strict=True):
-        times = {r["peer"]: r["train_ms"] for r in rows["rows"] if not r["auto"]}
+        times = {r["peer"]: r["train_ms"] for r in rows["rows"] if not r["auto"] and not r["apart"]}
         assert len(times) == 4 and sum(r["plan_pick"] for r in rows["rows"]) == 1  # 2 meshes² on 4 ranks
+        [apart] = [r for r in rows["rows"] if r["apart"]]  # 2 + 2 ranks (1 + 3: 1×1×3 cannot split 2 a micro-batch)
+        assert apart["encoder_ranks"] == 2 and apart["encoder"] == apart["lm"] == [1, 2] and apart["train_ms"] > 0
+        assert verdict["apart_speedup"] == min(times.values()) / apart["train_ms"]  # checked against serial first
         assert verdict["pick_over_best"] == times[verdict["pick"]] / min(times.values())
         auto, timed = [r for r in rows["rows"] if r["auto"]]  # plan="auto": a layout for each part, whole
         for row in (auto, timed):  # predicted, then measured (Auto(measure=))
