@@ -6,8 +6,8 @@ back; the same with the LLM's MLPs in 1D (``Megatron`` over the LLM's own ranks)
 that overlap, leave a rank out, do not fit their meshes, or differ between ranks) are the same
 ``ValueError`` on every rank.
 
-Sets by world: 4 ranks: tower on 1, LLM on 3 (1×1×3); 8: 4 + 4 (1×1×4 → 2×2) and 2 + 6 (1×1×2 →
-1×1×6); 9: 1 + 8 (1×1 → 2×2×2)."""
+Sets by world: 4 ranks: tower on 1, LLM on 3 (1×1×3); 8: 4 + 4 (1×1×4 → 2×2, and 2×2 → 1×1×4) and
+2 + 6 (1×1×2 → 1×1×6); 9: 1 + 8 (1×1 → 2×2×2)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.families]
 # world → [(tower ranks, (q, depth) of the tower's mesh, (q, depth) of the LLM's)]
 SETS = {
     4: [(1, (1, 1), (1, 3))],
-    8: [(4, (1, 4), (2, 1)), (2, (1, 2), (1, 6))],
+    8: [(4, (1, 4), (2, 1)), (2, (1, 2), (1, 6)), (4, (2, 1), (1, 4))],
     9: [(1, (1, 1), (2, 2))],
 }
 N = 2  # micro-batches
