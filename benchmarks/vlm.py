@@ -214,6 +214,7 @@ def _verdict(name: str, rows: list[dict]) -> dict:
         "measured_auto_over_best": timed["train_ms"] / best["train_ms"], "measured_auto_layouts": timed["layouts"],
         "auto_pair_over_best": as_pair(auto), "measured_auto_pair_over_best": as_pair(timed),
         "apart": apart and apart["peer"], "apart_speedup": apart and best["train_ms"] / apart["train_ms"],
+        "apart_predicted_speedup": apart and min(r["predicted_ms"] for r in rows) / apart["predicted_ms"],
     }  # fmt: skip
 
 
@@ -275,7 +276,8 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
         for row, nbytes, a in zip(measured[k + 2 :], sent[k + 2 :], vlm_apart.splits(p, args.batch), strict=True):
             row.update(
                 frozen=frozen, encoder=list(vlm_apart.squarest(a)), lm=list(vlm_apart.squarest(p - a)),
-                sent_bytes=nbytes, predicted_ms=float("nan"), predicted_memory=None, fits_cap=True, plan_pick=False,
+                sent_bytes=nbytes, predicted_ms=1e3 * vlm_apart.predicted_seconds(args, hw, a, frozen),
+                predicted_memory=None, fits_cap=True, plan_pick=False,
                 auto=False, apart=True, encoder_ranks=a,
             )  # fmt: skip
         rows += measured
@@ -321,5 +323,6 @@ def _print(rows: list[dict], args: argparse.Namespace, p: int, hw) -> None:
             )
         for apart in (r for r in rows if r["frozen"] == frozen and r["apart"]):
             gain = best["train_ms"] / apart["train_ms"]
+            foreseen = min(r["predicted_ms"] for r in mine) / apart["predicted_ms"]
             print(f"  {apart['peer']}: {apart['train_ms']:.1f} ms, throughput {gain:.2f}× the best colocated "
-                  "(on shared cores a waiting set lends its core)")  # fmt: skip
+                  f"(predicted {foreseen:.2f}×; on shared cores a waiting set lends its core)")  # fmt: skip

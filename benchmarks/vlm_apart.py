@@ -23,7 +23,9 @@ from torch.distributed.pipelining import Schedule1F1B
 
 import optimus2d
 from benchmarks.compare import Peer, collective_device
+from optimus2d.cost.planner import Hardware, Layer, Part, part_time
 from optimus2d.pipeline import mesh_sum, pipeline_stage, rank_sets, scatter_microbatches
+from optimus2d.pipeline.simulator import schedule_order, simulate
 
 MICROBATCHES = 2
 _SETS: dict = {}  # (encoder ranks, world) → RankSets: built once, in the same order on every rank
@@ -84,6 +86,30 @@ def apart_peer(serial: nn.Module, x: torch.Tensor, probe: torch.Tensor, a: int, 
     name = (f"{'frozen' if frozen else 'trained'} encoder apart: {a} + {p - a} ranks, "
             f"{shape_name(q0, d0)} → {shape_name(q1, d1)}")  # fmt: skip
     return Peer(name, chunk, step, lambda out: None, lambda out: out)
+
+
+def predicted_seconds(args, hw: Hardware, a: int, frozen: bool) -> float:
+    """The step the cost model predicts for ``apart_peer(..., a, frozen)``: each set's part per
+    micro-batch (``planner.part_time`` on its mesh; a backward twice its forward), the features
+    sent between them (bandwidth and latency), replayed in torch's ``Schedule1F1B`` order
+    (``pipeline.simulator``). The projector is left out, as in the mesh pairs' predictions."""
+    p, n = dist.get_world_size(), MICROBATCHES
+    mb = args.batch // n
+    (q0, d0), (q1, d1) = squarest(a), squarest(p - a)
+    encoder = Part("encoder", Layer(mb, args.seq, args.enc_hidden, 4 * args.enc_hidden, args.heads), args.enc_layers,
+                   frozen=frozen)  # fmt: skip
+    lm = Part("lm", Layer(mb, args.seq, args.lm_hidden, 4 * args.lm_hidden, args.heads), args.lm_layers,
+              input_grad=not frozen)  # fmt: skip
+    e, m = part_time(encoder, q0, d0, hw), part_time(lm, q1, d1, hw)
+    costs = {
+        ("F", 0): e if frozen else e / 3,
+        ("B", 0): 0.0 if frozen else 2 * e / 3,
+        ("F", 1): m / 3,
+        ("B", 1): 2 * m / 3,
+    }
+    sent = mb * args.seq * args.enc_hidden / a * hw.bytes_per_element / hw.bandwidth + hw.latency
+    order = schedule_order(Schedule1F1B, 2, n)
+    return simulate(order, lambda kind, stage: costs[kind, stage], where=lambda s: s, p2p=sent).makespan
 
 
 def check(peers: list[Peer], reference: torch.Tensor, probe: torch.Tensor, tol: float = 1e-5) -> None:

@@ -256,6 +256,8 @@ def test_vlm_benchmark_compares_layouts_per_workload_and_the_planners_pick(tmp_p
         [apart] = [r for r in rows["rows"] if r["apart"]]  # 2 + 2 ranks (1 + 3: 1×1×3 cannot split 2 a micro-batch)
         assert apart["encoder_ranks"] == 2 and apart["encoder"] == apart["lm"] == [1, 2] and apart["train_ms"] > 0
         assert verdict["apart_speedup"] == min(times.values()) / apart["train_ms"]  # checked against serial first
+        pairs = [r["predicted_ms"] for r in rows["rows"] if not r["auto"] and not r["apart"]]
+        assert apart["predicted_ms"] > 0 and verdict["apart_predicted_speedup"] == min(pairs) / apart["predicted_ms"]
         assert verdict["pick_over_best"] == times[verdict["pick"]] / min(times.values())
         auto, timed = [r for r in rows["rows"] if r["auto"]]  # plan="auto": a layout for each part, whole
         for row in (auto, timed):  # predicted, then measured (Auto(measure=))
