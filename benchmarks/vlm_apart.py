@@ -7,8 +7,10 @@ Each set is the squarest mesh of its ranks (4: 2×2; 2, 3: 1×1×2, 1×1×3); a 
 both meshes split a micro-batch (``batch / MICROBATCHES``). One step is ``schedule.step`` on every
 rank, then a barrier, so that every rank's timer holds the makespan (the encoder's ranks finish
 their forwards first). Checked against serial by the loss Σ out·probe the LM's ranks return (a
-random projection of the whole output). On cores shared by the ranks a set that waits lends its
-core to the other, which a machine with a core per rank does not: read these times there.
+random projection of the whole output). Beside each, ``predicted_seconds``: the cost model's step
+for it, each set's part replayed in ``Schedule1F1B``'s order by ``optimus2d.pipeline.simulator``.
+On cores shared by the ranks a set that waits lends its core to the other, which a machine with a
+core per rank does not: read these times there.
 """
 
 from __future__ import annotations
