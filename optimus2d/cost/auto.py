@@ -41,11 +41,12 @@ __all__ = ["Block", "Choice", "candidates", "choose", "predict"]
 @dataclass(frozen=True)
 class Block:
     """A module to lay out: ``kind`` "mlp" (h → f → h), "layer" (a pre-norm transformer layer of
-    ``heads`` heads over sequences of ``seq``) or "part" (a module made of the blocks ``inner``, of
-    one width ``hidden``, laid out whole: one boundary in and out), at ``path``; ``rows``: tokens a
-    step; ``frozen``: no weight gradient; ``input_grad``: a gradient goes back from its input;
-    ``splits_1d``: it may run in Megatron's 1D layout; ``qs``: the grid sizes q its dimensions divide
-    (empty: any)."""
+    ``heads`` heads over sequences of ``seq``), "part" (a module made of the blocks ``inner``, of
+    one width ``hidden``, laid out whole: one boundary in and out) or "region" (``layers`` such
+    layers whose attention splits in 1D, and ``other`` weights: whole in 1D, or on the model's mesh
+    with its blocks ``inner`` laid out alone), at ``path``; ``rows``: tokens a step; ``frozen``: no
+    weight gradient; ``input_grad``: a gradient goes back from its input; ``splits_1d``: it may run
+    in Megatron's 1D layout; ``qs``: the grid sizes q its dimensions divide (empty: any)."""
 
     path: str
     kind: str
@@ -185,7 +186,8 @@ class Choice:
 def _options(block: Block, p: int, hw: Hardware, start: str, only: set[str] | None) -> list[tuple[dict, float, float]]:
     """Every way to lay out ``block`` as (path → layout, seconds, bytes a rank), its boundaries from and
     back to ``start`` priced: each of its candidates; a part whole on each mesh shape, or, where every
-    one of its blocks splits in 1D, each of them in 1D (each with its own boundary, as a block alone)."""
+    one of its blocks splits in 1D, each of them in 1D (each with its own boundary, as a block alone);
+    a region whole in 1D, or on ``start`` (its attention priced there) with each block's options."""
     options = []
     for layout in candidates(block, p):
         if (only is not None and layout not in only) or (block.kind == "region" and layout == start):
