@@ -148,15 +148,18 @@ def _regions(model: nn.Module, blocks: list[Block], tokens: int, ranks: int, seq
             regions[path] = replace(region, other=max(0, weights - region.params))
             continue
         seen_trained |= any(p.requires_grad for p in module.parameters(recurse=False))
+    return _gathered(blocks, regions)
+
+
+def _gathered(blocks: list[Block], groups: dict[str, Block]) -> list[Block]:
+    """``blocks`` with each one inside a group (path → part or region) replaced by that group, in the
+    place of its first block; a group with no block inside at the end."""
     out = []
     for block in blocks:
-        region = next((r for path, r in regions.items() if block.path.startswith(f"{path}.")), None)
-        if region is None:
-            out.append(block)
-        elif region not in out:
-            out.append(region)
-    out += [r for r in regions.values() if r not in out]  # a region with no block inside
-    return out
+        group = next((g for path, g in groups.items() if block.path.startswith(f"{path}.")), block)
+        if group not in out:
+            out.append(group)
+    return out + [g for g in groups.values() if g not in out]
 
 
 def _parts(model: nn.Module, blocks: list[Block]) -> list[Block]:
@@ -180,14 +183,7 @@ def _parts(model: nn.Module, blocks: list[Block]) -> list[Block]:
         qs = set.intersection(*(set(b.qs) for b in inner))
         parts[path] = Block(path, "part", inner[0].rows, inner[0].hidden, 0, frozen=all(b.frozen for b in inner),
                             input_grad=inner[0].input_grad, qs=tuple(sorted(qs)), inner=tuple(inner))  # fmt: skip
-    out = []
-    for block in blocks:
-        part = next((b for path, b in parts.items() if block.path.startswith(f"{path}.")), None)
-        if part is None:
-            out.append(block)
-        elif part.inner[0] is block:
-            out.append(part)
-    return out
+    return _gathered(blocks, parts)
 
 
 def choose_plan(

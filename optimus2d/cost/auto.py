@@ -201,7 +201,8 @@ def _options(block: Block, p: int, hw: Hardware, start: str, only: set[str] | No
     if block.kind == "region":  # staying on the mesh: its attention there, each of its blocks laid out alone
         t, m = predict(block, start, p, hw)
         for b in block.inner:
-            t, m = t - predict(b, start, p, hw)[0], m - predict(b, start, p, hw)[1]
+            bt, bm = predict(b, start, p, hw)
+            t, m = t - bt, m - bm
         for combo in itertools.product(*(_options(b, p, hw, start, only) for b in block.inner)):
             layouts = {block.path: start, **{k: v for chosen, _, _ in combo for k, v in chosen.items()}}
             options.append((layouts, t + sum(o[1] for o in combo), m + sum(o[2] for o in combo)))
