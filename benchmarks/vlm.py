@@ -60,6 +60,7 @@ from benchmarks import calibrate, compare, vlm_apart
 from benchmarks.compare import Peer
 from optimus2d.convert import choose_plan
 from optimus2d.cost.planner import Layer, Part, propose_layouts
+from optimus2d.pipeline import propose_placement
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -170,8 +171,8 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     summary = [_verdict(name, result["rows"]) for name, result in results.items()]
     if dist.get_rank() == 0:
         print(f"{'workload':16} {'best homogeneous':>32} {'best heterogeneous':>34} {'hetero ÷ homo':>13} "
-              f"{'pick ÷ best':>11} {'auto ÷ best':>11} {'measured':>8} {'as pairs':>11} {'apart':>6}  "
-              "the planner's pick")  # fmt: skip
+              f"{'pick ÷ best':>11} {'auto ÷ best':>11} {'measured':>8} {'as pairs':>11} {'apart':>6} "
+              f"{'placed':>6}  the planner's pick")  # fmt: skip
         for v in summary:
             pairs = "/".join("-" if r is None else f"{r:.3f}" for r in (v["auto_pair_over_best"],
                              v["measured_auto_pair_over_best"]))  # fmt: skip
@@ -179,8 +180,9 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
                 f"{v['workload']:16} {v['homogeneous']:>24} {v['homogeneous_ms']:6.1f} ms "
                 f"{v['heterogeneous']:>26} {v['heterogeneous_ms']:6.1f} ms {v['speedup']:13.2f} "
                 f"{v['pick_over_best']:11.3f} {v['auto_over_best']:11.3f} {v['measured_auto_over_best']:8.3f} "
-                f"{pairs:>11} {'-' if v['apart_speedup'] is None else format(v['apart_speedup'], '.2f'):>6}  "
-                f"{v['pick']} (best: {v['best']})"
+                f"{pairs:>11} {'-' if v['apart_speedup'] is None else format(v['apart_speedup'], '.2f'):>6} "
+                f"{v['placement_over_best']:6.3f}  {v['pick']} (best: {v['best']}); placed: {v['placement']} "
+                f"(best: {v['placement_best']})"
             )
     return {"ranks": p, "workloads": results, "summary": summary}
 
@@ -191,6 +193,9 @@ def _verdict(name: str, rows: list[dict]) -> dict:
     auto = min((r for r in rows if r["auto"] and not r["measured"]), key=lambda r: r["train_ms"])
     timed = min((r for r in rows if r["auto"] and r["measured"]), key=lambda r: r["train_ms"])
     apart = min((r for r in rows if r["apart"]), key=lambda r: r["train_ms"], default=None)
+    placed = [r for r in rows if not r["auto"]]  # the pairs and the splits: what propose_placement chose among
+    placement = next(r for r in placed if r["placement_pick"])
+    fastest = min(placed, key=lambda r: r["train_ms"])
     rows = [r for r in rows if not r["auto"] and not r["apart"]]
     homo = min((r for r in rows if r["encoder"] == r["lm"]), key=lambda r: r["train_ms"])
     hetero = min((r for r in rows if r["encoder"] != r["lm"]), key=lambda r: r["train_ms"])
@@ -215,6 +220,8 @@ def _verdict(name: str, rows: list[dict]) -> dict:
         "auto_pair_over_best": as_pair(auto), "measured_auto_pair_over_best": as_pair(timed),
         "apart": apart and apart["peer"], "apart_speedup": apart and best["train_ms"] / apart["train_ms"],
         "apart_predicted_speedup": apart and min(r["predicted_ms"] for r in rows) / apart["predicted_ms"],
+        "placement": placement["peer"], "placement_over_best": placement["train_ms"] / fastest["train_ms"],
+        "placement_best": fastest["peer"],
     }  # fmt: skip
 
 
@@ -245,17 +252,23 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
             for a, (_, plan) in zip((auto, timed), choices, strict=True)
         ]
         compare.check(peers, reference)
-        apart = [vlm_apart.apart_peer(serial, x, probe, a, frozen) for a in vlm_apart.splits(p, args.batch)]
-        vlm_apart.check(apart, reference, probe)
-        peers += apart
-        sent = [_sent_bytes(peer) for peer in peers]
-        compare.time_rounds(peers, args.rounds, device, f"{'frozen' if frozen else 'trained'} encoder")
-        measured = compare.summarize(peers, args.batch * args.seq, args.batch, args.cap_mib)
         parts = [
             Part("encoder", Layer(args.batch, args.seq, args.enc_hidden, 4 * args.enc_hidden, args.heads),
                  args.enc_layers, frozen=frozen),
             Part("lm", Layer(args.batch, args.seq, args.lm_hidden, 4 * args.lm_hidden, args.heads), args.lm_layers),
         ]  # fmt: skip
+        placement = propose_placement(*parts, p, hw, microbatches=vlm_apart.MICROBATCHES, memory_cap=cap)
+        splits = {}  # encoder ranks → the cheapest apart candidate of that split (the table is cheapest first)
+        for c in placement.table:
+            if c.encoder_ranks:
+                splits.setdefault(c.encoder_ranks, c)
+        splits = [splits[a] for a in sorted(splits)]
+        apart = [vlm_apart.apart_peer(serial, x, probe, c, frozen) for c in splits]
+        vlm_apart.check(apart, reference, probe)
+        peers += apart
+        sent = [_sent_bytes(peer) for peer in peers]
+        compare.time_rounds(peers, args.rounds, device, f"{'frozen' if frozen else 'trained'} encoder")
+        measured = compare.summarize(peers, args.batch * args.seq, args.batch, args.cap_mib)
         proposal = propose_layouts(parts, p, hw, memory_cap=cap)
         predicted = {(tuple(r[0]["encoder"]), tuple(r[0]["lm"])): r for r in proposal.table}
         k = len(combos)  # the pairs, then plan="auto" (predicted, measured), then the non-colocated peers
@@ -273,13 +286,19 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
                 predicted_memory=choice.memory, fits_cap=choice.memory <= cap, plan_pick=False, auto=True,
                 layouts=choice.layouts, measured=timed_too, apart=False,
             )  # fmt: skip
-        for row, nbytes, a in zip(measured[k + 2 :], sent[k + 2 :], vlm_apart.splits(p, args.batch), strict=True):
+        for row, nbytes, c in zip(measured[k + 2 :], sent[k + 2 :], splits, strict=True):
             row.update(
-                frozen=frozen, encoder=list(vlm_apart.squarest(a)), lm=list(vlm_apart.squarest(p - a)),
-                sent_bytes=nbytes, predicted_ms=1e3 * vlm_apart.predicted_seconds(args, hw, a, frozen),
-                predicted_memory=None, fits_cap=True, plan_pick=False,
-                auto=False, apart=True, encoder_ranks=a,
+                frozen=frozen, encoder=list(c.encoder), lm=list(c.rest), sent_bytes=nbytes,
+                predicted_ms=1e3 * c.seconds, predicted_memory=c.memory, fits_cap=c.fits, plan_pick=False,
+                auto=False, apart=True, encoder_ranks=c.encoder_ranks,
             )  # fmt: skip
+        best = placement.best  # the placement's pick: a pair of meshes over every rank, or a split
+        for row in measured:
+            row["placement_pick"] = (
+                row["apart"] and row["encoder_ranks"] == best.encoder_ranks and row["encoder"] == list(best.encoder)
+                and row["lm"] == list(best.rest)
+            ) or (not best.encoder_ranks and not row["auto"] and not row["apart"]
+                  and (row["encoder"], row["lm"]) == (list(best.encoder), list(best.rest)))  # fmt: skip
         rows += measured
     _print(rows, args, p, hw)
     return {"config": vars(args), "ranks": p, "hardware": calibrate._fields(hw), "rows": rows}

@@ -273,3 +273,9 @@ def test_vlm_benchmark_compares_layouts_per_workload_and_the_planners_pick(tmp_p
                 [int(n) for n in row["layouts"][part].split("×")[1:]] for part in ("encoder", "lm")])  # fmt: skip
             assert verdict[key] == pair["train_ms"] / min(times.values())
         assert verdict["speedup"] == times[verdict["homogeneous"]] / times[verdict["heterogeneous"]]
+        placed = {r["peer"]: r for r in rows["rows"] if not r["auto"]}  # propose_placement: the pairs and the split
+        [pick] = [r for r in placed.values() if r["placement_pick"]]
+        fastest = min(r["train_ms"] for r in placed.values())
+        assert verdict["placement"] == pick["peer"] and verdict["placement_over_best"] == pick["train_ms"] / fastest
+        assert pick["predicted_ms"] == min(r["predicted_ms"] for r in placed.values() if r["fits_cap"])
+        assert pick["apart"] or pick["plan_pick"]  # together, it is propose_layouts' pick

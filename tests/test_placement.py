@@ -1,0 +1,71 @@
+"""``pipeline.propose_placement``: an encoder and the model after it, together on every rank or apart."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from optimus2d.cost.planner import Hardware, Layer, Part, part_time, propose_layouts
+from optimus2d.pipeline import propose_placement
+
+HW = Hardware(flops=1e11, bandwidth=1e9, latency=1e-5, bytes_per_element=4)
+
+
+def _parts(batch: int = 8, seq: int = 16, frozen: bool = True) -> tuple[Part, Part]:
+    encoder = Part("encoder", Layer(batch, seq, 64, 256, 4), 2, frozen=frozen)
+    return encoder, Part("lm", Layer(batch, seq, 128, 512, 4), 2, input_grad=not frozen)
+
+
+def test_together_rows_are_the_layout_planners_and_the_pick_is_the_cheapest():
+    encoder, lm = _parts()
+    placement = propose_placement(encoder, lm, 4, HW)
+    together = {(c.encoder, c.rest): c.seconds for c in placement.table if not c.encoder_ranks}
+    layouts = propose_layouts([encoder, lm], 4, HW)
+    assert together == {(r[0]["encoder"], r[0]["lm"]): r[1] for r in layouts.table}  # 2×2 and 1×1×4, each pair
+    apart = [(c.encoder_ranks, c.encoder, c.rest) for c in placement.table if c.encoder_ranks]
+    assert apart == [(2, (1, 2), (1, 2))]  # 1 + 3: 1×1×3 cannot split a micro-batch of 4
+    assert placement.best is min(placement.table, key=lambda c: c.seconds)
+    assert placement.table[0] is placement.best and placement.encoder_ranks == placement.best.encoder_ranks
+    assert "apart: encoder on 2 ranks as 1×1×2, rest on 2 as 1×1×2" in placement.explain()
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_apart_is_torchs_1f1b_replayed_with_each_sets_part(frozen):
+    """Free links: the frozen encoder's forwards (e a micro-batch) then, on the LM's ranks, 1F1B's
+    F B F B (m each, a third forward): e + 2m when e ≤ m. Trained, the encoder's backward follows the
+    LM's: e/3 (F0) + m (F1, B1) + 2e/3 (B0) for the first micro-batch, then the second's."""
+    free = replace(HW, bandwidth=float("inf"), latency=0.0)
+    encoder, lm = _parts(frozen=frozen)
+    encoder = replace(encoder, layers=1)
+    [c] = [c for c in propose_placement(encoder, lm, 4, free).table if c.encoder_ranks]
+    e, m = (part_time(replace(p, layer=replace(p.layer, batch=4)), 1, 2, free) for p in (encoder, lm))
+    assert e <= m
+    # trained: F0(0) F0(1) on the encoder's ranks, F1(0) B1(0) F1(1) B1(1) on the LM's, B0(0) after B1(0)
+    # and B0(1) after B1(1): the LM's ranks finish at e/3 + 2m, then B0(1) takes 2e/3
+    assert c.seconds == pytest.approx(e + 2 * m if frozen else e / 3 + 2 * m + 2 * e / 3, rel=1e-12)
+    if frozen:  # with links: the features cross once a micro-batch, forward only (the first's delays the LM)
+        [c] = [c for c in propose_placement(encoder, lm, 4, HW).table if c.encoder_ranks]
+        e, m = (part_time(replace(p, layer=replace(p.layer, batch=4)), 1, 2, HW) for p in (encoder, lm))
+        sent = 4 * 16 * 64 / 2 * 4 / HW.bandwidth + HW.latency  # a micro-batch's features, a rank's half
+        assert c.seconds == pytest.approx(e + sent + 2 * m, rel=1e-12)
+
+
+def test_a_memory_cap_picks_what_fits_and_the_least_memory_when_nothing_does():
+    encoder, lm = _parts(frozen=False)
+    free = propose_placement(encoder, lm, 4, HW)
+    cap = sorted(c.memory for c in free.table)[1]  # the two smallest fit
+    capped = propose_placement(encoder, lm, 4, HW, memory_cap=cap)
+    assert capped.best.fits and capped.best.memory <= cap
+    assert capped.best.seconds == min(c.seconds for c in capped.table if c.memory <= cap)
+    assert all(c.fits == (c.memory <= cap) for c in capped.table)
+    none = propose_placement(encoder, lm, 4, HW, memory_cap=1.0)
+    assert not none.best.fits and none.best.memory == min(c.memory for c in none.table)
+
+
+def test_no_placement_splits_the_batch_is_refused():
+    encoder, lm = _parts(batch=3)
+    with pytest.raises(ValueError, match="splits the batch 3"):
+        propose_placement(encoder, lm, 4, HW)
+    with pytest.raises(ValueError, match="differ"):
+        propose_placement(encoder, replace(lm, layer=replace(lm.layer, batch=4)), 4, HW)
