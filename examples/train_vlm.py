@@ -49,6 +49,8 @@ import transformers
 from torch.distributed.pipelining import Schedule1F1B
 
 import optimus2d
+from optimus2d.cost.calibration import hardware
+from optimus2d.cost.planner import Layer, Part
 
 IMAGE, ROWS = 143, 4  # the image token (the last of the vocabulary); feature rows per image
 CLASSES = 8
@@ -137,22 +139,38 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--tower", choices=["own", "same", "1d"], default="own")
     parser.add_argument("--heads", type=int, default=6, help="attention heads of the tower and the LLM (divide 48)")
-    parser.add_argument("--encoder-ranks", type=int, default=0, help="the tower on the first N ranks, the LLM apart")
+    parser.add_argument(
+        "--encoder-ranks",
+        default="0",
+        help="the tower on the first N ranks, the LLM apart; auto: together or apart, and the meshes, as "
+        "optimus2d.pipeline.propose_placement picks",
+    )
     parser.add_argument("--microbatches", type=int, default=2, help="with --encoder-ranks: micro-batches a step")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
 
     world = optimus2d.init()
     torch.set_num_threads(1)
+    shapes = None  # with auto: the (q, depth) of the tower's mesh and of the LLM's
+    if args.encoder_ranks == "auto":
+        if args.cp > 1 or args.depth > 1 or args.tower != "own":
+            parser.error("--encoder-ranks auto places the tower and the LLM itself: no --cp, --depth or --tower")
+        args.batch = args.batch or args.microbatches * world.size
+        args.seq = args.seq or 16
+        placement = place(args, world)
+        args.encoder_ranks, shapes = placement.encoder_ranks, (placement.best.encoder, placement.best.rest)
+    elif not args.encoder_ranks.isdigit():
+        parser.error(f"--encoder-ranks {args.encoder_ranks!r}: a number of ranks, or auto")
+    args.encoder_ranks = int(args.encoder_ranks)
     if args.encoder_ranks:
         if args.cp > 1 or args.depth > 1 or args.tower != "own":
             parser.error("--encoder-ranks places the tower and the LLM itself: no --cp, --depth or --tower")
         if not 0 < args.encoder_ranks < world.size:
             parser.error(f"--encoder-ranks {args.encoder_ranks} must leave the LLM at least one of {world.size} ranks")
-        return train_on_rank_sets(args, world, parser)
+        return train_on_rank_sets(args, world, parser, shapes)
     if args.cp > 1 and args.depth > 1:
         parser.error("--cp splits the sequence over the mesh's depth axis: give --cp or --depth, not both")
-    depth = max(args.depth, args.cp)
+    depth = max(args.depth, args.cp) if shapes is None else shapes[1][1]
     q = math.isqrt(world.size // depth)
     if world.size % depth or q * q * depth != world.size:
         parser.error(f"{world.size} ranks are not depth·q² with depth={depth}")
@@ -167,6 +185,8 @@ def main() -> None:
 
     mesh = optimus2d.Mesh(q, depth)  # the language model's and the projector's
     tower = optimus2d.Mesh(1, world.size) if args.tower == "own" else mesh
+    if shapes is not None:  # the placement's pick, together: the tower on its mesh, or on the LLM's
+        tower = mesh if shapes[0] == shapes[1] else optimus2d.Mesh(*shapes[0])
     plan = {"model.vision_tower": tower} if tower is not mesh else {}
     if args.tower == "1d":  # Megatron's 1D over every rank, on torch's parallelize_module: heads split by rank
         plan = {"model.vision_tower": optimus2d.megatron.Megatron(mesh)}
@@ -230,16 +250,41 @@ def squarest(ranks: int) -> tuple[int, int]:
     return q, ranks // (q * q)
 
 
-def train_on_rank_sets(args, world, parser) -> None:
-    """``--encoder-ranks N``: the frozen tower on ranks 0..N-1, the projector and the LLM on the rest."""
+def place(args, world) -> optimus2d.pipeline.Placement:
+    """``--encoder-ranks auto``: the tower (frozen, its patches and class token a sequence) and the
+    projector with the LLM (its first layer's input gradient feeds the trained projector) priced
+    together on every rank and apart on every split (``propose_placement``), on this machine's costs
+    (``cost.calibration.hardware``: measured once over every rank, cached); rank 0 prints the table."""
+    config = build(args.heads).config
+    vision, text = config.vision_config, config.get_text_config()
+    patches = (vision.image_size // vision.patch_size) ** 2 + 1
+    tower_layers = vision.num_hidden_layers + 1 + config.vision_feature_layer
+    tower = Part("model.vision_tower", Layer(args.batch, patches, vision.hidden_size, vision.intermediate_size,
+                 vision.num_attention_heads), tower_layers, frozen=True)  # fmt: skip
+    llm = Part(
+        "model.language_model",
+        Layer(args.batch, args.seq, text.hidden_size, 3 * text.intermediate_size // 2, text.num_attention_heads),
+        text.num_hidden_layers,
+        input_grad=True,
+    )  # fmt: skip (gated: f' = 3f/2)
+    hw = hardware(optimus2d.Mesh(1, world.size))
+    placement = optimus2d.pipeline.propose_placement(tower, llm, world.size, hw, microbatches=args.microbatches)
+    if world.rank == 0:
+        print(placement.explain(), flush=True)
+    return placement
+
+
+def train_on_rank_sets(args, world, parser, shapes=None) -> None:
+    """``--encoder-ranks N``: the frozen tower on ranks 0..N-1, the projector and the LLM on the rest;
+    ``shapes``: the (q, depth) of each set's mesh (default: 1×1×N, and the squarest of the rest)."""
     from optimus2d.pipeline.models.llama import causal_lm_loss, causal_lm_targets
     from optimus2d.pipeline.models.llava import llava_stages
 
     n, towers = args.microbatches, args.encoder_ranks
-    q, depth = squarest(world.size - towers)
-    sets = optimus2d.pipeline.rank_sets([range(towers), range(towers, world.size)], q=(1, q), depth=(towers, depth))
+    (tq, tdepth), (q, depth) = shapes or ((1, towers), squarest(world.size - towers))
+    sets = optimus2d.pipeline.rank_sets([range(towers), range(towers, world.size)], q=(tq, q), depth=(tdepth, depth))
     mesh, stage = sets.mesh, sets.stage
-    blocks = math.lcm(towers, depth * q)
+    blocks = math.lcm(tdepth * tq, depth * q)
     batch = args.batch or n * blocks
     if batch % (n * blocks):
         parser.error(f"--batch {batch} must divide by micro-batches · lcm(tower ranks, depth·q) = {n}·{blocks}")
@@ -262,7 +307,7 @@ def train_on_rank_sets(args, world, parser) -> None:
     if world.rank == first_llm:
         where = f"ranks 0..{towers - 1}" if towers > 1 else "rank 0"
         print(
-            f"LLaVA: vision tower (frozen) on {where} as Mesh(q=1, depth={towers}); projector and "
+            f"LLaVA: vision tower (frozen) on {where} as Mesh(q={tq}, depth={tdepth}); projector and "
             f"language model on ranks {towers}..{world.size - 1} as Mesh(q={q}, depth={depth}); batch "
             f"{batch}×{args.seq} tokens in {n} micro-batches (Schedule1F1B)",
             flush=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +85,27 @@ def test_a_vlm_llava_with_its_language_model_context_parallel_trains_beside_its_
     out = _run([str(BIN / "mpiexec"), "-n", "4"], "train_vlm.py", "--check", "--cp", "4", "--steps", "3")
     assert "the language model's sequence split over cp=4 ranks" in out
     assert "check passed: 3 steps equal to the serial model's" in out
+
+
+def test_a_vlm_llava_placed_by_the_planner_trains_beside_its_serial_twin():
+    """``--encoder-ranks auto``: the table of placements priced on this machine, then the pick trained."""
+    out = _run([str(BIN / "mpiexec"), "-n", "4"], "train_vlm.py", "--check", "--encoder-ranks", "auto", "--steps", "2")
+    [pick] = [line for line in out.splitlines() if line.startswith("*")]
+    assert "apart: encoder on 2 ranks as 1×1×2, rest on 2 as 1×1×2" in out and out.count("together on 4 ranks") == 4
+    if "together" in pick:
+        tower, llm = re.search(r"encoder (\S+), rest (\S+)", pick).groups()
+        assert (
+            f"language model and projector on Mesh(q={_q(llm)}" in out
+            and f"tower (frozen) on Mesh(q={_q(tower)}" in out
+        )
+        assert "check passed: 2 steps equal to the serial model's" in out
+    else:
+        assert "check passed (projector and language model): 2 steps equal to the serial model's" in out
+
+
+def _q(shape: str) -> int:
+    """2×2 → 2, 1×1×4 → 1."""
+    return int(shape.split("×")[0])
 
 
 @pytest.mark.parametrize("ranks, towers, llm", [(8, 4, "Mesh(q=2, depth=1)"), (9, 1, "Mesh(q=2, depth=2)")])
