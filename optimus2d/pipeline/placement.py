@@ -131,9 +131,9 @@ def propose_placement(
 ) -> Placement:
     """Price ``encoder`` then ``rest`` (``cost.planner.Part``s; ``layer.batch`` the whole batch a step,
     the same for both, each with its own sequence; ``rest.input_grad`` whether its first layer needs
-    the input's gradient: the features', or a trained projector's before it) together on ``world`` ranks and apart on
-    every split a + (world − a), and pick the cheapest whose ranks all fit ``memory_cap`` bytes (None:
-    no cap). Raises ``ValueError`` when no placement splits the batch."""
+    the input's gradient: the features', or a trained projector's before it) together on ``world``
+    ranks and apart on every split a + (world − a), and pick the cheapest whose ranks all fit
+    ``memory_cap`` bytes (None: no cap). Raises ``ValueError`` when no placement splits the batch."""
     batch = encoder.layer.batch
     if rest.layer.batch != batch:
         raise ValueError(f"propose_placement: the encoder's batch {batch} and the rest's {rest.layer.batch} differ")
