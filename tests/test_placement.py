@@ -67,5 +67,7 @@ def test_no_placement_splits_the_batch_is_refused():
     encoder, lm = _parts(batch=3)
     with pytest.raises(ValueError, match="splits the batch 3"):
         propose_placement(encoder, lm, 4, HW)
+    with pytest.raises(ValueError, match="world 4 and microbatches 0 must be at least 1"):
+        propose_placement(*_parts(), 4, HW, microbatches=0)
     with pytest.raises(ValueError, match="differ"):
         propose_placement(encoder, replace(lm, layer=replace(lm.layer, batch=4)), 4, HW)

@@ -47,10 +47,6 @@ class Candidate:
     memory: float
     fits: bool
 
-    @property
-    def mode(self) -> str:
-        return "apart" if self.encoder_ranks else "together"
-
     def describe(self, world: int) -> str:
         e, r = shape_name(*self.encoder), shape_name(*self.rest)
         if not self.encoder_ranks:
@@ -135,6 +131,8 @@ def propose_placement(
     ranks and apart on every split a + (world − a), and pick the cheapest whose ranks all fit
     ``memory_cap`` bytes (None: no cap). Raises ``ValueError`` when no placement splits the batch."""
     batch = encoder.layer.batch
+    if world < 1 or microbatches < 1:
+        raise ValueError(f"propose_placement: world {world} and microbatches {microbatches} must be at least 1")
     if rest.layer.batch != batch:
         raise ValueError(f"propose_placement: the encoder's batch {batch} and the rest's {rest.layer.batch} differ")
     found = []
