@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -c "import matplotlib" 2>/dev/null \
-  || .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e '.[bench]' 2>&1 \
+  || .venv/bin/pip install -q --disable-pip-version-check --no-cache-dir -c constraints.txt -e '.[bench]' 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
 export OMP_NUM_THREADS=1 PATH="$PWD/.venv/bin:$PATH"
 rounds=${ROUNDS:-10}

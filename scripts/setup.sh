@@ -9,7 +9,10 @@ fi
 if ! .venv/bin/python -c "import optimus2d, mpi4py, pytest_mpi, pytest_timeout, einops, ruff, transformers" 2>/dev/null \
    || [ ! -x .venv/bin/mpiexec ]; then
   echo "setting up .venv (a few minutes)..."
-  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,mpi,families]' 2>&1 \
+  .venv/bin/pip install -q --disable-pip-version-check --no-cache-dir -c constraints.txt -e '.[test,mpi,families]' 2>&1 \
     | grep -v "is ignored: it is neither a file nor a directory" || true
 fi
-.venv/bin/python -c "import optimus2d, mpi4py"
+if ! .venv/bin/python -c "import optimus2d, mpi4py"; then
+  echo "setup.sh: .venv did not install (free disk: $(df -Ph . | awk 'NR==2 {print $4}'); it needs about 2 GB)" >&2
+  exit 1
+fi

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv-peers/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv-peers
 fi
-pip=(.venv-peers/bin/pip install -q --disable-pip-version-check -c constraints.txt)
+pip=(.venv-peers/bin/pip install -q --disable-pip-version-check --no-cache-dir -c constraints.txt)
 if ! .venv-peers/bin/python -c "import optimus2d, mpi4py, pytest_mpi, pytest_timeout, ruff" 2>/dev/null \
    || [ ! -x .venv-peers/bin/mpiexec ]; then
   echo "setting up .venv-peers: optimus2d..."

@@ -10,7 +10,7 @@ fi
 if ! .venv-timm/bin/python -c "import optimus2d, timm, transformers, mpi4py, pytest_mpi, pytest_timeout" 2>/dev/null \
    || [ ! -x .venv-timm/bin/mpiexec ]; then
   echo "setting up .venv-timm (torch 2.14.1 + torchvision + timm, about 1.5 minutes)..."
-  .venv-timm/bin/pip install -q --disable-pip-version-check -c constraints-timm.txt \
+  .venv-timm/bin/pip install -q --disable-pip-version-check --no-cache-dir -c constraints-timm.txt \
     torch torchvision timm transformers -e '.[test,mpi,families]' 2>&1 \
     | grep -v "is ignored: it is neither a file nor a directory" || true
 fi

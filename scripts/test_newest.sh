@@ -8,9 +8,9 @@ cd "$(dirname "$0")/.."
 rm -rf .venv-newest
 "${PYTHON:-python3}" -m venv .venv-newest
 echo "setting up .venv-newest (the newest torch and transformers; a CUDA build of torch is several GB)..."
-.venv-newest/bin/pip install -q --disable-pip-version-check --upgrade torch transformers numpy einops tqdm \
+.venv-newest/bin/pip install -q --disable-pip-version-check --no-cache-dir --upgrade torch transformers numpy einops tqdm \
   safetensors mpi4py mpich pytest pytest-mpi pytest-timeout 2>&1 | grep -v "is ignored: it is neither" || true
-.venv-newest/bin/pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "is ignored" || true
+.venv-newest/bin/pip install -q --disable-pip-version-check --no-cache-dir --no-deps -e . 2>&1 | grep -v "is ignored" || true
 export PATH="$PWD/.venv-newest/bin:$PATH" OMP_NUM_THREADS=1
 python -c "import torch, transformers; print('== newest: torch', torch.__version__, '| transformers', transformers.__version__)"
 python -m pytest -q -p no:cacheprovider "$@"
