@@ -82,15 +82,14 @@ def assert_grads_like_serial(serial, parallel, mesh, tol: float = 1e-4) -> float
     within ``tol`` of its own size, or of 1e-3 of the largest (an attention key bias has none but
     rounding). Returns the largest serial gradient element."""
     from optimus2d.comm import unshard
-    from optimus2d.comm.dtensor import local
+    from optimus2d.comm.dtensor import local, whole
     from optimus2d.layers.base import param_sharding
 
     grads = {}
     for name, p in parallel.named_parameters():
         if p.grad is not None:
-            sharding = param_sharding(p)
-            grad = local(p.grad)
-            grads[name] = unshard(grad.contiguous(), mesh, sharding) if sharding is not None else grad
+            sharding = param_sharding(p)  # None: replicated, or split by torch's parallelize_module (whole)
+            grads[name] = unshard(local(p.grad).contiguous(), mesh, sharding) if sharding is not None else whole(p.grad)
     want = {name: p.grad for name, p in serial.named_parameters() if p.grad is not None}
     assert set(grads) == set(want)
     scale = max(g.abs().max().item() for g in want.values())

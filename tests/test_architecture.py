@@ -20,7 +20,7 @@ BELOW: dict[str, set[str]] = {
     "faults": {"comm"},
     "cost": {"comm"},
     "context": {"comm", "cost"},
-    "megatron": {"comm"},
+    "megatron": {"comm", "layers"},
     "layers": {"comm", "cost"},
     "training": {"comm", "cost", "layers"},
     "convert": {"comm", "cost", "context", "layers", "megatron"},

@@ -138,10 +138,10 @@ class MultiheadAttention2D(ShardedModule):
         dropout = self.dropout if self.training else 0.0
         causal = is_causal and mask is None
         if is_causal and mask is not None and attn_mask is None:  # padding and causality together
-            mask = mask + _causal_mask(tgt_len, src_len, query)
+            mask = mask + causal_mask(tgt_len, src_len, query)
         with shard_rng(mesh, enabled=dropout > 0):
             if need_weights:
-                out, weights = _attention_with_weights(q, k, v, mask, dropout, causal)
+                out, weights = attention_with_weights(q, k, v, mask, dropout, causal)
             else:
                 out = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, enable_gqa=heads != kv_heads
@@ -177,7 +177,7 @@ class MultiheadAttention2D(ShardedModule):
         heads = self.num_heads // mesh.q
         mask = None
         if attn_mask is not None:
-            attn_mask = _additive(attn_mask, dtype, "attn_mask")
+            attn_mask = additive_mask(attn_mask, dtype, "attn_mask")
             if attn_mask.dim() == 2:
                 _expect(attn_mask, (tgt_len, src_len), "attn_mask", "[L, S]")
                 mask = attn_mask
@@ -194,7 +194,7 @@ class MultiheadAttention2D(ShardedModule):
                 )
                 mask = attn_mask.view(b, heads, tgt_len, src_len)
         if key_padding_mask is not None:
-            kpm = _additive(key_padding_mask, dtype, "key_padding_mask")
+            kpm = additive_mask(key_padding_mask, dtype, "key_padding_mask")
             if kpm.dim() == 2 and kpm.shape[0] == b * split and split > 1:
                 kpm = kpm[block * b : (block + 1) * b]
             _expect(kpm, (b, src_len), "key_padding_mask", "[b, S] or its block [b/(d·q), S]")
@@ -207,7 +207,7 @@ class MultiheadAttention2D(ShardedModule):
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, dropout={self.dropout}, mesh={self.mesh}"
 
 
-def _additive(mask: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
     """nn.MultiheadAttention's convention: a bool mask is True where attention is *not* allowed."""
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
@@ -221,18 +221,18 @@ def _expect(t: torch.Tensor, shape: tuple[int, ...], name: str, what: str) -> No
         raise ValueError(f"MultiheadAttention2D: {name} of shape {tuple(t.shape)} does not fit {what} = {tuple(shape)}")
 
 
-def _causal_mask(tgt_len: int, src_len: int, like: torch.Tensor) -> torch.Tensor:
+def causal_mask(tgt_len: int, src_len: int, like: torch.Tensor) -> torch.Tensor:
     return torch.full((tgt_len, src_len), float("-inf"), dtype=like.dtype, device=like.device).triu_(1)
 
 
-def _attention_with_weights(q, k, v, mask, dropout, causal):
+def attention_with_weights(q, k, v, mask, dropout, causal):
     """softmax(q·kᵀ/√d + mask)·v, also returning the weights (b', H/q, L, S)."""
     if k.shape[1] != q.shape[1]:  # grouped-query: repeat kv heads
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if causal:
-        scores = scores + _causal_mask(q.shape[2], k.shape[2], scores)
+        scores = scores + causal_mask(q.shape[2], k.shape[2], scores)
     if mask is not None:
         scores = scores + mask
     weights = scores.softmax(-1)

@@ -8,7 +8,10 @@ whole activation (replicated), which is always the serial computation. A class i
 its qualified name and only when its forward is that class's own (a subclass that rewrites the
 forward is not trusted): the forwards listed read the head count from the tensors' shapes
 (``view(*shape, -1, head_dim)``), so they run on their local heads. ``register_split`` teaches
-another class. An ``nn.Sequential`` of ``Linear``, element-wise activations and ``Linear`` splits
+another class. torch's ``nn.TransformerEncoderLayer`` and ``nn.TransformerDecoderLayer`` split
+linear1 by column and linear2 by row (their activation must act element by element), and their
+``nn.MultiheadAttention``, whose packed q/k/v ``parallelize_module`` cannot split, is split by heads
+in ``megatron/attention.py``. An ``nn.Sequential`` of ``Linear``, element-wise activations and ``Linear`` splits
 its first linear by column and its last by row.
 
 Refused (``ValueError``, the module named): a split whose linear's output size or head count the
@@ -23,17 +26,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch.nn.functional as F
 from torch import nn
+
+from optimus2d.megatron import attention
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 
 
 @dataclass(frozen=True)
 class Split:
-    """How one module class splits: each child linear's role and the head counts to divide."""
+    """How one module class splits: each child linear's role, the head counts to divide, the
+    children its forward calls on the whole activation (not on a linear's shard), and what else it
+    refuses (each line naming what, without the module's path)."""
 
     roles: dict[str, str]
     heads: Callable[[nn.Module], dict[str, int]] = lambda module: {}
+    whole: tuple[str, ...] = ()
+    refuse: Callable[[nn.Module], list[str]] = lambda module: []
 
 
 def _config_heads(module: nn.Module) -> dict[str, int]:
@@ -50,7 +60,25 @@ _QKV_OUT = {"q_proj": COLWISE, "k_proj": COLWISE, "v_proj": COLWISE, "out_proj":
 _GATED = {"gate_proj": COLWISE, "up_proj": COLWISE, "down_proj": ROWWISE}
 _FC = {"fc1": COLWISE, "fc2": ROWWISE}
 
+
+def _torch_layer_refusals(layer: nn.Module) -> list[str]:
+    """torch's encoder and decoder layers apply ``activation`` to linear1's output: on this rank's
+    shard of it, so it must act element by element."""
+    act = layer.activation
+    if act in (F.relu, F.gelu) or (isinstance(act, _ELEMENTWISE) and not isinstance(act, nn.Dropout)):
+        return []
+    return [f"activation {act!r} is not known to act element by element (it would run on a shard of linear1's output)"]
+
+
+_TORCH_LAYER = {"linear1": COLWISE, "linear2": ROWWISE}
+
 SPLITS: dict[str, Split] = {
+    "torch.nn.modules.transformer.TransformerEncoderLayer": Split(
+        _TORCH_LAYER, whole=("self_attn", "norm1", "norm2"), refuse=_torch_layer_refusals
+    ),
+    "torch.nn.modules.transformer.TransformerDecoderLayer": Split(
+        _TORCH_LAYER, whole=("self_attn", "multihead_attn", "norm1", "norm2", "norm3"), refuse=_torch_layer_refusals
+    ),
     "transformers.models.llama.modeling_llama.LlamaAttention": Split(_QKV_O, _config_heads),
     "transformers.models.llama.modeling_llama.LlamaMLP": Split(_GATED),
     "transformers.models.clip.modeling_clip.CLIPAttention": Split(_QKV_OUT, _config_heads),
@@ -118,6 +146,9 @@ def tensor_parallel_plan(region: nn.Module, path: str, ranks: int) -> tuple[dict
     for rel, module in region.named_modules():
         where = ".".join(p for p in (path, rel) if p) or "the model itself"
         refused += _dropout_refusals(module, where)
+        if attention.splits(module):  # torch's packed attention: split by heads (megatron/attention.py)
+            refused += attention.refusals(module, where, ranks)
+            continue
         split = split_of(module)
         if split is None:
             continue
@@ -134,8 +165,9 @@ def tensor_parallel_plan(region: nn.Module, path: str, ranks: int) -> tuple[dict
                     f"1D split ({role})"
                 )
             roles[f"{rel}.{name}" if rel else name] = role
-        for name, child in module.named_children():  # an activation with parameters (PReLU, xIELU) would
-            held = [n for n, _ in child.named_parameters()] if name not in split.roles else []  # see a shard
+        refused += [f"{where} ({type(module).__name__}): {why}" for why in split.refuse(module)]
+        for name, child in module.named_children():  # a child with parameters (PReLU, xIELU) would see a shard
+            held = [n for n, _ in child.named_parameters()] if name not in (*split.roles, *split.whole) else []
             if held:
                 refused.append(
                     f"{where}.{name} ({type(child).__name__}): holds {', '.join(held)} and would run on this rank's "

@@ -6,8 +6,10 @@ classes as they are and hands torch a plan (``megatron/plans.py``): the linears 
 and MLP modules split by column (``ColwiseParallel``: ``[out/p, in]``, bias ``[out/p]``) then by row
 (``RowwiseParallel``: ``[out, in/p]``, one all-reduce of the output forward, none backward), on a
 1D ``DeviceMesh`` over the mesh's "mesh" process group (``DeviceMesh.from_group``: no new group).
-Everything else inside (norms, embeddings, rotary tables, the convolution of a patch embedding)
-runs whole on every rank on the whole activation. So inside the module each rank holds the whole
+torch's ``nn.MultiheadAttention``, whose packed q/k/v projection torch cannot split, becomes a
+``megatron.attention.SplitMultiheadAttention`` (its heads split over the ranks, one all-reduce
+forward). Everything else inside (norms, embeddings, rotary tables, the convolution of a patch
+embedding) runs whole on every rank on the whole activation. So inside the module each rank holds the whole
 activation and the gradient of every whole tensor is the same on every rank.
 
 At its boundary (``convert/layouts.py``'s ``WholeBoundary``) a block of the caller's mesh becomes the
@@ -32,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from optimus2d.comm.dtensor import own_part
 from optimus2d.comm.mesh import Mesh, as_mesh
+from optimus2d.megatron import attention
 from optimus2d.megatron.plans import COLWISE, tensor_parallel_plan
 
 REGION = "_optimus2d_megatron"  # a module's __dict__ key: the Megatron plan value it runs under
@@ -71,6 +74,10 @@ class Megatron:
         roles, refused = tensor_parallel_plan(module, path, self.mesh.size)
         if refused:
             raise ValueError("parallelize: 1D tensor parallelism refuses:\n  " + "\n  ".join(refused))
+        if attention.splits(module):  # the region is one nn.MultiheadAttention: split by heads itself
+            module = attention.SplitMultiheadAttention.from_serial(module, self.mesh)
+        else:
+            attention.split_attention(module, self.mesh)
         module.__dict__[REGION] = self
         _guard(module, path)
         if self.mesh.size == 1 or not roles:

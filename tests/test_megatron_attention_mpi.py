@@ -1,0 +1,243 @@
+"""torch's ``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` and ``nn.TransformerDecoderLayer``
+inside a 1D region (``plan={path: megatron.Megatron(mesh)}``): the attention's heads split over the
+ranks (``megatron.SplitMultiheadAttention``), the layers' linear1 by column and linear2 by row
+(torch's ``parallelize_module``). Against the real torch classes: outputs, input gradients, one
+SGD step (one AdamW step, and the gradient norm, where the key bias's gradient, rounding alone, is
+not made a step of ±lr: ``compare_step``) and the serial state, frozen and trained, on every mesh
+shape of the world; masks, cross-attention, the sequence-first layout and averaged weights; a checkpoint moved
+between meshes; refusals on every rank before anything changes."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import _meshes, mesh_shapes
+from helpers import assert_close, check_against_serial, compare_step
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+import optimus2d
+from optimus2d import Mesh, gather, parallelize, scatter, serial_state_dict
+from optimus2d.megatron import Megatron, SplitMultiheadAttention
+
+pytestmark = pytest.mark.mpi
+
+
+def _meshes_of(world) -> list[Mesh]:
+    for shape in mesh_shapes(world.size):
+        _meshes.setdefault(shape, Mesh(*shape))
+    return [_meshes[shape] for shape in mesh_shapes(world.size)]
+
+
+def _heads(world) -> int:
+    return 2 * world.size if world.size < 4 else world.size
+
+
+class EncoderProjector(nn.Module):
+    """torch's transformer encoder (the 1D region), a norm and a projector on the model's mesh."""
+
+    def __init__(self, width: int, heads: int, layers: int = 2) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, activation="gelu", batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.proj = nn.Linear(width, 2 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(self.encoder(x)))
+
+
+def _encoder(world, frozen: bool, seed: int = 0) -> EncoderProjector:
+    torch.manual_seed(seed)
+    h = _heads(world)
+    model = EncoderProjector(2 * h, h).double()
+    model.encoder.requires_grad_(not frozen)
+    return model
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_encoder_layers_exact_on_every_mesh(world, frozen):
+    h = _heads(world)
+    torch.manual_seed(1)
+    x = torch.randn(world.size, 5, 2 * h, dtype=torch.float64)
+    for mesh in _meshes_of(world):
+        serial = _encoder(world, frozen)
+        parallel = parallelize(copy.deepcopy(serial), mesh, plan={"encoder": Megatron(mesh)})
+        layer = parallel.encoder.layers[0]
+        assert isinstance(layer.self_attn, SplitMultiheadAttention)
+        if world.size > 1:  # [3E/p, E]: q, k and v rows of this rank's heads; linear1 [ffn/p, E] by torch
+            assert optimus2d.comm.dtensor.local(layer.self_attn.in_proj_weight).shape == (6 * h // world.size, 2 * h)
+            assert isinstance(layer.linear1.weight, DTensor) and layer.linear1.weight.placements == (Shard(0),)
+            assert layer.linear2.weight.placements == (Shard(1),)
+        check_against_serial(serial, parallel, x, mesh, tol=1e-9)
+        if frozen:
+            assert all(p.grad is None for p in parallel.encoder.parameters())
+
+
+def test_gradients_their_norm_and_a_step_of_a_trained_encoder(world):
+    h, mesh = _heads(world), _meshes_of(world)[0]
+    torch.manual_seed(2)
+    x = torch.randn(world.size, 5, 2 * h, dtype=torch.float64)
+    serial = _encoder(world, False)
+    parallel = parallelize(copy.deepcopy(serial), mesh, plan={"encoder": Megatron(mesh)})
+    serial(x).square().sum().backward()
+    parallel(scatter(x, mesh)).square().sum().backward()
+    compare_step(serial, parallel, mesh, tol=1e-8)
+
+
+class Masked(nn.Module):
+    """One attention with every mask kind nn.MultiheadAttention takes, cross-attention on a memory
+    made inside, the averaged weights used; ``batch_first`` either way."""
+
+    def __init__(self, width: int, heads: int, batch_first: bool, kind: str) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=batch_first)
+        self.memory = nn.Linear(width, width)
+        self.heads, self.batch_first, self.kind = heads, batch_first, kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        seq = x if self.batch_first else x.transpose(0, 1)
+        kpm = torch.zeros(b, s, dtype=torch.bool)
+        kpm[0, -2:] = True  # the last two keys of the first sequence are padding
+        if self.kind == "causal":
+            mask = torch.ones(s, s, dtype=torch.bool).triu_(1)
+            out, weights = self.attn(seq, seq, seq, key_padding_mask=kpm, attn_mask=mask, is_causal=True)
+        elif self.kind == "per-head":
+            mask = torch.linspace(-1, 1, b * self.heads * s * s, dtype=x.dtype).view(b * self.heads, s, s)
+            out, weights = self.attn(seq, seq, seq, attn_mask=mask)
+        else:  # cross-attention on a memory, its padding a float mask
+            mem = self.memory(seq)
+            out, weights = self.attn(seq, mem, mem, key_padding_mask=kpm.to(x.dtype) * -3.0)
+        out = out if self.batch_first else out.transpose(0, 1)
+        return out + weights @ x
+
+
+class Outer(nn.Module):
+    def __init__(self, block: nn.Module, width: int) -> None:
+        super().__init__()
+        self.block, self.proj = block, nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.block(x))
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "seq-first"])
+def test_masks_cross_attention_and_averaged_weights(world, batch_first):
+    h, mesh = _heads(world), _meshes_of(world)[-1]
+    torch.manual_seed(3)
+    x = torch.randn(world.size, 6, 2 * h, dtype=torch.float64)
+    for kind in ("causal", "per-head", "cross"):
+        torch.manual_seed(4)
+        serial = Outer(Masked(2 * h, h, batch_first, kind), 2 * h).double()
+        parallel = parallelize(copy.deepcopy(serial), mesh, plan={"block": Megatron(mesh)})
+        assert isinstance(parallel.block.attn, SplitMultiheadAttention)
+        check_against_serial(serial, parallel, x, mesh, tol=1e-9)
+
+
+class Decoder(nn.Module):
+    """torch's decoder layer (the region) on a target and a memory made on the model's mesh."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.memory = nn.Linear(width, width)
+        self.decoder = nn.TransformerDecoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(x, self.memory(x))
+
+
+def test_decoder_layer_self_and_cross_attention(world):
+    h = _heads(world)
+    torch.manual_seed(5)
+    x = torch.randn(world.size, 4, 2 * h, dtype=torch.float64)
+    for mesh in _meshes_of(world):
+        torch.manual_seed(6)
+        serial = Decoder(2 * h, h).double()
+        parallel = parallelize(copy.deepcopy(serial), mesh, plan={"decoder": Megatron(mesh)})
+        assert isinstance(parallel.decoder.multihead_attn, SplitMultiheadAttention)
+        check_against_serial(serial, parallel, x, mesh, tol=1e-9)
+
+
+def test_eval_without_grad_is_the_serial_forward(world):
+    """torch's encoder layer has a fused fast path in eval without grad: it must not run on blocks."""
+    h, mesh = _heads(world), _meshes_of(world)[0]
+    torch.manual_seed(7)
+    x = torch.randn(world.size, 5, 2 * h, dtype=torch.float64)
+    serial = _encoder(world, False).eval()
+    parallel = parallelize(copy.deepcopy(serial), mesh, plan={"encoder": Megatron(mesh)}).eval()
+    with torch.no_grad():
+        assert_close(gather(parallel(scatter(x, mesh)), mesh), serial(x), 1e-9, "eval output")
+
+
+def test_checkpoint_moves_between_meshes_with_split_attention(world):
+    """Saved with the encoder in 1D on the first mesh, loaded on the last: the same serial tensors,
+    and AdamW goes on stepping exactly; ``load_serial_state_dict`` takes the serial tensors."""
+    first, last = _meshes_of(world)[0], _meshes_of(world)[-1]
+    root = [tempfile.mkdtemp(prefix="optimus2d-mha1d-") if world.rank == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    torch.manual_seed(8)
+    x = torch.randn(world.size, 5, 2 * _heads(world), dtype=torch.float64)
+    trained = parallelize(_encoder(world, False), first, plan={"encoder": Megatron(first)})
+    opt = torch.optim.AdamW(trained.parameters(), lr=1e-2, eps=1e-4)  # the key bias's rounding: no ±lr step
+    trained(scatter(x, first)).sum().backward()
+    opt.step()
+    optimus2d.checkpoint.save(f"{root[0]}/ckpt", trained, opt)
+    fresh = parallelize(_encoder(world, False, seed=9), last, plan={"encoder": Megatron(last)})
+    opt_fresh = torch.optim.AdamW(fresh.parameters(), lr=1e-2, eps=1e-4)
+    optimus2d.checkpoint.load(f"{root[0]}/ckpt", fresh, opt_fresh)
+    for model, mesh, optimizer in ((trained, first, opt), (fresh, last, opt_fresh)):
+        optimizer.zero_grad()
+        model(scatter(x, mesh)).sum().backward()
+        optimizer.step()
+    want, got = serial_state_dict(trained), serial_state_dict(fresh)
+    assert list(got) == list(_encoder(world, False).state_dict())  # nn.MultiheadAttention's own keys
+    for key, value in want.items():
+        assert_close(got[key], value, 1e-10, key)
+    doubled = {key: 2 * value for key, value in want.items()}
+    optimus2d.load_serial_state_dict(fresh, doubled)
+    for key, value in serial_state_dict(fresh).items():
+        assert_close(value, doubled[key], 0, key)
+    dist.barrier()
+    if world.rank == 0:
+        shutil.rmtree(root[0], ignore_errors=True)
+
+
+def test_what_does_not_split_is_refused_on_every_rank(world):
+    if world.size == 1:
+        pytest.skip("one rank splits every head count")
+    mesh, heads = _meshes_of(world)[-1], world.size + 1
+    cases = {
+        "num_heads": nn.MultiheadAttention(2 * heads, heads, batch_first=True),
+        "add_bias_kv": nn.MultiheadAttention(2 * world.size, world.size, add_bias_kv=True, batch_first=True),
+        "kdim": nn.MultiheadAttention(2 * world.size, world.size, kdim=3, vdim=3, batch_first=True),
+    }
+    for what, attn in cases.items():
+        model = Outer(Masked(attn.embed_dim, attn.num_heads, True, "causal"), attn.embed_dim).double()
+        model.block.attn = attn.double()
+        before = copy.deepcopy(model.state_dict())
+        with pytest.raises(ValueError, match=f"block.attn \\(MultiheadAttention\\): .*{what}"):
+            parallelize(model, mesh, plan={"block": Megatron(mesh)})
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    layer = nn.TransformerEncoderLayer(2 * world.size, world.size, 4 * world.size, dropout=0.0, batch_first=True)
+    layer.activation = nn.Softmax(-1)  # not element by element: it would see a shard of linear1's output
+    with pytest.raises(ValueError, match="block \\(TransformerEncoderLayer\\): activation Softmax"):
+        parallelize(Outer(layer, 2 * world.size).double(), mesh, plan={"block": Megatron(mesh)})
+
+
+def test_per_head_weights_and_a_causal_hint_without_mask_are_refused(world):
+    mesh, h = _meshes_of(world)[-1], _heads(world)
+    attn = SplitMultiheadAttention.from_serial(nn.MultiheadAttention(2 * h, h, batch_first=True).double(), mesh)
+    x = torch.randn(2, 3, 2 * h, dtype=torch.float64)
+    if world.size > 1:
+        with pytest.raises(ValueError, match="per-head attention weights"):
+            attn(x, x, x, average_attn_weights=False)
+    with pytest.raises(RuntimeError, match="Need attn_mask"):
+        attn(x, x, x, is_causal=True)
+    with pytest.raises(ValueError, match=f"query of shape \\(2, 3, {h}\\)"):
+        attn(x[..., :h], x, x)
