@@ -72,7 +72,8 @@ mpiexec -n 8 python -m pytest -q --only-mpi -p no:cacheprovider -m "not families
   tests/test_redistribute_mpi.py tests/test_layouts_mpi.py tests/test_pipeline_mpi.py tests/test_pipeline_llama_mpi.py \
   tests/test_pipeline_bubbles_mpi.py tests/test_pipeline_gpt2_mpi.py tests/test_pipeline_layouts_mpi.py \
   tests/test_pipeline_dp_mpi.py tests/test_context_attention_mpi.py tests/test_context_block_mpi.py \
-  tests/test_torch_tools_mpi.py tests/test_checkpoint_dcp_mpi.py tests/test_megatron_mpi.py tests/test_auto_mpi.py "$@"
+  tests/test_torch_tools_mpi.py tests/test_checkpoint_dcp_mpi.py tests/test_megatron_mpi.py tests/test_megatron_attention_mpi.py \
+  tests/test_auto_mpi.py "$@"
 took "8 ranks"
 for n in 16 18; do  # pipelines of 2 stages × 2×2×2, × 3×3: every schedule, the refusals (the rest runs at 4 and 8)
   echo "== mpiexec -n $n: pipelines of 2 stages, every schedule"
