@@ -71,3 +71,40 @@ def test_no_placement_splits_the_batch_is_refused():
         propose_placement(*_parts(), 4, HW, microbatches=0)
     with pytest.raises(ValueError, match="differ"):
         propose_placement(encoder, replace(lm, layer=replace(lm.layer, batch=4)), 4, HW)
+
+
+def test_one_d_layouts_price_megatrons_split_and_the_gathers_around_it():
+    """``propose_layouts(one_d=True)``: the mesh pairs as before, and each part in 1D priced by the
+    planner's 1D layer (frozen prefix: its two forward all-reduces only), its input all-gathered in
+    (the model's input too, a block of the mesh beside it) and its output's gradient all-gathered out."""
+    from optimus2d.cost.planner import ONE_D, activation_elements, layer_comm, layout_memory, layout_time
+
+    encoder, lm = _parts()  # the encoder frozen, a prefix: no backward
+    meshes = {tuple(r[0].values()): r[1] for r in propose_layouts([encoder, lm], 4, HW).table}
+    rows = {tuple(r[0].values()): r for r in propose_layouts([encoder, lm], 4, HW, one_d=True).table}
+    assert len(rows) == 9 and all(rows[k][1] == pytest.approx(v, rel=1e-12) for k, v in meshes.items())
+    assert layer_comm(encoder.layer, "1d", 4, dx=False, dw=False) == [("all_reduce", 4, 2 * 128 * 64, 2)]
+    assert layer_comm(lm.layer, "1d", 4, dx=True, dw=True) == [("all_reduce", 4, 4 * 128 * 128, 4)]
+
+    def crossing(elements):
+        return elements * 3 / 4 * 4 / HW.bandwidth + HW.latency  # all but a rank's quarter, fp32
+
+    both = layout_time(encoder, ONE_D, 4, HW) + layout_time(lm, ONE_D, 4, HW)
+    # the input gathered into the encoder, the features into the LM (nothing back: the encoder is
+    # frozen), the LM's output gradient out of it
+    want = both + crossing(128 * 64) + crossing(128 * 64) + crossing(128 * 128)
+    assert rows[ONE_D, ONE_D][1] == pytest.approx(want, rel=1e-12)
+    mixed = layout_time(encoder, (2, 1), 4, HW) + layout_time(lm, ONE_D, 4, HW)
+    assert rows[(2, 1), ONE_D][1] == pytest.approx(mixed + crossing(128 * 64) + crossing(128 * 128), rel=1e-12)
+    assert rows[ONE_D, (2, 1)][1] == pytest.approx(
+        layout_time(encoder, ONE_D, 4, HW) + layout_time(lm, (2, 1), 4, HW) + crossing(128 * 64), rel=1e-12
+    )
+    assert layout_memory(encoder, ONE_D, 4, HW) == encoder.params / 4 * 4  # frozen prefix: weights only
+    lm_bytes = lm.params / 4 * 16 + activation_elements(lm.layer, "1d", 4) * 2 * 4
+    assert layout_memory(lm, ONE_D, 4, HW) == pytest.approx(lm_bytes, rel=1e-12)
+    placement = propose_placement(encoder, lm, 4, HW, one_d=True)
+    together = {(c.encoder, c.rest): c.seconds for c in placement.table if not c.encoder_ranks}
+    assert together == {k: r[1] for k, r in rows.items()}
+    assert any("encoder 1d, rest 1d" in line for line in placement.explain().splitlines())
+    heads5 = replace(lm, layer=replace(lm.layer, heads=5))  # 5 heads on 4 ranks: no 1D split offered
+    assert all(c.rest != ONE_D for c in propose_placement(encoder, heads5, 4, HW, one_d=True).table)

@@ -95,8 +95,9 @@ def layer_comm(
     if scheme in ("1d", "1d-sp"):
         if p == 1:
             return []
-        if scheme == "1d":  # an all-reduce of r·h after attention and after the MLP, each way
-            return [("all_reduce", p, 4 * r * h, 4)]
+        if scheme == "1d":  # an all-reduce of r·h after attention and after the MLP, each way (backward:
+            n = 2 + int(dx or dw) + int(dx)  # the MLP's input always, the layer's input where it needs it)
+            return [("all_reduce", p, n * r * h, n)]
         return [("all_gather", p, 4 * r * h, 4), ("reduce_scatter", p, 4 * r * h, 4)]
     q, depth = _mesh_shape(scheme, p)
     out = []
@@ -290,24 +291,59 @@ class Proposal:
     table: list
 
 
+ONE_D = "1d"  # a part's layout in Megatron's 1D split over every rank (``megatron.Megatron``), beside (q, depth)
+
+
+def _scheme(layout: tuple[int, int] | str, world: int) -> tuple[str, int, int]:
+    """(cost-model scheme, ranks, the ways its weights split) of a (q, depth) mesh or ``ONE_D``."""
+    if layout == ONE_D:
+        return "1d", world, world
+    q, depth = layout
+    return (f"2.5d:{depth}" if depth > 1 else "2d"), depth * q * q, q * q
+
+
 def part_time(part: Part, q: int, depth: int, hw: Hardware) -> float:
     """Seconds of ``part``'s forward (+ backward, where anything needs a gradient) on a (q, depth) mesh."""
+    return layout_time(part, (q, depth), depth * q * q, hw)
+
+
+def layout_time(part: Part, layout: tuple[int, int] | str, world: int, hw: Hardware) -> float:
+    """``part_time`` on a (q, depth) mesh or in 1D (``ONE_D``) over ``world`` ranks."""
     dw = not part.frozen
     dx = part.input_grad or dw  # inside the part, every layer after a trainable one needs dx
-    scheme = f"2.5d:{depth}" if depth > 1 else "2d"
-    first = step_time(part.layer, scheme, depth * q * q, hw, dx=part.input_grad, dw=dw)["total"]
-    rest = step_time(part.layer, scheme, depth * q * q, hw, dx=dx, dw=dw)["total"]
+    scheme, p, _ = _scheme(layout, world)
+    first = step_time(part.layer, scheme, p, hw, dx=part.input_grad, dw=dw)["total"]
+    rest = step_time(part.layer, scheme, p, hw, dx=dx, dw=dw)["total"]
     return first + (part.layers - 1) * rest
 
 
 def part_memory(part: Part, q: int, depth: int, hw: Hardware) -> float:
     """Bytes per rank: the weight blocks (with gradient and two AdamW moments when trained, fp32)
     and the activations backward keeps (none for a frozen prefix)."""
-    weights = part.params / (q * q) * (hw.bytes_per_element if part.frozen else 16)
+    return layout_memory(part, (q, depth), depth * q * q, hw)
+
+
+def layout_memory(part: Part, layout: tuple[int, int] | str, world: int, hw: Hardware) -> float:
+    """``part_memory`` on a (q, depth) mesh or in 1D (``ONE_D``: weights split p ways, the norms'
+    activations whole) over ``world`` ranks."""
+    scheme, p, ways = _scheme(layout, world)
+    weights = part.params / ways * (hw.bytes_per_element if part.frozen else 16)
     keeps = not part.frozen or part.input_grad
-    scheme = f"2.5d:{depth}" if depth > 1 else "2d"
-    acts = activation_elements(part.layer, scheme, depth * q * q) * part.layers if keeps else 0.0
+    acts = activation_elements(part.layer, scheme, p) * part.layers if keeps else 0.0
     return weights + acts * hw.bytes_per_element
+
+
+def crossing_elements(rows: int, hidden: int, src, dst, world: int, backward: bool) -> tuple[int, int]:
+    """(forward, backward) elements a rank receives where an activation [rows, hidden] goes from a
+    part laid out ``src`` to one laid out ``dst`` ((q, depth) or ``ONE_D``; None: the model's input
+    or output, a block of the neighbour's mesh). Between meshes ``redistribute``'s moves, each way
+    where ``backward``; into a 1D part its input all-gathered forward (``to_whole``), out of one the
+    gradient's blocks all-gathered backward (``from_whole``): all but the rank's own block."""
+    if ONE_D not in (src, dst):
+        moved = boundary_elements(rows, hidden, src, dst) if None not in (src, dst) else 0
+        return moved, moved if backward else 0
+    gathered = rows * hidden * (world - 1) // world
+    return (gathered if dst == ONE_D else 0), (gathered if src == ONE_D and backward else 0)
 
 
 def boundary_elements(rows: int, hidden: int, src: tuple[int, int], dst: tuple[int, int]) -> int:
@@ -324,22 +360,31 @@ def boundary_elements(rows: int, hidden: int, src: tuple[int, int], dst: tuple[i
     return max(received)
 
 
-def propose_layouts(parts: list[Part], world: int, hw: Hardware, *, memory_cap: float | None = None) -> Proposal:
+def propose_layouts(
+    parts: list[Part], world: int, hw: Hardware, *, memory_cap: float | None = None, one_d: bool = False
+) -> Proposal:
     """A mesh shape (q, depth), depth·q² = ``world``, for each part of a chain of modules (each
     hands its activation [rows, hidden] to the next): the choice of least predicted step time whose
     every rank fits ``memory_cap`` bytes (the least memory, when none fits). Prices each part by its
     frozen state (``part_time``) and each boundary by what ``redistribute`` moves, forward and, where
-    the receiver needs the gradient, backward."""
+    the receiver needs the gradient, backward. ``one_d``: a part may also run in Megatron's 1D split
+    (``ONE_D``, ``layout_time``), its input all-gathered in and its output's gradient out
+    (``crossing_elements``; the first part's input and the last's output are blocks of the mesh
+    beside them)."""
     shapes = [(q, world // (q * q)) for q in range(1, math.isqrt(world) + 1) if world % (q * q) == 0]
+    shapes += [ONE_D] if one_d and world > 1 else []
     table = []
     for choice in itertools.product(shapes, repeat=len(parts)):
-        seconds = sum(part_time(part, q, d, hw) for part, (q, d) in zip(parts, choice, strict=True))
-        memory = sum(part_memory(part, q, d, hw) for part, (q, d) in zip(parts, choice, strict=True))
-        for n in range(1, len(parts)):
-            before = parts[n - 1]
-            moved = boundary_elements(before.layer.rows, before.layer.hidden, choice[n - 1], choice[n])
-            backward = not before.frozen or before.input_grad
-            seconds += moved * (1 + int(backward)) * hw.bytes_per_element / hw.bandwidth + hw.latency * bool(moved)
+        seconds = sum(layout_time(part, c, world, hw) for part, c in zip(parts, choice, strict=True))
+        memory = sum(layout_memory(part, c, world, hw) for part, c in zip(parts, choice, strict=True))
+        for n in range(len(parts) + 1):  # the model's input, each boundary, the model's output
+            before = parts[n - 1] if n else None
+            after = parts[n] if n < len(parts) else None
+            rows, hidden = (before or after).layer.rows, (before or after).layer.hidden
+            backward = before is not None and (not before.frozen or before.input_grad)
+            src, dst = (choice[n - 1] if n else None), (choice[n] if after is not None else None)
+            moved = sum(crossing_elements(rows, hidden, src, dst, world, backward))
+            seconds += moved * hw.bytes_per_element / hw.bandwidth + hw.latency * bool(moved)
         fits = memory_cap is None or memory <= memory_cap
         table.append(({part.path: shape for part, shape in zip(parts, choice, strict=True)}, seconds, memory, fits))
     table.sort(key=lambda row: (not row[3], row[1] if row[3] else row[2]))

@@ -5,7 +5,8 @@
 
 - **together** (colocated): both parts over all ``world`` ranks, each on the mesh shape of its own
   (``planner.propose_layouts``: every pair of shapes, the boundary between them priced by what
-  ``redistribute`` moves), one after the other on the whole batch;
+  ``redistribute`` moves; with ``one_d=True`` Megatron's 1D split too), one after the other on the
+  whole batch;
 - **apart** (non-colocated, ``pipeline.rank_sets``): the encoder on ranks 0..a−1, the rest on
   a..world−1, each set on any mesh shape of its size, two stages of torch's ``Schedule1F1B`` over
   ``microbatches``: the encoder's ranks compute micro-batch m + 1 while the rest's compute m. Each
@@ -28,27 +29,28 @@ from dataclasses import dataclass, replace
 
 from torch.distributed.pipelining import Schedule1F1B
 
-from optimus2d.cost.planner import Hardware, Part, part_memory, part_time, propose_layouts
+from optimus2d.cost.planner import ONE_D, Hardware, Part, part_memory, part_time, propose_layouts
 from optimus2d.pipeline.simulator import schedule_order, simulate
 
-__all__ = ["Candidate", "Placement", "propose_placement", "shape_name"]
+__all__ = ["Candidate", "Placement", "layout_name", "propose_placement", "shape_name"]
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One placement priced: ``encoder_ranks`` (0: together on every rank), the (q, depth) of the
-    encoder's mesh and of the rest's, the predicted step ``seconds``, the most bytes a rank holds
-    (``memory``) and whether that fits the cap."""
+    encoder's mesh and of the rest's (together, either may be ``"1d"``: Megatron's split over every
+    rank), the predicted step ``seconds``, the most bytes a rank holds (``memory``) and whether that
+    fits the cap."""
 
     encoder_ranks: int
-    encoder: tuple[int, int]
-    rest: tuple[int, int]
+    encoder: tuple[int, int] | str
+    rest: tuple[int, int] | str
     seconds: float
     memory: float
     fits: bool
 
     def describe(self, world: int) -> str:
-        e, r = shape_name(*self.encoder), shape_name(*self.rest)
+        e, r = layout_name(self.encoder), layout_name(self.rest)
         if not self.encoder_ranks:
             return f"together on {world} ranks: encoder {e}, rest {r}"
         return f"apart: encoder on {self.encoder_ranks} ranks as {e}, rest on {world - self.encoder_ranks} as {r}"
@@ -79,6 +81,16 @@ class Placement:
 def shape_name(q: int, depth: int) -> str:
     """2×2, 2×2×2, 1×1×4."""
     return f"{q}×{q}" + (f"×{depth}" if depth > 1 else "") if q > 1 else f"1×1×{depth}"
+
+
+def layout_name(layout: tuple[int, int] | str) -> str:
+    """2×2, 1×1×4, or 1d."""
+    return layout if layout == ONE_D else shape_name(*layout)
+
+
+def _splits_1d(part: Part, ranks: int) -> bool:
+    """Whether Megatron's split over ``ranks`` divides ``part``'s heads and feed-forward width."""
+    return ranks > 1 and part.layer.ffn % ranks == 0 and (part.layer.heads or ranks) % ranks == 0
 
 
 def _shapes(part: Part, ranks: int, batch: int) -> list[tuple[int, int]]:
@@ -124,20 +136,23 @@ def propose_placement(
     *,
     microbatches: int = 2,
     memory_cap: float | None = None,
+    one_d: bool = False,
 ) -> Placement:
     """Price ``encoder`` then ``rest`` (``cost.planner.Part``s; ``layer.batch`` the whole batch a step,
     the same for both, each with its own sequence; ``rest.input_grad`` whether its first layer needs
     the input's gradient: the features', or a trained projector's before it) together on ``world``
     ranks and apart on every split a + (world − a), and pick the cheapest whose ranks all fit
-    ``memory_cap`` bytes (None: no cap). Raises ``ValueError`` when no placement splits the batch."""
+    ``memory_cap`` bytes (None: no cap). ``one_d``: together, a part may also run in Megatron's 1D
+    split over every rank (``planner.propose_layouts(one_d=True)``). Raises ``ValueError`` when no
+    placement splits the batch."""
     batch = encoder.layer.batch
     if world < 1 or microbatches < 1:
         raise ValueError(f"propose_placement: world {world} and microbatches {microbatches} must be at least 1")
     if rest.layer.batch != batch:
         raise ValueError(f"propose_placement: the encoder's batch {batch} and the rest's {rest.layer.batch} differ")
     found = []
-    together = propose_layouts([encoder, rest], world, hw, memory_cap=memory_cap)
-    offered = {p.path: _shapes(p, world, batch) for p in (encoder, rest)}
+    together = propose_layouts([encoder, rest], world, hw, memory_cap=memory_cap, one_d=one_d)
+    offered = {p.path: [*_shapes(p, world, batch), *[ONE_D] * _splits_1d(p, world)] for p in (encoder, rest)}
     for layouts, seconds, memory, ok in together.table:
         shapes = (layouts[encoder.path], layouts[rest.path])
         if shapes[0] in offered[encoder.path] and shapes[1] in offered[rest.path]:
