@@ -7,10 +7,13 @@ The model is a LLaVA-shaped chain of torch.nn modules: a vision encoder (``--enc
 ``nn.TransformerEncoderLayer`` of width ``--enc-hidden``) on patch embeddings ``[b, patches, e]``,
 a projector ``nn.Linear(e, h)`` and a language model (``--lm-layers`` of width ``--lm-hidden``),
 the encoder taking about a third of the forward flops by default. Every peer is
-``parallelize(model, lm_mesh, plan={"encoder": encoder_mesh})`` for each (encoder mesh, LM mesh)
-of the world's shapes (on 4 ranks: 2×2 and 1×1×4), with the encoder frozen and trained; the
-inputs are scattered on the encoder's mesh, the projector and LM run on the LM's, the
-encoder's output moves by ``redistribute``. All in the same run, checked against serial first,
+``parallelize(model, lm_mesh, plan={"encoder": encoder_mesh})`` for each (encoder layout, LM
+layout) of the world's shapes (on 4 ranks: 2×2 and 1×1×4) and 1D (``megatron.Megatron`` over every
+rank, where the ranks divide ``--heads``: torch's encoder layers split by heads and by column then
+row), with the encoder frozen and trained; the inputs are scattered on the encoder's mesh, the
+projector and LM run on the LM's, the encoder's output moves by ``redistribute`` (a 1D part: the
+model on the other part's mesh, the squarest where both are 1D; its input all-gathered in, its
+output split back out). All in the same run, checked against serial first,
 timed in interleaved rounds (``benchmarks/compare.py``).
 
 Reported per peer: the median fwd+bwd step (and its ratio to the first peer), the bytes a rank
@@ -59,7 +62,8 @@ import optimus2d
 from benchmarks import calibrate, compare, vlm_apart
 from benchmarks.compare import Peer
 from optimus2d.convert import choose_plan
-from optimus2d.cost.planner import Layer, Part, propose_layouts
+from optimus2d.cost.planner import ONE_D, Layer, Part, propose_layouts
+from optimus2d.megatron import Megatron
 from optimus2d.pipeline import propose_placement
 
 
@@ -105,8 +109,15 @@ class EncoderProjectorLM(nn.Module):
         return self.lm(self.proj(self.encoder(patches)))
 
 
-def _shape(mesh: optimus2d.Mesh) -> str:
+def _shape(mesh: optimus2d.Mesh | str) -> str:
+    if mesh == ONE_D:
+        return "1D"
     return f"{mesh.q}×{mesh.q}" + (f"×{mesh.depth}" if mesh.depth > 1 else "") if mesh.q > 1 else f"1×1×{mesh.depth}"
+
+
+def _as_row(layout: tuple[int, int] | str) -> list[int] | str:
+    """A layout as the rows store it: [q, depth], or "1d"."""
+    return layout if layout == ONE_D else list(layout)
 
 
 def _peer(name: str, serial, mesh: optimus2d.Mesh, plan: dict, x_mesh: optimus2d.Mesh, x, probe) -> Peer:
@@ -120,9 +131,17 @@ def _peer(name: str, serial, mesh: optimus2d.Mesh, plan: dict, x_mesh: optimus2d
     )
 
 
-def _pair_peer(serial, enc: optimus2d.Mesh, lm: optimus2d.Mesh, x, probe, frozen: bool) -> Peer:
-    name = f"{'frozen' if frozen else 'trained'} encoder {_shape(enc)}, LM {_shape(lm)}"
-    return _peer(name, serial, lm, {"encoder": enc}, enc, x, probe)
+def _pair_peer(serial, enc, lm, meshes: dict, square: optimus2d.Mesh, x, probe, frozen: bool) -> Peer:
+    """The encoder laid out ``enc``, the LM ``lm``: a (q, depth) of ``meshes`` or ``ONE_D`` (a
+    ``Megatron`` region over every rank). The model (the projector with it) on the LM's mesh, the
+    encoder's where the LM is 1D, ``square`` where both are; the input scattered on the encoder's mesh
+    (on the model's where the encoder is 1D: its region gathers it in)."""
+    model_mesh = meshes[lm] if lm != ONE_D else meshes[enc] if enc != ONE_D else square
+    region = Megatron(model_mesh)
+    plan = {"encoder": region if enc == ONE_D else meshes[enc], **({"lm": region} if lm == ONE_D else {})}
+    e, m = (_shape(meshes.get(layout, layout)) for layout in (enc, lm))
+    name = f"{'frozen' if frozen else 'trained'} encoder {e}, LM {m}"
+    return _peer(name, serial, model_mesh, plan, model_mesh if enc == ONE_D else meshes[enc], x, probe)
 
 
 def _auto_peer(serial, mesh: optimus2d.Mesh, plan: dict, x, probe, frozen: bool, timed: bool) -> Peer:
@@ -205,7 +224,8 @@ def _verdict(name: str, rows: list[dict]) -> dict:
         """The mesh pair laid out as ``auto`` picked ÷ the best: the pick itself, without the boundaries
         the auto peer's model mesh adds (a pair's input enters on its encoder's mesh, its output stays
         on its LM's)."""
-        shapes = {part: [int(n) for n in layout.split("×")[1:]] for part, layout in auto["layouts"].items()}
+        shapes = {part: layout if layout == ONE_D else [int(n) for n in layout.split("×")[1:]]
+                  for part, layout in auto["layouts"].items()}  # fmt: skip
         same = [r for r in rows if set(shapes) == {"encoder", "lm"} and [r["encoder"], r["lm"]] == [shapes["encoder"],
                 shapes["lm"]]]  # fmt: skip
         return same[0]["train_ms"] / best["train_ms"] if same else None
@@ -228,6 +248,8 @@ def _verdict(name: str, rows: list[dict]) -> dict:
 def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, encoders: tuple[bool, ...]) -> dict:
     """Every (encoder mesh, LM mesh) of ``meshes`` for each of ``encoders`` (frozen: True), timed."""
     device, p, shapes = mesh.device, mesh.size, list(meshes)
+    one_d = p > 1 and args.heads % p == 0  # Megatron's split: each part whole in 1D over every rank
+    layouts = shapes + [ONE_D] * one_d
     torch.manual_seed(0)
     base = EncoderProjectorLM(args).to(device)
     x = torch.randn(args.batch, args.seq, args.enc_hidden, device=device)
@@ -241,8 +263,8 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
         serial.encoder.requires_grad_(not frozen)
         with torch.no_grad():
             reference = serial(x)
-        combos = list(itertools.product(shapes, repeat=2))
-        peers = [_pair_peer(serial, meshes[e], meshes[m], x, probe, frozen) for e, m in combos]
+        combos = list(itertools.product(layouts, repeat=2))
+        peers = [_pair_peer(serial, e, m, meshes, mesh, x, probe, frozen) for e, m in combos]
         local_x, local_probe = optimus2d.scatter(x, mesh, check=False), optimus2d.scatter(probe, mesh, check=False)
         auto = optimus2d.Auto(tokens=args.batch * args.seq, seq=args.seq, memory=cap)
         timed = replace(auto, measure=_Step(local_x, local_probe), top=4)  # the 4 best predicted, timed
@@ -257,7 +279,7 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
                  args.enc_layers, frozen=frozen),
             Part("lm", Layer(args.batch, args.seq, args.lm_hidden, 4 * args.lm_hidden, args.heads), args.lm_layers),
         ]  # fmt: skip
-        placement = propose_placement(*parts, p, hw, microbatches=vlm_apart.MICROBATCHES, memory_cap=cap)
+        placement = propose_placement(*parts, p, hw, microbatches=vlm_apart.MICROBATCHES, memory_cap=cap, one_d=one_d)
         splits = {}  # encoder ranks → the cheapest apart candidate of that split (the table is cheapest first)
         for c in placement.table:
             if c.encoder_ranks:
@@ -269,13 +291,13 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
         sent = [_sent_bytes(peer) for peer in peers]
         compare.time_rounds(peers, args.rounds, device, f"{'frozen' if frozen else 'trained'} encoder")
         measured = compare.summarize(peers, args.batch * args.seq, args.batch, args.cap_mib)
-        proposal = propose_layouts(parts, p, hw, memory_cap=cap)
-        predicted = {(tuple(r[0]["encoder"]), tuple(r[0]["lm"])): r for r in proposal.table}
+        proposal = propose_layouts(parts, p, hw, memory_cap=cap, one_d=one_d)
+        predicted = {(r[0]["encoder"], r[0]["lm"]): r for r in proposal.table}
         k = len(combos)  # the pairs, then plan="auto" (predicted, measured), then the non-colocated peers
         for (e, m), row, nbytes in zip(combos, measured[:k], sent[:k], strict=True):
             _, seconds, memory, fits = predicted[(e, m)]
             row.update(
-                frozen=frozen, encoder=list(e), lm=list(m), sent_bytes=nbytes, predicted_ms=1e3 * seconds,
+                frozen=frozen, encoder=_as_row(e), lm=_as_row(m), sent_bytes=nbytes, predicted_ms=1e3 * seconds,
                 predicted_memory=memory, fits_cap=fits, plan_pick=(e, m) == (proposal.layouts["encoder"],
                 proposal.layouts["lm"]), auto=False, apart=False,
             )  # fmt: skip
@@ -298,7 +320,7 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
                 row["apart"] and row["encoder_ranks"] == best.encoder_ranks and row["encoder"] == list(best.encoder)
                 and row["lm"] == list(best.rest)
             ) or (not best.encoder_ranks and not row["auto"] and not row["apart"]
-                  and (row["encoder"], row["lm"]) == (list(best.encoder), list(best.rest)))  # fmt: skip
+                  and (row["encoder"], row["lm"]) == (_as_row(best.encoder), _as_row(best.rest)))  # fmt: skip
         rows += measured
     _print(rows, args, p, hw)
     return {"config": vars(args), "ranks": p, "hardware": calibrate._fields(hw), "rows": rows}

@@ -254,7 +254,9 @@ def test_vlm_benchmark_compares_layouts_per_workload_and_the_planners_pick(tmp_p
     assert [v["workload"] for v in result["summary"]] == ["small-frozen", "long-sequence"]
     for verdict, rows in zip(result["summary"], result["workloads"].values(), strict=True):
         times = {r["peer"]: r["train_ms"] for r in rows["rows"] if not r["auto"] and not r["apart"]}
-        assert len(times) == 4 and sum(r["plan_pick"] for r in rows["rows"]) == 1  # 2 meshes² on 4 ranks
+        assert len(times) == 9 and sum(r["plan_pick"] for r in rows["rows"]) == 1  # (2 meshes + 1D)² on 4 ranks
+        layouts = {(str(r["encoder"]), str(r["lm"])) for r in rows["rows"] if not r["auto"] and not r["apart"]}
+        assert {("1d", "1d"), ("1d", "[2, 1]"), ("[1, 4]", "1d")} <= layouts  # Megatron's split, checked first
         [apart] = [r for r in rows["rows"] if r["apart"]]  # 2 + 2 ranks (1 + 3: 1×1×3 cannot split 2 a micro-batch)
         assert apart["encoder_ranks"] == 2 and apart["encoder"] == apart["lm"] == [1, 2] and apart["train_ms"] > 0
         assert verdict["apart_speedup"] == min(times.values()) / apart["train_ms"]  # checked against serial first
