@@ -174,9 +174,17 @@ def test_a_part_of_blocks_is_laid_out_whole_with_one_boundary_in_and_out():
             map(sum, zip(*(predict(b, layout, 4, HW) for b in encoder.inner), strict=True))
         )
     options = {tuple(sorted(row[0].items())) for row in choose([encoder], 4, HW, layout="2×2×1").table}
-    assert options == {(("encoder", "2×2×1"),), (("encoder", "1×1×4"),)}  # whole only: attention has no 1D
+    each = tuple((f"encoder.layers.{n}", "1d") for n in range(3))  # torch's layers split by heads in 1D too
+    assert options == {(("encoder", "2×2×1"),), (("encoder", "1×1×4"),), (("encoder", "1d"),), each}
+    inside = [predict(b, "1d", 4, HW, boundary=False) for b in encoder.inner]  # whole in 1D: one gather in
+    gather = 64 * 24 * 3 / 4 * 4 / HW.bandwidth + 2 * HW.latency  # forward only (frozen); latency · log2(4)
+    assert predict(encoder, "1d", 4, HW)[0] == pytest.approx(sum(t for t, _ in inside) + gather, rel=1e-12)
+    assert predict(encoder.inner[0], "1d", 4, HW)[0] == pytest.approx(inside[0][0] + gather, rel=1e-12)
     rows = {tuple(sorted(row[0].items())): row[1] for row in choose([mlps], 4, HW, layout="2×2×1").table}
-    assert set(rows) == {(("mlps", "2×2×1"),), (("mlps", "1×1×4"),), (("mlps.0", "1d"), ("mlps.2", "1d"))}
+    assert set(rows) == {
+        (("mlps", "2×2×1"),), (("mlps", "1×1×4"),), (("mlps", "1d"),), (("mlps.0", "1d"), ("mlps.2", "1d"))
+    }  # fmt: skip
+    assert rows[(("mlps", "1d"),)] < rows[(("mlps.0", "1d"), ("mlps.2", "1d"))]  # one boundary, not two
     whole = predict(mlps, "1×1×4", 4, HW)[0]
     one_boundary = rows[(("mlps", "1×1×4"),)] - whole  # in and out once, not around each MLP
     alone = choose([mlps.inner[0]], 4, HW, layout="2×2×1").table

@@ -3,10 +3,11 @@
 The blocks are the model's MLPs that Megatron's 1D split knows (``megatron.split_of`` without
 attention heads: an ``nn.Sequential`` Linear–element-wise–Linear, LLaMA's, CLIP's and SigLIP's
 MLPs, LLaVA's projector) and its ``nn.TransformerEncoderLayer``s (priced as pre-norm layers over
-sequences of ``Auto(seq=)``; mesh shapes only: their attention has no 1D split), outermost first,
+sequences of ``Auto(seq=)``; in 1D where their heads and linears split), outermost first,
 the model itself excepted (a 1D module needs a boundary around it). A module below the model made
 of two or more blocks of one width, with no weights of its own but norms' (an ``nn.TransformerEncoder``),
-is one part (``_parts``): laid out whole, one boundary in and out (``cost.auto``). A module hanging
+is one part (``_parts``): laid out whole, one boundary in and out (``cost.auto``), in 1D too where
+every block of it splits. A module hanging
 from the model that holds attention Megatron splits (a LLaMA's ``model``) is a region (``_regions``):
 whole in 1D, or on the mesh with its blocks laid out alone. Each may stay on the model's
 mesh, move to another mesh shape over the same ranks (2×2, 1×1×4: its weights whole, the batch
@@ -89,8 +90,9 @@ def _blocks(model: nn.Module, tokens: int, ranks: int, seq: int = 1, own_q: int 
             frozen = not any(p.requires_grad for p in module.parameters())
             hidden, ffn, heads = module.linear1.in_features, module.linear1.out_features, module.self_attn.num_heads
             qs = _divides([hidden, ffn, heads], ranks, own_q, tokens // seq)
+            splits = ranks > 1 and not tensor_parallel_plan(module, path, ranks)[1]  # its heads and linears
             blocks.append(Block(path, "layer", tokens, hidden, ffn, heads=heads, seq=seq, frozen=frozen,
-                                input_grad=trained_before, qs=qs))  # fmt: skip
+                                input_grad=trained_before, splits_1d=splits, qs=qs))  # fmt: skip
             trained_before |= not frozen
             inside.append(path)
             continue
@@ -182,7 +184,8 @@ def _parts(model: nn.Module, blocks: list[Block]) -> list[Block]:
             continue
         qs = set.intersection(*(set(b.qs) for b in inner))
         parts[path] = Block(path, "part", inner[0].rows, inner[0].hidden, 0, frozen=all(b.frozen for b in inner),
-                            input_grad=inner[0].input_grad, qs=tuple(sorted(qs)), inner=tuple(inner))  # fmt: skip
+                            input_grad=inner[0].input_grad, splits_1d=all(b.splits_1d for b in inner),
+                            qs=tuple(sorted(qs)), inner=tuple(inner))  # fmt: skip
     return _gathered(blocks, parts)
 
 

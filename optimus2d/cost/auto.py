@@ -94,11 +94,20 @@ def _scheme(layout: str, p: int) -> tuple[str, int, int]:
     return ("2d" if depth == 1 else f"2.5d:{depth}"), q, depth
 
 
-def predict(block: Block, layout: str, p: int, hw: Hardware) -> tuple[float, float]:
-    """(seconds of forward + backward, bytes a rank holds) of ``block`` in ``layout`` over ``p`` ranks."""
-    if block.kind == "part":  # its blocks side by side on one mesh: no boundary between them
-        priced = [predict(b, layout, p, hw) for b in block.inner]
-        return sum(t for t, _ in priced), sum(m for _, m in priced)
+def _gather_1d(block: Block, p: int) -> list[tuple[str, int, float, int]]:
+    """A 1D block's boundary: its input all-gathered forward, its output's gradient backward (where
+    it has a backward)."""
+    backward = not block.frozen or block.input_grad
+    return [("all_gather", p, block.rows * block.hidden * (1 + int(backward)), 1 + int(backward))]
+
+
+def predict(block: Block, layout: str, p: int, hw: Hardware, *, boundary: bool = True) -> tuple[float, float]:
+    """(seconds of forward + backward, bytes a rank holds) of ``block`` in ``layout`` over ``p`` ranks
+    (in 1D with its own boundary unless ``boundary`` is False: inside a part in 1D)."""
+    if block.kind == "part":  # its blocks side by side on one layout: no boundary between them
+        priced = [predict(b, layout, p, hw, boundary=False) for b in block.inner]
+        gather = comm_time(_gather_1d(block, p), hw, 0.0) if layout == "1d" and boundary else 0.0
+        return sum(t for t, _ in priced) + gather, sum(m for _, m in priced)
     if block.kind == "region":  # its layers, whole; in 1D its input gathered in, its output's gradient out
         priced = [predict(block.layer(n == 0), layout, p, hw) for n in range(block.layers)]
         seconds, memory = sum(t for t, _ in priced), sum(m for _, m in priced)
@@ -121,8 +130,8 @@ def predict(block: Block, layout: str, p: int, hw: Hardware) -> tuple[float, flo
         comm = mlp_comm(rows, h, f, scheme, p, input_grad=block.input_grad)
         if not trained and scheme.startswith("2.5d"):  # no weight gradients to all-reduce over depth
             comm = [c for c in comm if not (c[0] == "all_reduce" and c[1] == depth)]
-        if scheme == "1d":  # its boundary: the input all-gathered forward, the output's gradient backward
-            comm = [*comm, ("all_gather", p, rows * h * (1 + int(backward)), 1 + int(backward))]
+        if scheme == "1d" and boundary:  # the input all-gathered forward, the output's gradient backward
+            comm = [*comm, *_gather_1d(block, p)]
         seconds = compute + comm_time(comm, hw, compute)
         if scheme == "1d":
             acts = rows * h + 2 * rows * f / p  # the gathered input (fc1's), fc1's and the activation's outputs
@@ -131,6 +140,8 @@ def predict(block: Block, layout: str, p: int, hw: Hardware) -> tuple[float, flo
     else:
         layer = Layer(block.rows // block.seq, block.seq, block.hidden, block.ffn, block.heads)
         seconds = step_time(layer, scheme, p, hw, dx=block.input_grad, dw=trained)["total"]
+        if scheme == "1d" and boundary:
+            seconds += comm_time(_gather_1d(block, p), hw, 0.0)
         acts = activation_elements(layer, scheme, p)
     shards = p if scheme == "1d" else q * q
     weights = block.params / shards * (16 if trained else hw.bytes_per_element)
