@@ -266,13 +266,14 @@ def test_vlm_benchmark_compares_layouts_per_workload_and_the_planners_pick(tmp_p
         auto, timed = [r for r in rows["rows"] if r["auto"]]  # plan="auto": a layout for each part, whole
         for row in (auto, timed):  # predicted, then measured (Auto(measure=))
             assert set(row["layouts"]) == {"encoder", "lm"} and row["train_ms"] > 0
-            assert set(row["layouts"].values()) <= {"2×2×1", "1×1×4"}
+            assert set(row["layouts"].values()) <= {"2×2×1", "1×1×4", "1d"}
         assert not auto["measured"] and timed["measured"]
         assert verdict["auto_over_best"] == auto["train_ms"] / min(times.values())
         assert verdict["measured_auto_over_best"] == timed["train_ms"] / min(times.values())
         for row, key in ((auto, "auto_pair_over_best"), (timed, "measured_auto_pair_over_best")):  # the pick as a pair
             pair = next(r for r in rows["rows"] if not r["auto"] and [r["encoder"], r["lm"]] == [
-                [int(n) for n in row["layouts"][part].split("×")[1:]] for part in ("encoder", "lm")])  # fmt: skip
+                layout if (layout := row["layouts"][part]) == "1d" else [int(n) for n in layout.split("×")[1:]]
+                for part in ("encoder", "lm")])  # fmt: skip
             assert verdict[key] == pair["train_ms"] / min(times.values())
         assert verdict["speedup"] == times[verdict["homogeneous"]] / times[verdict["heterogeneous"]]
         placed = {r["peer"]: r for r in rows["rows"] if not r["auto"]}  # propose_placement: the pairs and the split
