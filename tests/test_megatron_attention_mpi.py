@@ -241,3 +241,29 @@ def test_per_head_weights_and_a_causal_hint_without_mask_are_refused(world):
         attn(x, x, x, is_causal=True)
     with pytest.raises(ValueError, match=f"query of shape \\(2, 3, {h}\\)"):
         attn(x[..., :h], x, x)
+
+
+def test_one_all_reduce_forward_and_one_per_input_backward(world):
+    """Megatron's split: the out projection's sum all-reduced forward ([b, L, E]); backward one
+    all-reduce of the input's gradient (self-attention: the one input entered once), none for an
+    input that needs none; cross-attention: one for the query, one for the memory (key is value)."""
+    if world.size == 1:
+        pytest.skip("one rank sends nothing")
+    mesh, h = _meshes_of(world)[-1], _heads(world)
+    b, s, e = 2, 3, 2 * h
+    attn = SplitMultiheadAttention.from_serial(nn.MultiheadAttention(e, h, batch_first=True).double(), mesh)
+    x = torch.randn(b, s, e, dtype=torch.float64, requires_grad=True)
+    with optimus2d.count_comm() as forward:
+        y, _ = attn(x, x, x, need_weights=False)
+    assert forward.by("kind", "axis") == {("all_reduce", "mesh"): b * s * e}
+    with optimus2d.count_comm() as backward:
+        y.sum().backward()
+    assert backward.by("kind", "axis") == {("all_reduce", "mesh"): b * s * e}
+    memory = torch.randn(b, 5, e, dtype=torch.float64, requires_grad=True)
+    y, _ = attn(x, memory, memory, need_weights=False)
+    with optimus2d.count_comm() as cross:
+        y.sum().backward()
+    assert cross.by("kind", "axis") == {("all_reduce", "mesh"): b * s * e + b * 5 * e}
+    attn.requires_grad_(False)
+    y, _ = attn(x.detach(), x.detach(), x.detach(), need_weights=False)  # frozen, its input needs nothing
+    assert not y.requires_grad

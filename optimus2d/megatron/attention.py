@@ -149,7 +149,10 @@ class SplitMultiheadAttention(nn.Module):
         """``nn.MultiheadAttention.forward``, on whole tensors, every rank alike."""
         self._check(query, key, value, need_weights, average_attn_weights, is_causal, attn_mask)
         entered: dict[int, torch.Tensor] = {}  # an input used twice (self-attention) is entered once
-        query, key, value = (entered.setdefault(id(t), reduce_grad(t, self.mesh, _ALL)) for t in (query, key, value))
+        for t in (query, key, value):
+            if id(t) not in entered:
+                entered[id(t)] = reduce_grad(t, self.mesh, _ALL)
+        query, key, value = (entered[id(t)] for t in (query, key, value))
         unbatched = query.dim() == 2
         query, key, value = (_batch_first(t, unbatched, self.batch_first) for t in (query, key, value))
         b, tgt_len, src_len = query.shape[0], query.shape[1], key.shape[1]
