@@ -216,3 +216,18 @@ def test_a_llama_stack_is_a_region_offered_whole_in_1d_or_left_with_its_mlps_alo
     layers = sum(predict(region.layer(n == 0), "1d", 4, HW)[1] for n in range(3))
     assert predict(region, "1d", 4, HW)[1] == pytest.approx(layers + 64 * 32 * 16)  # the embedding whole, trained
     assert all(b.kind == "mlp" for b in _blocks(model, tokens=63, ranks=3, seq=1))  # 4 heads on 3 ranks: no region
+
+
+def test_torchs_decoder_layer_is_not_priced_as_an_mlp():
+    """Its linears split in 1D, but it holds attention: not an MLP block (it stays on the model's mesh)."""
+    from torch import nn
+
+    from optimus2d.convert.auto import _blocks
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = nn.TransformerDecoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+            self.head = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    assert [(b.path, b.kind) for b in _blocks(Decoder(), tokens=64, ranks=4, seq=8, own_q=2)] == [("head", "mlp")]

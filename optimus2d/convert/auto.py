@@ -97,7 +97,7 @@ def _blocks(model: nn.Module, tokens: int, ranks: int, seq: int = 1, own_q: int 
             inside.append(path)
             continue
         split = split_of(module)
-        if split is None or split.heads(module):
+        if split is None or split.heads(module) or split.whole:  # an MLP alone (not torch's decoder layer)
             trained_before |= any(p.requires_grad for p in module.parameters(recurse=False))
             continue
         linears = [module._modules[name] for name in split.roles]
