@@ -267,3 +267,19 @@ def test_one_all_reduce_forward_and_one_per_input_backward(world):
     attn.requires_grad_(False)
     y, _ = attn(x.detach(), x.detach(), x.detach(), need_weights=False)  # frozen, its input needs nothing
     assert not y.requires_grad
+
+
+def test_built_alone_it_holds_blocks_of_torchs_own_init(world):
+    """``SplitMultiheadAttention(E, H, mesh=)`` draws as ``nn.MultiheadAttention`` does: with the same
+    seed, the serial module's tensors (``serial_state_dict``), and its output."""
+    mesh, h = _meshes_of(world)[-1], _heads(world)
+    torch.manual_seed(11)
+    serial = nn.MultiheadAttention(2 * h, h, batch_first=True, dtype=torch.float64)
+    torch.manual_seed(11)
+    split = SplitMultiheadAttention(2 * h, h, batch_first=True, mesh=mesh, dtype=torch.float64)
+    state = serial_state_dict(split)
+    assert list(state) == list(serial.state_dict())
+    for key, value in serial.state_dict().items():
+        assert_close(state[key], value, 0, key)
+    x = torch.randn(2, 3, 2 * h, dtype=torch.float64)
+    assert_close(split(x, x, x)[0], serial(x, x, x)[0], 1e-12, "output")

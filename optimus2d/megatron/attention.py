@@ -100,21 +100,34 @@ class SplitMultiheadAttention(nn.Module):
             self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim // p, **kw))
         else:
             self.register_parameter("in_proj_bias", None)
-        self.out_proj = nn.modules.linear.NonDynamicallyQuantizableLinear(embed_dim // p, embed_dim, bias=bias, **kw)
+        linear = nn.modules.linear.NonDynamicallyQuantizableLinear  # torch's class: its keys, nothing drawn on meta
+        self.out_proj = linear(embed_dim // p, embed_dim, bias=bias, device="meta", dtype=dtype)
         _blocks(self, shardings, mesh)
         _blocks(self.out_proj, {"weight": Sharding(((), AXES), (embed_dim, embed_dim))}, mesh)
         if not self.in_proj_weight.is_meta:
             self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """``nn.MultiheadAttention``'s init, of the serial tensors: xavier_uniform_ on ``[3E, E]``,
-        the out projection as ``nn.Linear``'s, zero biases; each rank keeps its block."""
-        e, t = self.embed_dim, self.in_proj_weight
-        load_serial_tensor(self, "in_proj_weight", nn.init.xavier_uniform_(torch.empty(3 * e, e, dtype=t.dtype)))
-        load_serial_tensor(self.out_proj, "weight", nn.Linear(e, e, bias=False, dtype=t.dtype).weight.detach())
-        for b in (self.in_proj_bias, self.out_proj.bias):
-            if b is not None:
-                nn.init.zeros_(b)
+        """Each rank's blocks of a freshly initialised ``nn.MultiheadAttention`` (torch's own init, in
+        its order: with the same seed, the serial module's values)."""
+        t = self.in_proj_weight
+        twin = nn.MultiheadAttention(
+            self.embed_dim, self.num_heads, bias=self.in_proj_bias is not None, batch_first=self.batch_first,
+            device=t.device, dtype=t.dtype,
+        )  # fmt: skip
+        self._load(twin)
+
+    def _load(self, mha: nn.MultiheadAttention) -> None:
+        """This rank's blocks of ``mha``'s tensors, with their ``requires_grad`` (nothing sent)."""
+        for owner, name, full in (
+            (self, "in_proj_weight", mha.in_proj_weight),
+            (self, "in_proj_bias", mha.in_proj_bias),
+            (self.out_proj, "weight", mha.out_proj.weight),
+            (self.out_proj, "bias", mha.out_proj.bias),
+        ):
+            if full is not None:
+                load_serial_tensor(owner, name, full)
+                getattr(owner, name).requires_grad_(full.requires_grad)
 
     @classmethod
     def from_serial(cls, mha: nn.MultiheadAttention, mesh: Mesh) -> SplitMultiheadAttention:
@@ -124,15 +137,7 @@ class SplitMultiheadAttention(nn.Module):
             raise ValueError("SplitMultiheadAttention.from_serial: " + "; ".join(problems))
         bias = mha.in_proj_bias is not None
         module = cls(mha.embed_dim, mha.num_heads, bias, mha.batch_first, mesh=mesh, device="meta")
-        for owner, name, full in (
-            (module, "in_proj_weight", mha.in_proj_weight),
-            (module, "in_proj_bias", mha.in_proj_bias),
-            (module.out_proj, "weight", mha.out_proj.weight),
-            (module.out_proj, "bias", mha.out_proj.bias),
-        ):
-            if full is not None:
-                load_serial_tensor(owner, name, full)
-                getattr(owner, name).requires_grad_(full.requires_grad)
+        module._load(mha)
         return module.train(mha.training)
 
     def forward(
