@@ -61,7 +61,7 @@ done
 # 8 ranks: the model families on 2×2×2, the data-parallel replicas (2 × 2×2), redistribute and
 # per-module layouts between 2×2×2 and 1×1×8, pipelines of 2 stages × 2×2 (and × 2 copies of 1×1×2), context
 # parallelism with c = 2 on 2×2 (2×2×2) and c = 8 (1×1×8), torch's own tools on DTensor parameters (2×2×2,
-# and FSDP2 over 2 replicas of 2×2), checkpoints as DCP's on 2×2×2, a module in 1D beside 2×2×2 and 1×1×8
+# and FSDP2 over 2 replicas of 2×2), checkpoints as DCP's on 2×2×2, a module in 1D beside 2×2×2 and 1×1×8 (torch.nn's attention split by heads too)
 # (their families' tests ran in the session before: not again).
 # The other tests also pass there (`mpiexec -n 8 python -m pytest -q --only-mpi`, about 15 minutes on 2
 # cores), left out of this command to keep CI within its time
