@@ -283,3 +283,19 @@ def test_built_alone_it_holds_blocks_of_torchs_own_init(world):
         assert_close(state[key], value, 0, key)
     x = torch.randn(2, 3, 2 * h, dtype=torch.float64)
     assert_close(split(x, x, x)[0], serial(x, x, x)[0], 1e-12, "output")
+
+
+def test_heads_and_masks_that_do_not_fit_are_refused_with_their_numbers(world):
+    """Before any collective: a head count the ranks do not divide (built alone), a mask of another shape."""
+    mesh, h = _meshes_of(world)[-1], _heads(world)
+    if world.size > 1:
+        with pytest.raises(ValueError, match=f"num_heads = {world.size + 1}: .* the {world.size} ranks"):
+            SplitMultiheadAttention(2 * (world.size + 1), world.size + 1, mesh=mesh)
+    attn = SplitMultiheadAttention.from_serial(nn.MultiheadAttention(2 * h, h, batch_first=True).double(), mesh)
+    x = torch.randn(2, 3, 2 * h, dtype=torch.float64)
+    with optimus2d.count_comm() as sent:
+        with pytest.raises(ValueError, match=r"attn_mask of shape \(3, 4\) does not fit \[L, S\] = \(3, 3\)"):
+            attn(x, x, x, attn_mask=torch.zeros(3, 4, dtype=torch.float64))
+        with pytest.raises(ValueError, match=r"key_padding_mask of shape \(2, 4\) does not fit \[b, S\] = \(2, 3\)"):
+            attn(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
+    assert sent.bytes == 0

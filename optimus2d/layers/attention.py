@@ -179,14 +179,14 @@ class MultiheadAttention2D(ShardedModule):
         if attn_mask is not None:
             attn_mask = additive_mask(attn_mask, dtype, "attn_mask")
             if attn_mask.dim() == 2:
-                _expect(attn_mask, (tgt_len, src_len), "attn_mask", "[L, S]")
+                expect_shape(attn_mask, (tgt_len, src_len), "attn_mask", "[L, S]")
                 mask = attn_mask
             elif attn_mask.dim() == 3 and attn_mask.shape[0] == b * split * self.num_heads:
-                _expect(attn_mask, (b * split * self.num_heads, tgt_len, src_len), "attn_mask", "[b·H, L, S]")
+                expect_shape(attn_mask, (b * split * self.num_heads, tgt_len, src_len), "attn_mask", "[b·H, L, S]")
                 full = attn_mask.view(b * split, self.num_heads, tgt_len, src_len)
                 mask = full[block * b : (block + 1) * b, mesh.index("row") * heads : (mesh.index("row") + 1) * heads]
             else:
-                _expect(
+                expect_shape(
                     attn_mask,
                     (b * heads, tgt_len, src_len),
                     "attn_mask",
@@ -197,7 +197,7 @@ class MultiheadAttention2D(ShardedModule):
             kpm = additive_mask(key_padding_mask, dtype, "key_padding_mask")
             if kpm.dim() == 2 and kpm.shape[0] == b * split and split > 1:
                 kpm = kpm[block * b : (block + 1) * b]
-            _expect(kpm, (b, src_len), "key_padding_mask", "[b, S] or its block [b/(d·q), S]")
+            expect_shape(kpm, (b, src_len), "key_padding_mask", "[b, S] or its block [b/(d·q), S]")
             kpm = kpm.view(b, 1, 1, src_len)
             mask = kpm if mask is None else mask + kpm
         return mask
@@ -216,9 +216,12 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Te
     return mask.to(dtype)
 
 
-def _expect(t: torch.Tensor, shape: tuple[int, ...], name: str, what: str) -> None:
+def expect_shape(
+    t: torch.Tensor, shape: tuple[int, ...], name: str, what: str, owner: str = "MultiheadAttention2D"
+) -> None:
+    """``ValueError`` naming ``owner``, the tensor, its shape and the one expected, where they differ."""
     if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"MultiheadAttention2D: {name} of shape {tuple(t.shape)} does not fit {what} = {tuple(shape)}")
+        raise ValueError(f"{owner}: {name} of shape {tuple(t.shape)} does not fit {what} = {tuple(shape)}")
 
 
 def causal_mask(tgt_len: int, src_len: int, like: torch.Tensor) -> torch.Tensor:

@@ -32,11 +32,12 @@ from torch import nn
 from optimus2d.comm import all_reduce, reduce_grad
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
-from optimus2d.layers.attention import additive_mask, attention_with_weights
+from optimus2d.layers.attention import additive_mask, attention_with_weights, expect_shape
 from optimus2d.layers.base import keep_blocks_on_copy, load_serial_tensor, mark_block
 
 AXES = ("depth", "col", "row")  # outermost first: block n of a dim split over them is the "mesh" index n
 _ALL = ("mesh",)
+_NAME = "SplitMultiheadAttention"
 
 
 def splits(module: nn.Module) -> bool:
@@ -212,15 +213,15 @@ class SplitMultiheadAttention(nn.Module):
         if attn_mask is not None:
             attn_mask = additive_mask(attn_mask, dtype, "attn_mask")
             if attn_mask.dim() == 2:
-                _expect(attn_mask, (tgt_len, src_len), "attn_mask", "[L, S]")
+                expect_shape(attn_mask, (tgt_len, src_len), "attn_mask", "[L, S]", _NAME)
                 mask = attn_mask
             else:
-                _expect(attn_mask, (b * self.num_heads, tgt_len, src_len), "attn_mask", "[b·H, L, S]")
+                expect_shape(attn_mask, (b * self.num_heads, tgt_len, src_len), "attn_mask", "[b·H, L, S]", _NAME)
                 mask = attn_mask.view(b, self.num_heads, tgt_len, src_len)[:, n * heads : (n + 1) * heads]
         if key_padding_mask is not None:
             kpm = additive_mask(key_padding_mask, dtype, "key_padding_mask")
             kpm = kpm.unsqueeze(0) if unbatched else kpm
-            _expect(kpm, (b, src_len), "key_padding_mask", "[b, S]")
+            expect_shape(kpm, (b, src_len), "key_padding_mask", "[b, S]", _NAME)
             kpm = kpm.view(b, 1, 1, src_len)
             mask = kpm if mask is None else mask + kpm
         return mask
@@ -243,13 +244,6 @@ def _batch_first(t: torch.Tensor, unbatched: bool, batch_first: bool) -> torch.T
     if unbatched:
         return t.unsqueeze(0)
     return t if batch_first else t.transpose(0, 1)
-
-
-def _expect(t: torch.Tensor, shape: tuple[int, ...], name: str, what: str) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(
-            f"SplitMultiheadAttention: {name} of shape {tuple(t.shape)} does not fit {what} = {tuple(shape)}"
-        )
 
 
 def split_attention(region: nn.Module, mesh: Mesh) -> None:
