@@ -263,14 +263,19 @@ def test_vlm_benchmark_compares_layouts_per_workload_and_the_planners_pick(tmp_p
         pairs = [r["predicted_ms"] for r in rows["rows"] if not r["auto"] and not r["apart"]]
         assert apart["predicted_ms"] > 0 and verdict["apart_predicted_speedup"] == min(pairs) / apart["predicted_ms"]
         assert verdict["pick_over_best"] == times[verdict["pick"]] / min(times.values())
-        auto, timed = [r for r in rows["rows"] if r["auto"]]  # plan="auto": a layout for each part, whole
+        auto, timed = [r for r in rows["rows"] if r["auto"]]  # plan="auto": each part whole, or its layers each 1D
         for row in (auto, timed):  # predicted, then measured (Auto(measure=))
-            assert set(row["layouts"]) == {"encoder", "lm"} and row["train_ms"] > 0
-            assert set(row["layouts"].values()) <= {"2×2×1", "1×1×4", "1d"}
+            for part in ("encoder", "lm"):
+                each = {path: layout for path, layout in row["layouts"].items() if path.startswith(f"{part}.layers.")}
+                assert (part in row["layouts"]) != bool(each) and set(each.values()) <= {"1d"}, row["layouts"]
+            assert set(row["layouts"].values()) <= {"2×2×1", "1×1×4", "1d"} and row["train_ms"] > 0
         assert not auto["measured"] and timed["measured"]
         assert verdict["auto_over_best"] == auto["train_ms"] / min(times.values())
         assert verdict["measured_auto_over_best"] == timed["train_ms"] / min(times.values())
         for row, key in ((auto, "auto_pair_over_best"), (timed, "measured_auto_pair_over_best")):  # the pick as a pair
+            if set(row["layouts"]) != {"encoder", "lm"}:  # a part's layers each in 1D: no pair of the table
+                assert verdict[key] is None
+                continue
             pair = next(r for r in rows["rows"] if not r["auto"] and [r["encoder"], r["lm"]] == [
                 layout if (layout := row["layouts"][part]) == "1d" else [int(n) for n in layout.split("×")[1:]]
                 for part in ("encoder", "lm")])  # fmt: skip
