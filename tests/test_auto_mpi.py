@@ -14,11 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import _meshes, mesh_shapes
-from helpers import assert_close, check_against_serial
+from helpers import FAST_S, assert_close, check_against_serial, raises_fast
 from torch import nn
 
 import optimus2d
 from optimus2d import Mesh
+from optimus2d.comm import primitives
+from optimus2d.comm.watch import PeerFailedError
 from optimus2d.convert import Auto, choose_plan
 from optimus2d.convert.auto import _plan
 from optimus2d.cost import calibration
@@ -151,6 +153,37 @@ def test_a_measure_that_cannot_run_is_refused_on_every_rank(world):
         on_meta = TwoMLPs(6 * world.size)
     with pytest.raises(ValueError, match=r"on meta: \['mlp1\.0\.weight'"):
         optimus2d.parallelize(on_meta, Mesh(1, world.size), plan=Auto(hardware=HW, measure=print))
+
+
+def test_a_measure_that_raises_on_one_rank_stops_every_rank_at_once(world):
+    """The last rank's step raises before its first collective; its peers, waiting for it in one of
+    the mesh's collectives, raise ``PeerFailedError`` naming it, well before the collective timeout
+    (this test's own mesh: a failure is fatal to it)."""
+    if world.size == 1:
+        pytest.skip("one rank")
+    mesh = Mesh(1, world.size)
+    last = mesh.rank == mesh.ranks[-1]
+    torch.manual_seed(0)
+    model = TwoMLPs(6 * world.size)
+
+    def step(trial):
+        if last:
+            raise ValueError("the batch is empty")
+        primitives.all_reduce(torch.ones(1), mesh, "mesh")  # the last rank never joins
+        trial(torch.zeros(1, 6 * world.size)).sum().backward()
+
+    auto = Auto(tokens=64, hardware=HW, measure=step, top=1)
+    if last:
+        message = raises_fast(ValueError, "the batch is empty", lambda: choose_plan(model, mesh, auto))
+    else:
+        message = raises_fast(
+            PeerFailedError,
+            rf"rank {mesh.ranks[-1]}: ValueError: the batch is empty",
+            lambda: choose_plan(model, mesh, auto),
+        )
+    assert mesh.timeout > 2 * FAST_S  # so that the error came from the report, not from a wait running out
+    assert "the batch is empty" in message
+    dist.barrier()
 
 
 class Layers(nn.Module):

@@ -23,8 +23,10 @@ step and no memory cap. ``explain=True`` prints the candidates (rank 0) before c
 mesh for every block (no plan): each on a converted deep copy of the model, ``step(copy)`` (one
 forward and backward, as the user trains) once to warm up and three times timed
 (``calibration.time_step``: the slowest rank's median), and picks the fastest measured; the table
-gains a "measured ms" column. ``choose_plan(model, mesh, auto)`` returns the ``Choice`` and the plan
-without converting.
+gains a "measured ms" column. A step that raises on one rank is reported on the failure channel
+(``comm.watch``) of the meshes it runs on: its peers raise ``PeerFailedError`` naming it within a
+fraction of a second, not at the collective timeout. ``choose_plan(model, mesh, auto)`` returns the
+``Choice`` and the plan without converting.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from optimus2d.comm import watch
 from optimus2d.comm.agreement import agree
 from optimus2d.comm.mesh import Mesh
 from optimus2d.cost.auto import Block, Choice, choose
@@ -269,7 +272,15 @@ def _measured(model: nn.Module, mesh: Mesh, auto: Auto, choice: Choice, built: d
             auto.measure(trial)
             trial.zero_grad(set_to_none=True)
 
-        measured[row] = time_step(step, mesh)
+        try:
+            measured[row] = time_step(step, mesh)
+        except watch.PeerFailedError:  # a peer's failure, already told to every rank
+            raise
+        except BaseException as err:
+            # the peers wait in this step's collectives, on its meshes: tell them now, not at the timeout
+            watch.report(err, [mesh, *built.values()])
+            err.add_note(f"parallelize: raised by Auto(measure=)'s step on the row {row} {choice.table[row][0]}")
+            raise
         del trial
     if not measured:  # no block to lay out, or none fits
         return choice
