@@ -20,7 +20,6 @@ from test_pipeline_llava_mpi import ROWS, SEQ, TEXT, _batch, _grads, _llava
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 import optimus2d
-from optimus2d.comm import compat
 from optimus2d.megatron import Megatron, runs_split
 from optimus2d.pipeline import pipeline_stage, rank_sets, scatter_microbatches
 from optimus2d.pipeline.models.llama import causal_lm_loss, causal_lm_targets
@@ -103,9 +102,9 @@ def _check_llava(world, tower: int, shapes, frozen: bool, llm_1d: bool = False) 
             ids_block = scatter_microbatches(ids, pipe.mesh, N, layout="batch")
             schedule.step(input_ids=ids_block, target=target, losses=losses)
     # the bridge carries each rank's block, once per micro-batch: the tower's features forward, and
-    # their gradient back only when the tower trains (torch 2.11 sends a frozen stage's gradient too)
+    # their gradient back only when the tower trains (on torch 2.11 too: LaneStage)
     features = mb * ROWS * 48 // (blocks[pipe.stage] * shapes[pipe.stage][0])
-    want = N * features if pipe.stage == 0 or not frozen or compat.OLD_PIPELINES else 0
+    want = N * features if pipe.stage == 0 or not frozen else 0
     assert sum(r.numel for r in sent.records if r.axis == "bridge") == want
 
     grads = _grads(chunk, pipe.mesh)
@@ -226,7 +225,7 @@ def test_neighbours_that_declare_different_activations_are_refused_on_every_rank
     pipe = _pipe(world, tower, (tower_shape, llm_shape))
     mb = 2 * tower_shape[1] * llm_shape[1] * tower_shape[0] * llm_shape[0]
     chunk = optimus2d.parallelize(torch.nn.Linear(8, 8), pipe.mesh)
-    for seq, grads in ((4, True), (3, False)) if not compat.OLD_PIPELINES else ((4, True),):
+    for seq, grads in ((4, True), (3, False)):
         declared = (mb, 3 if pipe.stage == 0 else seq, 8)
         stage = pipeline_stage(chunk, pipe, microbatch_shape=declared, output_grad=grads or pipe.stage == 1)
         loss_fn = lambda out, w: optimus2d.pipeline.mesh_sum(out * w, pipe.mesh)  # noqa: E731

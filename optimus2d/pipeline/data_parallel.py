@@ -89,7 +89,7 @@ def pipeline_groups(
 
 
 class LaneStage(PipelineStage):
-    """torch's ``PipelineStage``; on torch 2.11 (``compat.OLD_PIPELINES``), with two of its gaps closed.
+    """torch's ``PipelineStage``; on torch 2.11 (``compat.OLD_PIPELINES``), with its gaps closed.
 
     * Its multi-stage schedules open the lane with one ``batch_isend_irecv`` of a dummy tensor to and
       from each stage's neighbours (``_get_init_p2p_neighbors_ops``), including a neighbour stage on
@@ -105,9 +105,13 @@ class LaneStage(PipelineStage):
       sliced or redistributed on its way out (LLaVA's features without the class token) is made
       contiguous, as it would be to be sent.
 
-    And one gap stays: torch 2.11 sends back the gradient of every input a stage received, whether or
-    not it needs one (``_create_grad_send_info``), so a frozen stage's neighbour still sends its
-    features' gradient. The numbers are the same; the bytes a frozen encoder saves on 2.13 are sent.
+    * torch 2.11 gives every received input a gradient and sends it back, whether or not it needs one
+      (``_create_grad_send_info``: "It is up to the previous stage to discard this gradient"), so a
+      frozen encoder's features cost their size again backward. As 2.13 does, the declared tensors
+      (``input_args``/``output_args``, whose ``requires_grad`` ``pipeline_stage`` sets from
+      ``input_grad``/``output_grad``) decide: a receive buffer needs a gradient only where its
+      input was declared with one, only those gradients are sent, and a stage waits for its output's
+      gradient only where the output was declared with one.
 
     torch 2.13 warms the lane up by a vote per stage and re-prepares the stage on a switch between
     ``eval`` and ``step``; there the stage is torch's own.
@@ -140,13 +144,55 @@ class LaneStage(PipelineStage):
             me = dist.get_rank(self.group)
             return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != me]
 
+        def _prepare_forward_infra(self, num_microbatches: int, args, kwargs=None):
+            out = super()._prepare_forward_infra(num_microbatches, args, kwargs)
+            if self.has_backward:  # 2.11 marks every receive buffer; only the declared ones need a gradient
+                self._mark_receive_buffers()
+            return out
+
         def _prepare_backward_infra(self, num_microbatches: int):
-            for infos in self.args_recv_info.values():  # as _prepare_forward_infra does for a backward
-                for info in infos:
+            self._mark_receive_buffers()  # as _prepare_forward_infra does for a backward
+            return super()._prepare_backward_infra(num_microbatches)
+
+        def _mark_receive_buffers(self) -> None:
+            wanted = _declared_grads(self.declared[0])
+            for infos in self.args_recv_info.values():
+                for n, info in enumerate(infos):
                     buffer = getattr(info, "buffer", None)  # a _RecvInfo (not a first stage's placeholder)
                     if isinstance(buffer, torch.Tensor) and buffer.is_floating_point():
-                        buffer.requires_grad_(True)
-            return super()._prepare_backward_infra(num_microbatches)
+                        buffer.requires_grad_(wanted is None or wanted[n])
+
+        def _create_grad_send_info(self, args_recv_info: tuple) -> list:
+            sources = super()._create_grad_send_info(args_recv_info)  # every received input's source
+            wanted = _declared_grads(self.declared[0])
+            if wanted is None or len(wanted) != len(sources):
+                return sources
+            return [source if want else None for source, want in zip(sources, wanted, strict=True)]
+
+        def _create_grad_recv_info(self, act_send_info: dict) -> tuple:
+            infos = super()._create_grad_recv_info(act_send_info)  # a buffer for every output sent
+            wanted = _declared_grads(self.declared[1])
+            if wanted is None or len(wanted) != len(infos):
+                return infos
+            return tuple(info if want else None for info, want in zip(infos, wanted, strict=True))
+
+        def _retrieve_recv_grads(self, bwd_chunk_id: int):
+            return tuple(getattr(info, "buffer", None) for info in self.grad_recv_info[bwd_chunk_id])
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs: tuple, mb_index: int) -> None:
+            # as torch's: the next stage's inputs (and so their gradients) may outnumber these outputs
+            for info, tensor in zip(self.grad_recv_info[mb_index], next_stage_bwd_outputs, strict=False):
+                if info is not None:  # an output declared without a gradient has none to take
+                    info.buffer = tensor
+
+
+def _declared_grads(declared) -> list[bool] | None:
+    """Whether each tensor a stage declared (``input_args``/``output_args``) takes a gradient; None
+    where it declared none (torch's shape inference: every floating tensor does)."""
+    if declared is None:
+        return None
+    metas = (declared,) if isinstance(declared, torch.Tensor) else tuple(declared)
+    return [isinstance(m, torch.Tensor) and m.requires_grad for m in metas]
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

@@ -265,7 +265,7 @@ class RankSetStage(LaneStage):
 
     def _handshake(self) -> None:
         """Each pair of neighbouring ranks swaps what it declared of the piece between them, before any
-        activation: its elements a micro-batch and (torch 2.13) whether a gradient comes back, then
+        activation: its elements a micro-batch and whether a gradient comes back, then
         both raise the same ``ValueError`` if the two differ (stages that declared different shapes
         or gradients would otherwise hang, or pair the wrong elements). This is also the first message
         on each pair (opening NCCL's communicators)."""
@@ -274,7 +274,7 @@ class RankSetStage(LaneStage):
         sides += [(peer, stop - start, declared_out, "sends to") for peer, start, stop in self.outgoing]
         ops, exchanged = [], []
         for peer, size, meta, how in sides:
-            grad = -1 if compat.OLD_PIPELINES else int(bool(getattr(meta, "requires_grad", False)))
+            grad = int(bool(getattr(meta, "requires_grad", False)))
             mine = torch.tensor([size, grad], dtype=torch.float64, device=self.device)
             theirs = torch.empty_like(mine)
             ops += [dist.P2POp(dist.isend, mine, peer, self.bridge), dist.P2POp(dist.irecv, theirs, peer, self.bridge)]
@@ -309,7 +309,7 @@ class RankSetStage(LaneStage):
 
 
 def _grad(flag: int) -> str:
-    return {1: "yes", 0: "no"}.get(flag, "as torch 2.11 decides")
+    return "yes" if flag else "no"
 
 
 def _block(what: str, shape: Sequence[int], meshes: tuple[Mesh, ...], kind: str) -> tuple[int, ...]:
