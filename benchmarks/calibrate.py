@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 
@@ -24,6 +25,7 @@ from torch import nn
 
 import optimus2d
 from benchmarks import compare, peers
+from optimus2d.cost import calibration
 from optimus2d.cost.planner import Hardware, comm_time, mlp_comm, mlp_flops
 
 
@@ -88,6 +90,20 @@ def measure_hardware(
         bytes_per_element=4,
         latency_work=work if shared_cores(device) else 0.0,
     )
+
+
+def with_torch_link(hw: Hardware, mesh: optimus2d.Mesh) -> Hardware:
+    """``hw`` with ``torch_link``: torch's own process groups carry DTensor's collectives (the 1D
+    linears), the mesh's transport (MPI) the rest. ``optimus2d.cost.calibration.hardware`` times
+    the same all-reduces on both, nothing between them; what torch's takes beyond the mesh's (per
+    byte, per stage) is added to ``hw``'s link, measured between pieces of work as a step meets it.
+    ``hw`` itself where the mesh's transport is torch's already."""
+    if mesh.transport == "torch" or mesh.size == 1:
+        return hw
+    both = calibration.hardware(mesh, cache=False)
+    bandwidth, latency = both.torch_link
+    per_byte = 1 / hw.bandwidth + max(1 / bandwidth - 1 / both.bandwidth, 0.0)
+    return dataclasses.replace(hw, torch_link=(1 / per_byte, hw.latency + max(latency - both.latency, 0.0)))
 
 
 def shared_cores(device: torch.device) -> bool:
@@ -218,4 +234,5 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
 
 
 def _fields(hw: Hardware) -> dict:
-    return {"flops": hw.flops, "bandwidth": hw.bandwidth, "latency": hw.latency, "latency_work": hw.latency_work}
+    fields = {"flops": hw.flops, "bandwidth": hw.bandwidth, "latency": hw.latency, "latency_work": hw.latency_work}
+    return fields | ({"torch_link": list(hw.torch_link)} if hw.torch_link else {})

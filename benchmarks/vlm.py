@@ -254,9 +254,10 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
     base = EncoderProjectorLM(args).to(device)
     x = torch.randn(args.batch, args.seq, args.enc_hidden, device=device)
     probe = torch.randn(args.batch, args.seq, args.lm_hidden, device=device)
-    hw = calibrate.measure_hardware(
-        mesh, device, argparse.Namespace(hidden=args.lm_hidden, ffn=4 * args.lm_hidden), 5, args.batch * args.seq
-    )
+    sizes = argparse.Namespace(hidden=args.lm_hidden, ffn=4 * args.lm_hidden)
+    hw = calibrate.measure_hardware(mesh, device, sizes, 5, args.batch * args.seq)
+    if one_d:  # DTensor's collectives (the 1D linears) go over torch's groups, not the mesh's transport
+        hw = calibrate.with_torch_link(hw, mesh)
     rows, cap = [], args.cap_mib * 2**20
     for frozen in encoders:
         serial = copy.deepcopy(base)
@@ -323,7 +324,13 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
                   and (row["encoder"], row["lm"]) == (_as_row(best.encoder), _as_row(best.rest)))  # fmt: skip
         rows += measured
     _print(rows, args, p, hw)
-    return {"config": vars(args), "ranks": p, "hardware": calibrate._fields(hw), "rows": rows}
+    return {
+        "config": vars(args),
+        "ranks": p,
+        "transport": mesh.transport,
+        "hardware": calibrate._fields(hw),
+        "rows": rows,
+    }
 
 
 def _print(rows: list[dict], args: argparse.Namespace, p: int, hw) -> None:

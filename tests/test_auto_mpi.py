@@ -94,6 +94,10 @@ def test_the_calibration_is_the_same_on_every_rank_and_cached(world, tmp_path, m
     monkeypatch.setenv("OPTIMUS2D_CACHE", str(tmp_path))  # rank 0's is the one read and written
     measured = calibration.hardware(mesh, refresh=True)
     assert measured.flops > 0 and measured.bandwidth > 0 and measured.latency >= 0
+    torch_bandwidth, torch_latency = measured.torch_link  # torch's own group (DTensor's), measured too
+    assert torch_bandwidth > 0 and torch_latency >= 0
+    if mesh.transport == "torch" or mesh.size == 1:  # the mesh's collectives are torch's: one link
+        assert measured.torch_link == (measured.bandwidth, measured.latency)
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, measured)

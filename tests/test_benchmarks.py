@@ -255,6 +255,9 @@ def test_vlm_benchmark_compares_layouts_per_workload_and_the_planners_pick(tmp_p
     for verdict, rows in zip(result["summary"], result["workloads"].values(), strict=True):
         times = {r["peer"]: r["train_ms"] for r in rows["rows"] if not r["auto"] and not r["apart"]}
         assert len(times) == 9 and sum(r["plan_pick"] for r in rows["rows"]) == 1  # (2 meshes + 1D)² on 4 ranks
+        # over MPI, DTensor's collectives (the 1D linears) have a link of their own: torch's groups
+        assert ("torch_link" in rows["hardware"]) == (rows["transport"] == "mpi")
+        assert all(v > 0 for v in rows["hardware"].get("torch_link", ()))
         layouts = {(str(r["encoder"]), str(r["lm"])) for r in rows["rows"] if not r["auto"] and not r["apart"]}
         assert {("1d", "1d"), ("1d", "[2, 1]"), ("[1, 4]", "1d")} <= layouts  # Megatron's split, checked first
         [apart] = [r for r in rows["rows"] if r["apart"]]  # 2 + 2 ranks (1 + 3: 1×1×3 cannot split 2 a micro-batch)

@@ -77,14 +77,22 @@ def test_one_d_layouts_price_megatrons_split_and_the_gathers_around_it():
     """``propose_layouts(one_d=True)``: the mesh pairs as before, and each part in 1D priced by the
     planner's 1D layer (frozen prefix: its two forward all-reduces only), its input all-gathered in
     (the model's input too, a block of the mesh beside it) and its output's gradient all-gathered out."""
-    from optimus2d.cost.planner import ONE_D, activation_elements, layer_comm, layout_memory, layout_time
+    from optimus2d.cost.planner import DTENSOR, ONE_D, activation_elements, layer_comm, layout_memory, layout_time
 
     encoder, lm = _parts()  # the encoder frozen, a prefix: no backward
     meshes = {tuple(r[0].values()): r[1] for r in propose_layouts([encoder, lm], 4, HW).table}
     rows = {tuple(r[0].values()): r for r in propose_layouts([encoder, lm], 4, HW, one_d=True).table}
     assert len(rows) == 9 and all(rows[k][1] == pytest.approx(v, rel=1e-12) for k, v in meshes.items())
-    assert layer_comm(encoder.layer, "1d", 4, dx=False, dw=False) == [("all_reduce", 4, 2 * 128 * 64, 2)]
-    assert layer_comm(lm.layer, "1d", 4, dx=True, dw=True) == [("all_reduce", 4, 4 * 128 * 128, 4)]
+    # the MLP's all-reduces are DTensor's, the attention's (torch's nn.MultiheadAttention) the mesh's
+    assert layer_comm(encoder.layer, "1d", 4, dx=False, dw=False) == [
+        (DTENSOR + "all_reduce", 4, 128 * 64, 1),
+        ("all_reduce", 4, 128 * 64, 1),
+    ]
+    assert layer_comm(lm.layer, "1d", 4, dx=True, dw=True) == [
+        (DTENSOR + "all_reduce", 4, 2 * 128 * 128, 2),
+        ("all_reduce", 4, 2 * 128 * 128, 2),
+    ]
+    assert {k for k, *_ in layer_comm(lm.layer, "1d", 4, dtensor_attention=True)} == {DTENSOR + "all_reduce"}
 
     def crossing(elements):
         return elements * 3 / 4 * 4 / HW.bandwidth + HW.latency  # all but a rank's quarter, fp32
@@ -108,3 +116,28 @@ def test_one_d_layouts_price_megatrons_split_and_the_gathers_around_it():
     assert any("encoder 1d, rest 1d" in line for line in placement.explain().splitlines())
     heads5 = replace(lm, layer=replace(lm.layer, heads=5))  # 5 heads on 4 ranks: no 1D split offered
     assert all(c.rest != ONE_D for c in propose_placement(encoder, heads5, 4, HW, one_d=True).table)
+
+
+def test_dtensors_collectives_are_priced_on_torchs_link():
+    """A 1D layout's DTensor collectives travel over torch's process group (gloo on CPU), the mesh's
+    over its transport (MPI): each priced on its own link (``Hardware.torch_link``); without one,
+    on the mesh's. The meshes' layouts send nothing through DTensor: their price is unchanged."""
+    from dataclasses import replace as with_
+
+    from optimus2d.cost.planner import DTENSOR, Layer, comm_time, layer_comm, mlp_comm, step_time
+
+    slow = with_(HW, torch_link=(HW.bandwidth / 4, HW.latency * 3))
+    same = with_(HW, torch_link=(HW.bandwidth, HW.latency))
+    mlp = mlp_comm(512, 128, 512, "1d", 4, input_grad=True)
+    assert [k for k, *_ in mlp] == [DTENSOR + "all_reduce"]
+    moved = 2 * 512 * 128 * 4 * (2 * 3 / 4)  # bytes: an all-reduce of [512, 128] each way, fp32, ring
+    assert comm_time(mlp, HW) == pytest.approx(moved / HW.bandwidth + 2 * HW.latency * 2, rel=1e-12)
+    assert comm_time(mlp, slow) == pytest.approx(moved / (HW.bandwidth / 4) + 2 * 3 * HW.latency * 2, rel=1e-12)
+    assert comm_time(mlp, same) == comm_time(mlp, HW)
+    layer = Layer(4, 128, 128, 512, heads=4)
+    for scheme, p in (("2d", 4), ("2.5d:2", 8), ("2d", 9)):
+        assert step_time(layer, scheme, p, slow) == step_time(layer, scheme, p, HW)
+    ours, theirs = (step_time(layer, "1d", 4, slow, dtensor_attention=d)["comm"] for d in (False, True))
+    assert step_time(layer, "1d", 4, HW)["comm"] < ours < theirs
+    mesh_part = comm_time([c for c in layer_comm(layer, "1d", 4) if not c[0].startswith(DTENSOR)], HW)
+    assert ours == pytest.approx(mesh_part + comm_time(layer_comm(layer, "1d", 4)[:1], slow), rel=1e-12)

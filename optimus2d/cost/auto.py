@@ -46,7 +46,9 @@ class Block:
     layers whose attention splits in 1D, and ``other`` weights: whole in 1D, or on the model's mesh
     with its blocks ``inner`` laid out alone), at ``path``; ``rows``: tokens a step; ``frozen``: no
     weight gradient; ``input_grad``: a gradient goes back from its input; ``splits_1d``: it may run
-    in Megatron's 1D layout; ``qs``: the grid sizes q its dimensions divide (empty: any)."""
+    in Megatron's 1D layout; ``qs``: the grid sizes q its dimensions divide (empty: any);
+    ``dtensor_attention``: a layer whose attention 1D splits through DTensor (a region's), not the
+    mesh's transport (torch's ``nn.MultiheadAttention``)."""
 
     path: str
     kind: str
@@ -62,6 +64,7 @@ class Block:
     inner: tuple[Block, ...] = ()  # a "part"'s blocks, in order; a "region"'s, laid out alone when it stays
     layers: int = 1  # a "region"'s transformer layers
     other: int = 0  # a "region"'s weights outside its layers (an embedding): whole on every rank in 1D
+    dtensor_attention: bool = False
 
     @property
     def params(self) -> int:
@@ -73,7 +76,10 @@ class Block:
     def layer(self, first: bool = True) -> Block:
         """One of a region's transformer layers, as a "layer" block (the first takes the region's input)."""
         grad = self.input_grad or (not first and not self.frozen)
-        return Block(self.path, "layer", self.rows, self.hidden, self.ffn, self.heads, self.seq, self.frozen, grad)
+        return Block(
+            self.path, "layer", self.rows, self.hidden, self.ffn, self.heads, self.seq, self.frozen, grad,
+            dtensor_attention=True,
+        )  # fmt: skip
 
 
 def candidates(block: Block, p: int) -> list[str]:
@@ -139,7 +145,9 @@ def predict(block: Block, layout: str, p: int, hw: Hardware, *, boundary: bool =
             acts = rows * (h + f) / p  # the input and fc1's output blocks (the activation recomputed)
     else:
         layer = Layer(block.rows // block.seq, block.seq, block.hidden, block.ffn, block.heads)
-        seconds = step_time(layer, scheme, p, hw, dx=block.input_grad, dw=trained)["total"]
+        seconds = step_time(
+            layer, scheme, p, hw, dx=block.input_grad, dw=trained, dtensor_attention=block.dtensor_attention
+        )["total"]
         if scheme == "1d" and boundary:
             seconds += comm_time(_gather_1d(block, p), hw, 0.0)
         acts = activation_elements(layer, scheme, p)

@@ -4,11 +4,13 @@
 see each other): the flop rate of a 1024×1024 fp32 matmul on 1024 rows (the slowest rank's: a
 step waits for it), and over the mesh's own collectives an all-reduce of 16 and of 2^20 elements:
 the small one's time is the latency (per log₂ p stage), the difference the bandwidth (ring
-all-reduce moves 2(p − 1)/p of the payload). The medians of 5 runs, combined over the ranks (one
+all-reduce moves 2(p − 1)/p of the payload); the same over torch's own process group of the mesh,
+which carries DTensor's collectives (a 1D layout's: ``Hardware.torch_link``), where the mesh's
+transport is another (MPI). The medians of 5 runs, combined over the ranks (one
 all-reduce). Cached as JSON in ``$OPTIMUS2D_CACHE`` (default ``~/.cache/optimus2d``), keyed by the
 host, the mesh's size and transport, the device, the threads a rank and torch's version: rank 0
 of the mesh reads it and broadcasts what it found, so the ranks agree on one ``Hardware`` (one
-broadcast of 4 words). ``refresh=True`` measures again.
+broadcast of 6 words). ``refresh=True`` measures again.
 """
 
 from __future__ import annotations
@@ -81,18 +83,26 @@ def time_step(step, mesh: Mesh, runs: int = 3) -> float:
 
 
 def _measure(mesh: Mesh) -> list[float]:
-    """[flops, bandwidth, latency] on this rank (its own measurement)."""
+    """[flops, bandwidth, latency, torch's bandwidth, torch's latency] on this rank (its own measurement)."""
     device = mesh.device
     a, b = torch.randn(1024, 1024, device=device), torch.randn(1024, 1024, device=device)
     flops = 2.0 * 1024**3 / _median_s(lambda: a @ b, device)
     if mesh.size == 1:
-        return [flops, 1e12, 0.0]
-    small, big = torch.zeros(16, device=device), torch.zeros(2**20, device=device)
-    t_small = _median_s(lambda: P.all_reduce(small, mesh, "mesh"), device)
-    t_big = _median_s(lambda: P.all_reduce(big, mesh, "mesh"), device)
+        return [flops, 1e12, 0.0, 1e12, 0.0]
+    link = _link(mesh, lambda t: P.all_reduce(t, mesh, "mesh"))
+    if mesh.mpi is None:  # the mesh's collectives are torch's own
+        return [flops, *link, *link]
+    return [flops, *link, *_link(mesh, lambda t: P.all_reduce_group(t, mesh, mesh.group("mesh"), "torch"))]
+
+
+def _link(mesh: Mesh, all_reduce) -> list[float]:
+    """[bandwidth, latency] of ``all_reduce(tensor)`` over the mesh's ranks: of 16 and 2^20 elements."""
+    small, big = torch.zeros(16, device=mesh.device), torch.zeros(2**20, device=mesh.device)
+    t_small = _median_s(lambda: all_reduce(small), mesh.device)
+    t_big = _median_s(lambda: all_reduce(big), mesh.device)
     p = mesh.size
     bandwidth = 2 * (p - 1) / p * big.numel() * 4 / max(t_big - t_small, 1e-9)
-    return [flops, bandwidth, t_small / math.log2(max(p, 2))]
+    return [bandwidth, t_small / math.log2(max(p, 2))]
 
 
 def hardware(mesh: Mesh, *, cache: bool = True, refresh: bool = False) -> Hardware:
@@ -105,18 +115,18 @@ def hardware(mesh: Mesh, *, cache: bool = True, refresh: bool = False) -> Hardwa
             found = json.loads(path.read_text()).get(key)
         except (OSError, ValueError, AttributeError):
             found = None
-        fits = isinstance(found, list) and len(found) == 3
+        fits = isinstance(found, list) and len(found) == 5  # (an older release's 3 words: measured again)
         fits = fits and all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in found)
-        if not fits or min(found[:2]) <= 0:
+        if not fits or min(found[0], found[1], found[3]) <= 0:
             found = None  # an entry edited or damaged: measured again (the same 4 words broadcast either way)
-    words = torch.tensor([1.0, *found] if found else [0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    words = torch.tensor([1.0, *found] if found else [0.0] * 6, dtype=torch.float64)
     if mesh.size > 1:  # rank 0's cache, or nothing, on every rank
         words = words.to(mesh.device)
         P.broadcast(words, mesh, "mesh", 0)
         words = words.cpu()
     if words[0] == 0:
         mine = torch.tensor(_measure(mesh), dtype=torch.float64)
-        if mesh.size > 1:  # the slowest rank's flop rate, the mean link
+        if mesh.size > 1:  # the slowest rank's flop rate, the mean links
             slowest = torch.tensor([1.0 / mine[0]], dtype=torch.float64, device=mesh.device)
             P.all_reduce_max(slowest, mesh, "mesh")
             link = mine[1:].to(mesh.device)
@@ -125,8 +135,8 @@ def hardware(mesh: Mesh, *, cache: bool = True, refresh: bool = False) -> Hardwa
         words = torch.cat([torch.ones(1, dtype=torch.float64), mine.double()])
         if cache and mesh.ranks.index(mesh.rank) == 0:
             _store(path, key, words[1:].tolist())
-    flops, bandwidth, latency = words[1:].tolist()
-    return Hardware(flops=flops, bandwidth=bandwidth, latency=latency, bytes_per_element=4)
+    flops, bandwidth, latency, torch_bandwidth, torch_latency = words[1:].tolist()
+    return Hardware(flops, bandwidth, latency, bytes_per_element=4, torch_link=(torch_bandwidth, torch_latency))
 
 
 def _store(path: Path, key: str, values: list[float]) -> None:

@@ -6,7 +6,9 @@ counter in the tests) and by Megatron's schedule for 1D. Time adds compute at a 
 to communication priced per collective kind (ring all-reduce moves 2(n−1)/n of its payload,
 all-gather and reduce-scatter (n−1)/n, broadcast and reduce about 1×) plus a latency per sync
 stage (collectives issued together wait once). Where ranks share cores, a sync stage costs more
-the more work came before it (``Hardware.latency_work``).
+the more work came before it (``Hardware.latency_work``). A 1D layout's linears send their
+collectives through DTensor, over torch's own process groups (gloo on CPU), while the mesh's go over
+its transport (MPI on CPU): those are priced on ``Hardware.torch_link`` (kinds prefixed ``DTENSOR``).
 A model: the numbers rank layouts and show trends; they are not measurements.
 """
 
@@ -41,6 +43,9 @@ class Layer:
         return 6.0 * r * (3 * h * h + h * h + 2 * h * f) + 12.0 * r * s * h
 
 
+DTENSOR = "dtensor "  # a collective kind's prefix where DTensor sends it, over torch's process group
+
+
 @dataclass(frozen=True)
 class Hardware:
     """flop/s of one device, and bandwidth (bytes/s) and latency (s) of the links between them.
@@ -51,6 +56,11 @@ class Hardware:
     waits for the last, a random walk, so a stage after w seconds of work costs
     latency·√(w / latency_work) (``python -m benchmarks transport``: ≈ 0.8·√(ms of work) ms on 4
     ranks sharing 2 cores).
+
+    ``torch_link``: (bandwidth, latency) of torch's own process groups, which carry DTensor's
+    collectives (a 1D layout's linears), where they differ from the mesh's transport: on CPU the
+    mesh's go over MPI's shared memory and DTensor's over gloo, 2.5–6× slower on 4 ranks here
+    (``calibration.hardware`` measures both). None: the same link.
     """
 
     flops: float
@@ -58,12 +68,21 @@ class Hardware:
     latency: float
     bytes_per_element: int = 2
     latency_work: float = 0.0
+    torch_link: tuple[float, float] | None = None  # (bandwidth, latency) of torch's groups; None: the same
 
-    def stage_latency(self, work: float) -> float:
-        """Seconds one sync stage costs after ``work`` seconds of work since the previous one."""
+    def stage_latency(self, work: float, latency: float | None = None) -> float:
+        """Seconds one sync stage costs after ``work`` seconds of work since the previous one (of
+        ``latency`` measured without work before it; default ``self.latency``)."""
+        latency = self.latency if latency is None else latency
         if self.latency_work <= 0 or work <= 0:
-            return self.latency
-        return self.latency * math.sqrt(work / self.latency_work)
+            return latency
+        return latency * math.sqrt(work / self.latency_work)
+
+    def link(self, kind: str) -> tuple[float, float]:
+        """(bandwidth, latency) of a collective of ``kind``: ``torch_link`` for DTensor's (``DTENSOR``)."""
+        if kind.startswith(DTENSOR) and self.torch_link is not None:
+            return self.torch_link
+        return self.bandwidth, self.latency
 
 
 def transformer_layer_elements(layer: Layer, q: int, depth: int = 1, *, on_diagonal: bool = False) -> int:
@@ -83,22 +102,29 @@ def transformer_layer_elements(layer: Layer, q: int, depth: int = 1, *, on_diago
 
 
 def layer_comm(
-    layer: Layer, scheme: str, p: int, *, dx: bool = True, dw: bool = True
+    layer: Layer, scheme: str, p: int, *, dx: bool = True, dw: bool = True, dtensor_attention: bool = False
 ) -> list[tuple[str, int, float, int]]:
     """(kind, group size, elements per rank, sync stages) of one layer fwd+bwd under ``scheme``.
 
     A sync stage is a wait for other ranks; collectives issued together count once. 2D and 2.5D:
     ``dx``/``dw`` False for a layer whose input / weights need no gradient (frozen: ``dw=False``;
-    a frozen prefix, forward only: both False).
+    a frozen prefix, forward only: both False). 1D: the MLP's all-reduces are DTensor's (``DTENSOR``),
+    the attention's too where ``dtensor_attention`` (a Hugging Face layer's projections, split by
+    ``parallelize_module``), else the mesh's (torch's ``nn.MultiheadAttention``:
+    ``megatron.SplitMultiheadAttention``).
     """
     r, h, f = layer.rows, layer.hidden, layer.ffn
     if scheme in ("1d", "1d-sp"):
         if p == 1:
             return []
-        if scheme == "1d":  # an all-reduce of r·h after attention and after the MLP, each way (backward:
-            n = 2 + int(dx or dw) + int(dx)  # the MLP's input always, the layer's input where it needs it)
-            return [("all_reduce", p, n * r * h, n)]
-        return [("all_gather", p, 4 * r * h, 4), ("reduce_scatter", p, 4 * r * h, 4)]
+        if scheme == "1d":  # an all-reduce of r·h after the MLP and after attention forward; backward
+            mlp, attention = 1 + int(dx or dw), 1 + int(dx)  # the MLP's input always, the layer's where it needs it
+            over = DTENSOR if dtensor_attention else ""
+            return [
+                (DTENSOR + "all_reduce", p, mlp * r * h, mlp),
+                (over + "all_reduce", p, attention * r * h, attention),
+            ]
+        return [(DTENSOR + "all_gather", p, 4 * r * h, 4), (DTENSOR + "reduce_scatter", p, 4 * r * h, 4)]
     q, depth = _mesh_shape(scheme, p)
     out = []
     if q > 1:
@@ -150,9 +176,12 @@ def mlp_comm(
             return []
         backward = int(input_grad)  # the input gradient's collective
         if scheme == "1d":
-            return [("all_reduce", p, (1 + backward) * rows * hidden, 1 + backward)]
+            return [(DTENSOR + "all_reduce", p, (1 + backward) * rows * hidden, 1 + backward)]
         scattered = (1 + backward) * rows * hidden  # the output forward, dX backward
-        return [("all_gather", p, 2 * rows * hidden, 2), ("reduce_scatter", p, scattered, 1 + backward)]
+        return [
+            (DTENSOR + "all_gather", p, 2 * rows * hidden, 2),
+            (DTENSOR + "reduce_scatter", p, scattered, 1 + backward),
+        ]
     q, depth = _mesh_shape(scheme, p)
     out = []
     if q > 1:
@@ -176,11 +205,13 @@ def comm_time(comm: list[tuple[str, int, float, int]], hw: Hardware, compute: fl
     ``compute``: the step's seconds of work, spread evenly between its sync stages, for
     ``Hardware.latency_work`` (without it a stage costs ``hw.latency``)."""
     stages = sum(messages for *_, messages in comm)
-    latency = hw.stage_latency(compute / stages if stages else 0.0)
+    work = compute / stages if stages else 0.0
     total = 0.0
     for kind, n, elements, messages in comm:
-        factor = _FACTOR.get(kind, lambda n: 1.0)(n)
-        total += factor * elements * hw.bytes_per_element / hw.bandwidth + messages * latency * math.log2(max(n, 2))
+        bandwidth, latency = hw.link(kind)
+        factor = _FACTOR.get(kind.removeprefix(DTENSOR), lambda n: 1.0)(n)
+        total += factor * elements * hw.bytes_per_element / bandwidth
+        total += messages * hw.stage_latency(work, latency) * math.log2(max(n, 2))
     return total
 
 
@@ -203,11 +234,20 @@ _FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n -
 _FACTOR["reduce_scatter"] = _FACTOR["all_gather"]
 
 
-def step_time(layer: Layer, scheme: str, p: int, hw: Hardware, *, dx: bool = True, dw: bool = True) -> dict[str, float]:
-    """Predicted seconds of one layer fwd+bwd: compute, communication and their sum. ``dx``/``dw``:
-    as for ``layer_comm`` (forward is a third of the flops, each gradient another third)."""
+def step_time(
+    layer: Layer,
+    scheme: str,
+    p: int,
+    hw: Hardware,
+    *,
+    dx: bool = True,
+    dw: bool = True,
+    dtensor_attention: bool = False,
+) -> dict[str, float]:
+    """Predicted seconds of one layer fwd+bwd: compute, communication and their sum. ``dx``/``dw``,
+    ``dtensor_attention``: as for ``layer_comm`` (forward is a third of the flops, each gradient another third)."""
     compute = layer.flops * (1 + int(dx) + int(dw)) / 3 / (p * hw.flops)
-    comm = comm_time(layer_comm(layer, scheme, p, dx=dx, dw=dw), hw, compute)
+    comm = comm_time(layer_comm(layer, scheme, p, dx=dx, dw=dw, dtensor_attention=dtensor_attention), hw, compute)
     return {"compute": compute, "comm": comm, "total": compute + comm}
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from optimus2d.cost.planner import _FACTOR, Layer, activation_elements, layer_comm
+from optimus2d.cost.planner import _FACTOR, DTENSOR, Layer, activation_elements, layer_comm
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def stage_step(model: Model, layout: Layout, cluster: Cluster) -> float:
     comm = 0.0
     for kind, n, elements, stages in layer_comm(layer, layout.tp, layout.t):
         per_byte, latency = _links(layout, n, cluster)
-        factor = _FACTOR.get(kind, lambda n: 1.0)(n)
+        factor = _FACTOR.get(kind.removeprefix(DTENSOR), lambda n: 1.0)(n)  # NCCL carries both alike
         comm += factor * elements * cluster.bytes_per_element * per_byte + stages * latency * math.log2(max(n, 2))
     return (compute + comm) * model.layers / layout.pp
 
