@@ -278,7 +278,8 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
         parts = [
             Part("encoder", Layer(args.batch, args.seq, args.enc_hidden, 4 * args.enc_hidden, args.heads),
                  args.enc_layers, frozen=frozen),
-            Part("lm", Layer(args.batch, args.seq, args.lm_hidden, 4 * args.lm_hidden, args.heads), args.lm_layers),
+            Part("lm", Layer(args.batch, args.seq, args.lm_hidden, 4 * args.lm_hidden, args.heads), args.lm_layers,
+                 input_grad=True),  # the projector before it trains
         ]  # fmt: skip
         placement = propose_placement(*parts, p, hw, microbatches=vlm_apart.MICROBATCHES, memory_cap=cap, one_d=one_d)
         splits = {}  # encoder ranks → the cheapest apart candidate of that split (the table is cheapest first)
