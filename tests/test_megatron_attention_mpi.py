@@ -298,4 +298,9 @@ def test_heads_and_masks_that_do_not_fit_are_refused_with_their_numbers(world):
             attn(x, x, x, attn_mask=torch.zeros(3, 4, dtype=torch.float64))
         with pytest.raises(ValueError, match=r"key_padding_mask of shape \(2, 4\) does not fit \[b, S\] = \(2, 3\)"):
             attn(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
+        memory = torch.randn(2, 5, 2 * h, dtype=torch.float64)
+        with pytest.raises(ValueError, match=r"key of shape \(2, 5, \d+\) and value of shape \(2, 4, \d+\) must match"):
+            attn(x, memory, memory[:, :4])
+        with pytest.raises(ValueError, match=r"query of shape \(2, 3, \d+\) and key of shape \(1, 5, \d+\) differ in"):
+            attn(x, memory[:1], memory[:1])
     assert sent.bytes == 0

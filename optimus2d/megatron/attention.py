@@ -189,6 +189,17 @@ class SplitMultiheadAttention(nn.Module):
                     f"the whole [b, seq, {self.embed_dim}] (or unbatched [seq, {self.embed_dim}]) on every rank of "
                     f"{self.mesh}"
                 )
+        if key.shape != value.shape:
+            raise ValueError(
+                f"SplitMultiheadAttention: key of shape {tuple(key.shape)} and value of shape {tuple(value.shape)} "
+                f"must match (as nn.MultiheadAttention's), on every rank of {self.mesh}"
+            )
+        batch = 0 if self.batch_first else 1
+        if query.dim() == 3 and query.shape[batch] != key.shape[batch]:
+            raise ValueError(
+                f"SplitMultiheadAttention: query of shape {tuple(query.shape)} and key of shape {tuple(key.shape)} "
+                f"differ in their batch (dim {batch}, batch_first={self.batch_first}), on every rank of {self.mesh}"
+            )
         if need_weights and not average_attn_weights and self.mesh.size > 1:
             raise ValueError(
                 f"SplitMultiheadAttention: per-head attention weights (average_attn_weights=False) are not gathered "
