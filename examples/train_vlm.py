@@ -3,6 +3,7 @@
     mpiexec -n 4 python examples/train_vlm.py --check                # LLM on 2×2, tower on 1×1×4
     mpiexec -n 4 python examples/train_vlm.py --check --tower same   # both on the 2×2 mesh
     mpiexec -n 4 python examples/train_vlm.py --check --tower 1d --heads 4  # the tower in Megatron's 1D
+    mpiexec -n 4 python examples/train_vlm.py --check --llm 1d --heads 4    # all of model.model in 1D
     mpiexec -n 9 python examples/train_vlm.py --check                # LLM on 3×3, tower on 1×1×9
     mpiexec -n 8 python examples/train_vlm.py --check --cp 2         # 2×2 mesh × cp 2: the LLM's sequence split in 2
     mpiexec -n 4 python examples/train_vlm.py --check --cp 4         # the LLM's sequence split over 4 ranks
@@ -22,7 +23,10 @@ which sends nothing in backward since the tower is frozen: ``parallelize(..., pl
 tower})`` moves the images to the tower's mesh and the feature layer back. ``--tower same`` keeps the
 tower on the model's mesh. ``--tower 1d`` runs the tower with Megatron's 1D tensor parallelism over
 every rank (``plan={"model.vision_tower": megatron.Megatron(mesh)}``: torch's ``parallelize_module``
-splits its attention heads and MLPs; ``--heads`` must divide by the ranks). ``--cp N`` splits the
+splits its attention heads and MLPs; ``--heads`` must divide by the ranks). ``--llm 1d`` runs the
+language model in 1D too; LLaVA calls its LLM's embedding itself, so the 1D region is all of
+``model.model`` (``plan={"model": Megatron(mesh)}``: the tower, the projector and the LLM), the LM
+head and the loss on the mesh. ``--cp N`` splits the
 language model's fused sequence over N ranks (context parallelism, the mesh's depth axis: q×q×N
 ranks, ``plan={"model.language_model": context.ContextParallel(mesh)}``, causal and balanced
 head–tail) while the embedding, the projector, the head and the loss keep the batch layout; the
@@ -32,7 +36,9 @@ and the language model on the other M as the squarest mesh of M ranks (4: 2×2, 
 two stages of torch's ``Schedule1F1B`` on ``optimus2d.pipeline.rank_sets``: each batch in
 ``--microbatches`` micro-batches, the tower's ranks computing the features of micro-batch m + 1
 while the language model's ranks work on m, each feature block sent straight to the ranks whose
-blocks it meets. ``--check`` trains
+blocks it meets. ``--encoder-ranks auto`` prices every placement (together on the meshes of all
+the ranks, and in 1D where the ranks divide ``--heads``; apart on every split) and trains the
+pick. ``--check`` trains
 the serial twin (the same initial weights, the same batches) and asserts the same losses, the same
 final weights and no gradient in the frozen tower.
 """
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 import time
 
@@ -50,7 +57,7 @@ from torch.distributed.pipelining import Schedule1F1B
 
 import optimus2d
 from optimus2d.cost.calibration import hardware
-from optimus2d.cost.planner import Layer, Part
+from optimus2d.cost.planner import ONE_D, Layer, Part
 
 IMAGE, ROWS = 143, 4  # the image token (the last of the vocabulary); feature rows per image
 CLASSES = 8
@@ -137,7 +144,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=None, help="tokens a sample; default 16, with --cp 64")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel ranks for the language model")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--tower", choices=["own", "same", "1d"], default="own")
+    parser.add_argument("--tower", choices=["own", "same", "1d"], default=None, help="default own")
+    parser.add_argument(
+        "--llm",
+        choices=["mesh", "1d"],
+        default=None,
+        help="1d: the LLM in Megatron's 1D over every rank, and so the tower and projector (LLaVA calls the "
+        "LLM's embedding itself: the 1D region is the whole model.model); default mesh",
+    )
     parser.add_argument("--heads", type=int, default=6, help="attention heads of the tower and the LLM (divide 48)")
     parser.add_argument(
         "--encoder-ranks",
@@ -151,26 +165,35 @@ def main() -> None:
 
     world = optimus2d.init()
     torch.set_num_threads(1)
-    shapes = None  # with auto: the (q, depth) of the tower's mesh and of the LLM's
+    shapes = None  # with auto: the (q, depth) of the tower's mesh and of the LLM's, or ONE_D
     if args.encoder_ranks == "auto":
-        if args.cp > 1 or args.depth > 1 or args.tower != "own":
-            parser.error("--encoder-ranks auto places the tower and the LLM itself: no --cp, --depth or --tower")
+        if args.cp > 1 or args.depth > 1 or args.tower or args.llm:
+            parser.error("--encoder-ranks auto places the tower and the LLM itself: no --cp, --depth, --tower or --llm")
         args.batch = args.batch or args.microbatches * world.size
         args.seq = args.seq or 16
         placement = place(args, world)
         args.encoder_ranks, shapes = placement.encoder_ranks, (placement.best.encoder, placement.best.rest)
+        args.tower, args.llm = ("1d" if shapes[0] == ONE_D else None), ("1d" if shapes[1] == ONE_D else None)
     elif not args.encoder_ranks.isdigit():
         parser.error(f"--encoder-ranks {args.encoder_ranks!r}: a number of ranks, or auto")
     args.encoder_ranks = int(args.encoder_ranks)
+    if args.llm == "1d" and (args.tower or "1d") != "1d":
+        parser.error(f"--llm 1d runs the whole model.model in 1D, its tower too: not --tower {args.tower}")
+    if args.llm == "1d" and args.cp > 1:
+        parser.error("--llm 1d: the LLM split by heads over every rank, not its sequence: no --cp")
     if args.encoder_ranks:
-        if args.cp > 1 or args.depth > 1 or args.tower != "own":
-            parser.error("--encoder-ranks places the tower and the LLM itself: no --cp, --depth or --tower")
+        if args.cp > 1 or args.depth > 1 or args.tower or args.llm:
+            parser.error("--encoder-ranks places the tower and the LLM itself: no --cp, --depth, --tower or --llm")
         if not 0 < args.encoder_ranks < world.size:
             parser.error(f"--encoder-ranks {args.encoder_ranks} must leave the LLM at least one of {world.size} ranks")
         return train_on_rank_sets(args, world, parser, shapes)
     if args.cp > 1 and args.depth > 1:
         parser.error("--cp splits the sequence over the mesh's depth axis: give --cp or --depth, not both")
-    depth = max(args.depth, args.cp) if shapes is None else shapes[1][1]
+    args.tower = args.tower or ("1d" if args.llm == "1d" else "own")
+    if shapes is None:
+        depth = max(args.depth, args.cp)
+    else:  # the LLM's mesh from the placement; in 1D, the squarest (its projector's and head's)
+        depth = (squarest(world.size) if shapes[1] == ONE_D else shapes[1])[1]
     q = math.isqrt(world.size // depth)
     if world.size % depth or q * q * depth != world.size:
         parser.error(f"{world.size} ranks are not depth·q² with depth={depth}")
@@ -185,11 +208,13 @@ def main() -> None:
 
     mesh = optimus2d.Mesh(q, depth)  # the language model's and the projector's
     tower = optimus2d.Mesh(1, world.size) if args.tower == "own" else mesh
-    if shapes is not None:  # the placement's pick, together: the tower on its mesh, or on the LLM's
+    if shapes is not None and ONE_D not in shapes:  # the placement's pick, together: the tower on its mesh
         tower = mesh if shapes[0] == shapes[1] else optimus2d.Mesh(*shapes[0])
     plan = {"model.vision_tower": tower} if tower is not mesh else {}
     if args.tower == "1d":  # Megatron's 1D over every rank, on torch's parallelize_module: heads split by rank
         plan = {"model.vision_tower": optimus2d.megatron.Megatron(mesh)}
+    if args.llm == "1d":  # all of model.model (tower, projector, LLM) one 1D region; the LM head on the mesh
+        plan = {"model": optimus2d.megatron.Megatron(mesh)}
     if args.cp > 1:  # the language model's sequence split over depth; the rest in the batch layout
         plan["model.language_model"] = optimus2d.context.ContextParallel(mesh, mask="causal", balance="head_tail")
     model = build(args.heads)
@@ -200,8 +225,9 @@ def main() -> None:
     serial_opt = adamw(serial, args.lr) if serial is not None else None
     if world.rank == 0:
         where = f"1D over {world.size} ranks" if args.tower == "1d" else f"Mesh(q={tower.q}, depth={tower.depth})"
+        llm = f"1D over {world.size} ranks" if args.llm == "1d" else f"Mesh(q={mesh.q}, depth={mesh.depth})"
         print(
-            f"LLaVA: language model and projector on Mesh(q={mesh.q}, depth={mesh.depth}), vision tower "
+            f"LLaVA: language model and projector on {llm}, vision tower "
             f"(frozen) on {where}; batch {batch}×{args.seq} tokens"
             + (f"; the language model's sequence split over cp={args.cp} ranks" if args.cp > 1 else ""),
             flush=True,
@@ -268,7 +294,14 @@ def place(args, world) -> optimus2d.pipeline.Placement:
         input_grad=True,
     )  # fmt: skip (gated: f' = 3f/2)
     hw = hardware(optimus2d.Mesh(1, world.size))
-    placement = optimus2d.pipeline.propose_placement(tower, llm, world.size, hw, microbatches=args.microbatches)
+    one_d = world.size > 1 and args.heads % world.size == 0  # Megatron's split: the heads over the ranks
+    placement = optimus2d.pipeline.propose_placement(
+        tower, llm, world.size, hw, microbatches=args.microbatches, one_d=one_d
+    )
+    # LLaVA calls its LLM's embedding itself: the LLM runs in 1D only inside a 1D region of all of
+    # model.model, the tower's 1D too (a 1D LLM beside a tower on a mesh is not offered)
+    table = tuple(c for c in placement.table if c.rest != ONE_D or c.encoder == ONE_D)
+    placement = dataclasses.replace(placement, best=table[0], table=table)
     if world.rank == 0:
         print(placement.explain(), flush=True)
     return placement

@@ -14,10 +14,14 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 pytestmark = pytest.mark.slow
 
 
-def _run(launcher: list[str], script: str, *args: str) -> str:
+def _run(launcher: list[str], script: str, *args: str, check: bool = True) -> str:
+    """The script's output; ``check=False``: it must fail, and its output and errors are returned."""
     python = [] if "torchrun" in launcher[0] else [sys.executable]  # torchrun starts python itself
     cmd = [*launcher, *python, str(EXAMPLES / script), *args]
     out = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    if not check:
+        assert out.returncode != 0, out.stdout[-2000:]
+        return out.stdout + out.stderr
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -87,25 +91,42 @@ def test_a_vlm_llava_with_its_language_model_context_parallel_trains_beside_its_
     assert "check passed: 3 steps equal to the serial model's" in out
 
 
-def test_a_vlm_llava_placed_by_the_planner_trains_beside_its_serial_twin():
-    """``--encoder-ranks auto``: the table of placements priced on this machine, then the pick trained."""
-    out = _run([str(BIN / "mpiexec"), "-n", "4"], "train_vlm.py", "--check", "--encoder-ranks", "auto", "--steps", "2")
+@pytest.mark.parametrize("heads", [6, 4])
+def test_a_vlm_llava_placed_by_the_planner_trains_beside_its_serial_twin(heads):
+    """``--encoder-ranks auto``: the table of placements priced on this machine, then the pick trained.
+    With heads the 4 ranks divide, Megatron's 1D is offered too: the tower alone, or the whole
+    ``model.model`` (LLaVA calls its LLM's embedding itself: a 1D LLM beside a meshed tower is not offered)."""
+    args = ("--check", "--encoder-ranks", "auto", "--steps", "2", "--heads", str(heads))
+    out = _run([str(BIN / "mpiexec"), "-n", "4"], "train_vlm.py", *args)
     [pick] = [line for line in out.splitlines() if line.startswith("*")]
-    assert "apart: encoder on 2 ranks as 1×1×2, rest on 2 as 1×1×2" in out and out.count("together on 4 ranks") == 4
+    assert "apart: encoder on 2 ranks as 1×1×2, rest on 2 as 1×1×2" in out
+    together = re.findall(r"together on 4 ranks: encoder (\S+), rest (\S+)", out)
+    meshes = {"1×1×4", "2×2"}
+    offered = {(e, r) for e in meshes for r in meshes} | ({("1d", r) for r in {*meshes, "1d"}} if heads == 4 else set())
+    assert sorted(together) == sorted(offered)
     if "together" in pick:
         tower, llm = re.search(r"encoder (\S+), rest (\S+)", pick).groups()
-        assert (
-            f"language model and projector on Mesh(q={_q(llm)}" in out
-            and f"tower (frozen) on Mesh(q={_q(tower)}" in out
-        )
+        assert f"language model and projector on {_where(llm)}" in out and f"tower (frozen) on {_where(tower)}" in out
         assert "check passed: 2 steps equal to the serial model's" in out
     else:
         assert "check passed (projector and language model): 2 steps equal to the serial model's" in out
 
 
-def _q(shape: str) -> int:
-    """2×2 → 2, 1×1×4 → 1."""
-    return int(shape.split("×")[0])
+def _where(shape: str) -> str:
+    """2×2 → "Mesh(q=2", 1×1×4 → "Mesh(q=1", 1d → "1D over 4 ranks"."""
+    return "1D over 4 ranks" if shape == "1d" else f"Mesh(q={int(shape.split('×')[0])}"
+
+
+def test_a_vlm_llava_all_in_1d_trains_beside_its_serial_twin():
+    """``--llm 1d``: all of ``model.model`` one Megatron region (the tower, the projector, the LLM split by
+    heads and linears over the 4 ranks), the LM head and the loss on the mesh; a meshed tower beside it refused."""
+    out = _run(
+        [str(BIN / "mpiexec"), "-n", "4"], "train_vlm.py", "--check", "--llm", "1d", "--heads", "4", "--steps", "2"
+    )
+    assert "language model and projector on 1D over 4 ranks, vision tower (frozen) on 1D over 4 ranks" in out
+    assert "check passed: 2 steps equal to the serial model's" in out
+    refused = _run([str(BIN / "mpiexec"), "-n", "1"], "train_vlm.py", "--llm", "1d", "--tower", "own", check=False)
+    assert "--llm 1d runs the whole model.model in 1D, its tower too: not --tower own" in refused
 
 
 @pytest.mark.parametrize("ranks, towers, llm", [(8, 4, "Mesh(q=2, depth=1)"), (9, 1, "Mesh(q=2, depth=2)")])
