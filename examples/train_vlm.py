@@ -167,7 +167,7 @@ def main() -> None:
     torch.set_num_threads(1)
     shapes = None  # with auto: the (q, depth) of the tower's mesh and of the LLM's, or ONE_D
     if args.encoder_ranks == "auto":
-        if args.cp > 1 or args.depth > 1 or args.tower or args.llm:
+        if args.cp > 1 or args.depth > 1 or args.tower not in (None, "own") or args.llm not in (None, "mesh"):
             parser.error("--encoder-ranks auto places the tower and the LLM itself: no --cp, --depth, --tower or --llm")
         args.batch = args.batch or args.microbatches * world.size
         args.seq = args.seq or 16
@@ -181,8 +181,10 @@ def main() -> None:
         parser.error(f"--llm 1d runs the whole model.model in 1D, its tower too: not --tower {args.tower}")
     if args.llm == "1d" and args.cp > 1:
         parser.error("--llm 1d: the LLM split by heads over every rank, not its sequence: no --cp")
+    if "1d" in (args.tower, args.llm) and args.heads % world.size:
+        parser.error(f"--tower/--llm 1d split the {args.heads} heads over {world.size} ranks: give --heads a multiple")
     if args.encoder_ranks:
-        if args.cp > 1 or args.depth > 1 or args.tower or args.llm:
+        if args.cp > 1 or args.depth > 1 or args.tower not in (None, "own") or args.llm not in (None, "mesh"):
             parser.error("--encoder-ranks places the tower and the LLM itself: no --cp, --depth, --tower or --llm")
         if not 0 < args.encoder_ranks < world.size:
             parser.error(f"--encoder-ranks {args.encoder_ranks} must leave the LLM at least one of {world.size} ranks")
@@ -286,12 +288,13 @@ def place(args, world) -> optimus2d.pipeline.Placement:
     patches = (vision.image_size // vision.patch_size) ** 2 + 1
     tower_layers = vision.num_hidden_layers + 1 + config.vision_feature_layer
     tower = Part("model.vision_tower", Layer(args.batch, patches, vision.hidden_size, vision.intermediate_size,
-                 vision.num_attention_heads), tower_layers, frozen=True)  # fmt: skip
+                 vision.num_attention_heads), tower_layers, frozen=True, dtensor_attention=True)  # fmt: skip
     llm = Part(
         "model.language_model",
         Layer(args.batch, args.seq, text.hidden_size, 3 * text.intermediate_size // 2, text.num_attention_heads),
         text.num_hidden_layers,
         input_grad=True,
+        dtensor_attention=True,  # CLIP's and LLaMA's attention split in 1D by parallelize_module
     )  # fmt: skip (gated: f' = 3f/2)
     hw = hardware(optimus2d.Mesh(1, world.size))
     one_d = world.size > 1 and args.heads % world.size == 0  # Megatron's split: the heads over the ranks

@@ -124,7 +124,17 @@ def test_dtensors_collectives_are_priced_on_torchs_link():
     on the mesh's. The meshes' layouts send nothing through DTensor: their price is unchanged."""
     from dataclasses import replace as with_
 
-    from optimus2d.cost.planner import DTENSOR, Layer, comm_time, layer_comm, mlp_comm, step_time
+    from optimus2d.cost.planner import (
+        DTENSOR,
+        ONE_D,
+        Layer,
+        Part,
+        comm_time,
+        layer_comm,
+        layout_time,
+        mlp_comm,
+        step_time,
+    )
 
     slow = with_(HW, torch_link=(HW.bandwidth / 4, HW.latency * 3))
     same = with_(HW, torch_link=(HW.bandwidth, HW.latency))
@@ -141,3 +151,7 @@ def test_dtensors_collectives_are_priced_on_torchs_link():
     assert step_time(layer, "1d", 4, HW)["comm"] < ours < theirs
     mesh_part = comm_time([c for c in layer_comm(layer, "1d", 4) if not c[0].startswith(DTENSOR)], HW)
     assert ours == pytest.approx(mesh_part + comm_time(layer_comm(layer, "1d", 4)[:1], slow), rel=1e-12)
+    torchs, hfs = Part("lm", layer, 2), Part("lm", layer, 2, dtensor_attention=True)  # a part's layers likewise
+    assert layout_time(torchs, ONE_D, 4, slow) < layout_time(hfs, ONE_D, 4, slow)
+    assert layout_time(torchs, ONE_D, 4, HW) == layout_time(hfs, ONE_D, 4, HW)  # one link: the same price
+    assert layout_time(torchs, (2, 1), 4, slow) == layout_time(hfs, (2, 1), 4, slow)

@@ -23,10 +23,12 @@ step and no memory cap. ``explain=True`` prints the candidates (rank 0) before c
 mesh for every block (no plan): each on a converted deep copy of the model, ``step(copy)`` (one
 forward and backward, as the user trains) once to warm up and three times timed
 (``calibration.time_step``: the slowest rank's median), and picks the fastest measured; the table
-gains a "measured ms" column. A step that raises on one rank is reported on the failure channel
-(``comm.watch``) of the meshes it runs on: its peers raise ``PeerFailedError`` naming it within a
-fraction of a second, not at the collective timeout. ``choose_plan(model, mesh, auto)`` returns the
-``Choice`` and the plan without converting.
+gains a "measured ms" column. A step that raises is reported on the failure channel
+(``comm.watch``) of the meshes it runs on: peers waiting in those meshes' collectives raise
+``PeerFailedError`` naming it within a fraction of a second, not at the collective timeout (a 1D
+row's DTensor collectives wait on torch's process group: there, its timeout). Those meshes are
+dead afterwards, as after any failed collective, even where every rank raised alike.
+``choose_plan(model, mesh, auto)`` returns the ``Choice`` and the plan without converting.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def hardware(mesh: Mesh, *, cache: bool = True, refresh: bool = False) -> Hardwa
         fits = isinstance(found, list) and len(found) == 5  # (an older release's 3 words: measured again)
         fits = fits and all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in found)
         if not fits or min(found[0], found[1], found[3]) <= 0:
-            found = None  # an entry edited or damaged: measured again (the same 4 words broadcast either way)
+            found = None  # an entry edited or damaged: measured again (the same 6 words broadcast either way)
     words = torch.tensor([1.0, *found] if found else [0.0] * 6, dtype=torch.float64)
     if mesh.size > 1:  # rank 0's cache, or nothing, on every rank
         words = words.to(mesh.device)

@@ -305,13 +305,16 @@ class Part:
     """A module of a model for ``propose_layouts``: ``layers`` × ``layer``, at module path ``path``
     (the key of ``parallelize(plan=)``). ``frozen``: its parameters need no gradient; then, unless
     ``input_grad`` (something before it trains), it has no backward at all (a frozen prefix).
-    ``params``: its parameter count, 4·h² + 2·h·f a layer (biases and norms left out)."""
+    ``params``: its parameter count, 4·h² + 2·h·f a layer (biases and norms left out).
+    ``dtensor_attention``: in 1D its attention splits through DTensor (a Hugging Face layer's), not
+    the mesh's transport (torch's ``nn.MultiheadAttention``): ``layer_comm``."""
 
     path: str
     layer: Layer
     layers: int = 1
     frozen: bool = False
     input_grad: bool = False
+    dtensor_attention: bool = False
 
     @property
     def params(self) -> int:
@@ -352,8 +355,9 @@ def layout_time(part: Part, layout: tuple[int, int] | str, world: int, hw: Hardw
     dw = not part.frozen
     dx = part.input_grad or dw  # inside the part, every layer after a trainable one needs dx
     scheme, p, _ = _scheme(layout, world)
-    first = step_time(part.layer, scheme, p, hw, dx=part.input_grad, dw=dw)["total"]
-    rest = step_time(part.layer, scheme, p, hw, dx=dx, dw=dw)["total"]
+    over = part.dtensor_attention
+    first = step_time(part.layer, scheme, p, hw, dx=part.input_grad, dw=dw, dtensor_attention=over)["total"]
+    rest = step_time(part.layer, scheme, p, hw, dx=dx, dw=dw, dtensor_attention=over)["total"]
     return first + (part.layers - 1) * rest
 
 

@@ -111,7 +111,9 @@ class LaneStage(PipelineStage):
       (``input_args``/``output_args``, whose ``requires_grad`` ``pipeline_stage`` sets from
       ``input_grad``/``output_grad``) decide: a receive buffer needs a gradient only where its
       input was declared with one, only those gradients are sent, and a stage waits for its output's
-      gradient only where the output was declared with one.
+      gradient only where the output was declared with one. Neighbours must then declare alike (one
+      stage's ``output_grad`` the next one's ``input_grad``), as on 2.13; stages on rank sets check
+      it in their handshake (``pipeline/rank_sets.py``).
 
     torch 2.13 warms the lane up by a vote per stage and re-prepares the stage on a switch between
     ``eval`` and ``step``; there the stage is torch's own.
