@@ -135,8 +135,10 @@ def hardware(mesh: Mesh, *, cache: bool = True, refresh: bool = False) -> Hardwa
         words = torch.cat([torch.ones(1, dtype=torch.float64), mine.double()])
         if cache and mesh.ranks.index(mesh.rank) == 0:
             _store(path, key, words[1:].tolist())
-    flops, bandwidth, latency, torch_bandwidth, torch_latency = words[1:].tolist()
-    return Hardware(flops, bandwidth, latency, bytes_per_element=4, torch_link=(torch_bandwidth, torch_latency))
+    flops, bandwidth, latency, *torch_link = words[1:].tolist()
+    if mesh.mpi is None:  # torch carries the mesh: one link (its two averages may differ in the last bit)
+        torch_link = (bandwidth, latency)
+    return Hardware(flops, bandwidth, latency, bytes_per_element=4, torch_link=tuple(torch_link))
 
 
 def _store(path: Path, key: str, values: list[float]) -> None:
