@@ -281,7 +281,8 @@ def _measured(model: nn.Module, mesh: Mesh, auto: Auto, choice: Choice, built: d
         except BaseException as err:
             # the peers wait in this step's collectives, on its meshes: tell them now, not at the timeout
             watch.report(err, [mesh, *built.values()])
-            err.add_note(f"parallelize: raised by Auto(measure=)'s step on the row {row} {choice.table[row][0]}")
+            if hasattr(err, "add_note"):  # Python 3.11 and later
+                err.add_note(f"parallelize: raised by Auto(measure=)'s step on the row {row} {choice.table[row][0]}")
             raise
         del trial
     if not measured:  # no block to lay out, or none fits

@@ -159,10 +159,11 @@ class LaneStage(PipelineStage):
         def _mark_receive_buffers(self) -> None:
             wanted = _declared_grads(self.declared[0])
             for infos in self.args_recv_info.values():
+                declared = wanted is not None and len(wanted) == len(infos)  # else torch's own: every one
                 for n, info in enumerate(infos):
                     buffer = getattr(info, "buffer", None)  # a _RecvInfo (not a first stage's placeholder)
                     if isinstance(buffer, torch.Tensor) and buffer.is_floating_point():
-                        buffer.requires_grad_(wanted is None or wanted[n])
+                        buffer.requires_grad_(not declared or wanted[n])
 
         def _create_grad_send_info(self, args_recv_info: tuple) -> list:
             sources = super()._create_grad_send_info(args_recv_info)  # every received input's source
