@@ -4,6 +4,9 @@ input a block of the mesh all-gathered at the boundary and its output split back
 is ``parallelize(plan=Auto(tokens=, memory=))``: the layout the planner predicts fastest on this
 machine within ``--cap-mib``; its largest batch is the largest batch b (of the measured rows') at
 which the planner, asked again for b, picks a layout whose measured largest batch holds b.
+"optimus2d auto, whole io" is the same with ``io="whole"``: handed the input whole and giving its
+output whole on every rank, as DTensor 1D's peer is (the blocks' rows take and give blocks, as
+1D + SP takes and gives its sequence shards).
 
     mpiexec -n 4 python -m benchmarks mlp            # the issue's set-up: 1024→4096→1024, 8 × 128
 
@@ -61,6 +64,8 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             group.append(peers.optimus_1d(serial, mesh, x, grad))
             group.append(peers.optimus_auto(serial, mesh, x, grad, args.cap_mib))
             group.append(peers.optimus_auto(serial, mesh, x, grad, args.cap_mib, measured=True))
+            for measured in (False, True):  # taking and giving whole tensors, as DTensor 1D's peer does
+                group.append(peers.optimus_auto(serial, mesh, x, grad, args.cap_mib, measured, io="whole"))
         if not args.linear:  # other libraries' layers, where installed (scripts/setup_peers.sh)
             extra = [external.megatron_1d(serial, x, grad)]
             if mesh.q > 1:
@@ -82,7 +87,12 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
     results[0]["elements_measured"] = counter.numel
     for r in results:
         name = r["peer"]
-        if name.startswith("optimus2d auto"):  # whichever layout it picked: counted above only for the first row
+        if name.startswith("optimus2d auto"):  # whichever layout it picked: optimus2d's own sends, counted
+            peer = next(g for g in group if g.name == name)
+            with optimus2d.count_comm() as sent:
+                peer.backward(peer.forward())
+            peer.model.zero_grad(set_to_none=True)
+            r["elements_measured"] = sent.numel  # (torch's collectives, a 1D pick's all-reduces, not counted)
             continue
         if name == "optimus2d 1D (plan)":  # torch's all-reduce (not counted) and the boundary's two all-gathers
             r["elements_formula"] = (
@@ -122,6 +132,7 @@ def _auto_line(results: list[dict]) -> str:
     best = min(r["train_ms"] for r in ones)
     inferred = " (inferred: the layout it picks when asked for it)" if auto.get("largest_batch_inferred") else ""
     timed = rows.get("optimus2d auto, measured")
+    whole = [(name, rows.get(name)) for name in ("optimus2d auto, whole io", "optimus2d auto, whole io, measured")]
     return (
         f"optimus2d auto ({auto['layouts'].get('inner')}): fwd+bwd {auto['train_ms'] / best:.3f} × the best of "
         "DTensor 1D and 1D + SP"
@@ -129,6 +140,11 @@ def _auto_line(results: list[dict]) -> str:
             f" (measured on request, {timed['layouts'].get('inner')}: {timed['train_ms'] / best:.3f} ×)"
             if timed
             else ""
+        )
+        + "".join(
+            f"; {name.removeprefix('optimus2d auto, ')} ({r['layouts'].get('inner')}) {r['train_ms'] / best:.3f} ×"
+            for name, r in whole
+            if r is not None
         )
         + f"; largest batch {auto['largest_batch']}{inferred} "
         f"(optimus2d {results[0]['peer'].split()[-1]}: {results[0]['largest_batch']})"

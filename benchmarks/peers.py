@@ -56,26 +56,36 @@ def optimus_1d(serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: t
 
 
 def optimus_auto(
-    serial: nn.Module, mesh: optimus2d.Mesh, x: torch.Tensor, grad: torch.Tensor, cap_mib: float, measured: bool = False
+    serial: nn.Module,
+    mesh: optimus2d.Mesh,
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    cap_mib: float,
+    measured: bool = False,
+    io: str = "blocks",
 ) -> Peer:
-    """``serial`` under ``parallelize(plan=Auto(...))``: the layout of least predicted time on this
-    machine for this many tokens, within ``cap_mib`` a rank (held as ``_Holder``'s one module, so
-    that 1D is a choice); ``measured``: ``Auto(measure=step)``, the 4 best predicted timed on copies
-    (this peer's forward and backward) and the fastest measured taken."""
+    """``serial`` under ``parallelize(plan=Auto(...), io=io)``: the layout of least predicted time on
+    this machine for this many tokens, within ``cap_mib`` a rank (held as ``_Holder``'s one module,
+    so that 1D is a choice); ``measured``: ``Auto(measure=step)``, the 4 best predicted timed on
+    copies (this peer's forward and backward) and the fastest measured taken. ``io="whole"``: the
+    input and the output's gradient whole on every rank, as DTensor 1D's peer takes them."""
     tokens = x.numel() // x.shape[-1]
-    x_local, grad_local = optimus2d.scatter(x, mesh), optimus2d.scatter(grad, mesh)  # tagged: a boundary reads it
+    if io == "whole":
+        x_local, grad_local = x, grad
+    else:
+        x_local, grad_local = optimus2d.scatter(x, mesh), optimus2d.scatter(grad, mesh)  # tagged: a boundary reads it
     auto = optimus2d.Auto(tokens=tokens, seq=x.shape[-2] if x.dim() > 2 else 1, memory=cap_mib * 2**20)
     if measured:
         auto = dataclasses.replace(auto, measure=lambda model: model(x_local).backward(grad_local), top=4)
     holder = _Holder(copy.deepcopy(serial))
-    choice, plan = optimus2d.convert.choose_plan(holder, mesh, auto)  # what plan=auto applies, and its pick
-    model = optimus2d.parallelize(holder, mesh, plan=plan)
+    choice, plan = optimus2d.convert.choose_plan(holder, mesh, auto, io=io)  # what plan=auto applies, its pick
+    model = optimus2d.parallelize(holder, mesh, plan=plan, io=io)
     return Peer(
-        "optimus2d auto" + (", measured" if measured else ""),
+        "optimus2d auto" + (", whole io" if io == "whole" else "") + (", measured" if measured else ""),
         model,
         lambda: model(x_local),
         lambda out: out.backward(grad_local),
-        lambda out: optimus2d.gather(out, mesh),
+        (lambda out: out) if io == "whole" else (lambda out: optimus2d.gather(out, mesh)),
         extra={"layouts": choice.layouts},
     )
 

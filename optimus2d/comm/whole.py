@@ -16,6 +16,11 @@ a ``Mesh``'s layout ("activation" or "batch", ``comm/redistribution.py`` gives e
 
 A rank sends (p−1)/p of the global tensor in an all-gather ((p−1)·|box| elements), once per boundary
 and direction where the other direction sends nothing.
+
+``keep_whole``/``whole_of``: a block cut by ``from_whole`` may remember the whole tensor it was cut
+from, so that a consumer wanting the whole again takes it as it is, nothing sent (a model whose
+inputs and outputs are whole, ``parallelize(io="whole")``). Only while neither tensor has changed
+in place since (torch's version counters): otherwise the block is all-gathered as usual.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from optimus2d.comm.calls import tag
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.redistribution import LAYOUTS, boxes, global_shape
 
-__all__ = ["from_whole", "to_whole"]
+__all__ = ["forget_whole", "from_whole", "keep_whole", "to_whole", "whole_of"]
 
 
 def _slices(box) -> tuple[slice, ...]:
@@ -121,7 +126,7 @@ def to_whole(x: torch.Tensor, mesh: Mesh, kind: str) -> torch.Tensor:
         agree(mesh, "to_whole", description=f"{kind} {describe(x)}", error=error)
     elif error is not None:
         raise error
-    out = x if mesh.size == 1 else _ToWhole.apply(x, mesh, kind)
+    out = x.view_as(x) if mesh.size == 1 else _ToWhole.apply(x, mesh, kind)  # a new tensor: no block's tags
     out._optimus2d_kind = kind  # no layout (it is no block), but its kind, should it leave unchanged
     return out
 
@@ -140,3 +145,24 @@ def from_whole(x: torch.Tensor, mesh: Mesh, kind: str) -> torch.Tensor:
     tag(out, mesh, agreed=False)
     out._optimus2d_kind = kind
     return out
+
+
+def keep_whole(block: torch.Tensor, whole: torch.Tensor) -> None:
+    """Note on ``block`` (``from_whole(whole, ...)``'s output) the whole tensor it was cut from."""
+    block._optimus2d_whole = (whole, whole._version, block._version)
+
+
+def whole_of(block: torch.Tensor) -> torch.Tensor | None:
+    """The whole tensor ``block`` was cut from (``keep_whole``), the same on every rank, where neither
+    has changed in place since; else None."""
+    kept = getattr(block, "_optimus2d_whole", None)
+    if kept is None:
+        return None
+    whole, whole_version, block_version = kept
+    return whole if whole._version == whole_version and block._version == block_version else None
+
+
+def forget_whole(block: torch.Tensor) -> None:
+    """Drop what ``keep_whole`` noted (the whole tensor is freed with its last other reference)."""
+    if hasattr(block, "_optimus2d_whole"):
+        del block._optimus2d_whole

@@ -36,7 +36,7 @@ from optimus2d.comm.agreement import agree
 from optimus2d.comm.calls import layout, tag
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.redistribution import redistribute
-from optimus2d.comm.whole import from_whole, to_whole
+from optimus2d.comm.whole import from_whole, to_whole, whole_of
 from optimus2d.context.parallel import ContextParallel
 from optimus2d.layers.base import ShardedModule
 from optimus2d.megatron.region import Megatron
@@ -97,7 +97,7 @@ def _meshed(value: object) -> str:
     return type(value).__name__
 
 
-def agree_plan(mesh: Mesh, plan: object, error: BaseException | None, check: bool | None) -> None:
+def agree_plan(mesh: Mesh, plan: object, error: BaseException | None, check: bool | None, io: str = "blocks") -> None:
     """Every rank of ``mesh`` passes ``parallelize`` the same plan and refuses (``error``: this rank's
     refusal of the plan or the model, found without communicating) the same way: one all-gather of
     5 words (``agree``) whose description is the plan and the refusal, so a plan that differs on one
@@ -108,7 +108,8 @@ def agree_plan(mesh: Mesh, plan: object, error: BaseException | None, check: boo
         return
     refused = f"; refused: {type(error).__name__}: {error}" if error is not None else ""
     refused = re.sub(r", coord\(k,i,j\)=\([^)]*\)", "", refused)  # a mesh named in it: not this rank's place
-    agree(mesh, "parallelize", description=describe_plan(plan) + refused)
+    given = "" if io == "blocks" else f", io={io!r}"  # whole tensors in and out (whole_io.py)
+    agree(mesh, "parallelize", description=describe_plan(plan) + given + refused)
 
 
 def matches(key: str, path: str) -> bool:
@@ -178,6 +179,9 @@ class Boundary:
         given = getattr(t, "_optimus2d_layout", None)
         if t.dim() == 0 or given is None or given == layout(self.inner):
             return t
+        whole = whole_of(t)  # cut from a whole tensor (a model's whole input): this mesh's block of it
+        if whole is not None:
+            return from_whole(whole, self.inner, _kind(t))
         src = self.meshes.get(given)
         if src is None:
             raise ValueError(f"parallelize: {self.path} receives a block of a mesh that is not in the plan")
@@ -197,7 +201,11 @@ class WholeBoundary(Boundary):
     tensor it returns becomes a block of ``outer`` (``from_whole``). A Hugging Face base model's
     ``inputs_embeds`` is by its contract the hidden states ``[b, s, h]``: given without a layout
     (LLaVA merges its image features into it with plain torch, on the caller's blocks), it is the
-    caller's activation block."""
+    caller's activation block. ``io``: the model's ``WholeIO`` (``parallelize(io="whole")``): while
+    its call runs, each whole output is kept beside its blocks, so that the model gives it whole
+    without gathering it again."""
+
+    io = None
 
     def adopt(self, kwargs: dict) -> None:
         t = kwargs.get("inputs_embeds")
@@ -209,13 +217,21 @@ class WholeBoundary(Boundary):
         given = getattr(t, "_optimus2d_layout", None)
         if t.dim() == 0 or given is None:
             return t
+        whole = whole_of(t)  # cut from a whole tensor (a model's whole input): take it as it is
+        if whole is not None:
+            return whole
         src = self.meshes.get(given)
         if src is None:
             raise ValueError(f"parallelize: {self.path} receives a block of a mesh that is not in the plan")
         return to_whole(t, src, _kind(t))
 
     def _out(self, t: torch.Tensor) -> torch.Tensor:
-        return t if t.dim() == 0 else from_whole(t, self.outer, _kind(t))
+        if t.dim() == 0:
+            return t
+        block = from_whole(t, self.outer, _kind(t))
+        if self.io is not None and self.io.active:
+            self.io.keep(block, t)
+        return block
 
 
 class MovedOnRead(Sequence):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from optimus2d.convert.auto import Auto
 from optimus2d.convert.dtensor_params import distribute_parameters
 from optimus2d.convert.meta_init import has_meta, record_init
 from optimus2d.convert.tied import tied_embeddings
+from optimus2d.convert.whole_io import WholeIO, io_refusal
 from optimus2d.cost.auto import Choice
 from optimus2d.layers import (
     Dropout2D,
@@ -180,11 +182,14 @@ def parallelize(
     *,
     plan: Mapping[str, Mesh | ContextParallel | Megatron] | str | Auto | None = None,
     check: bool | None = None,
+    io: str = "blocks",
 ) -> nn.Module:
     """The model on ``mesh``, converted in place from the serial ``module`` and returned.
 
     The result takes ``optimus2d.scatter``-ed activations (and ``scatter_batch``-ed ids) and gives
-    this rank's blocks; ``serial_state_dict`` of it has ``module``'s keys and values. A module used
+    this rank's blocks; with ``io="whole"`` it takes every tensor whole, the same on every rank, and
+    gives its outputs whole (``convert/whole_io.py``: a model that is one 1D region then sends
+    what torch's ``parallelize_module`` sends); ``serial_state_dict`` of it has ``module``'s keys and values. A module used
     twice is converted once; an ``nn.Linear`` sharing an ``nn.Embedding``'s weight (a tied head)
     becomes a ``TiedHead2D`` on the same Parameter. The whole model is checked before anything is
     changed: ``TypeError`` names the first submodule that cannot be converted, or a parameter
@@ -208,8 +213,8 @@ def parallelize(
     """
     whole = mesh if isinstance(mesh, DeviceMesh) and tuple(mesh.mesh_dim_names or ()) != DIM_NAMES else None
     mesh = as_mesh(mesh, "parallelize's mesh")  # a torch DeviceMesh: its Mesh (collective, every rank alike)
-    if isinstance(plan, (str, Auto)):  # "auto": the plan of least predicted cost (collective over the mesh)
-        plan = choose_plan(module, mesh, plan)[1]
+    if isinstance(plan, (str, Auto)) and io_refusal(io) is None:  # "auto": the plan of least predicted cost
+        plan = choose_plan(module, mesh, plan, io=io)[1]  # (collective over the mesh)
     if isinstance(plan, Mapping):
         plan = {key: as_mesh(value) if isinstance(value, DeviceMesh) else value for key, value in plan.items()}
     # Checked on this rank (no communication), then agreed with every rank before anything is sent:
@@ -217,6 +222,8 @@ def parallelize(
     # is one error on every rank, not a rank left waiting for the others (layouts.agree_plan)
     error, walk = None, None
     try:
+        if (refused := io_refusal(io)) is not None:
+            raise refused
         walk = _Walk(mesh, {}, tied_embeddings(module), plan=layouts.check_plan(plan, mesh))
         if whole is not None:
             _one_mesh_with_replicas(plan, mesh)
@@ -230,7 +237,7 @@ def parallelize(
     except (TypeError, ValueError) as err:
         error = err
     if _current.get() is None:  # a converter's own parallelize() of a part: the whole was agreed
-        layouts.agree_plan(mesh, plan, error, check)
+        layouts.agree_plan(mesh, plan, error, check, io)
     if error is not None:
         raise error
     # Built on meta: note now how the serial model initialises each tensor (materialize replays it)
@@ -253,6 +260,12 @@ def parallelize(
             if register is None and finish is not None:  # a library whose modules were met
                 finish(out, mesh)
         distribute_parameters(out, mesh, whole)  # every parameter a DTensor: torch's tools see serial tensors
+        if io == "whole":  # whole tensors in and out (its 1D regions' boundaries keep their whole outputs)
+            hooks = WholeIO(mesh, [mesh, *walk.plan.values()])
+            hooks.install(out)
+            for boundary in walk.boundaries.values():
+                if isinstance(boundary, layouts.WholeBoundary):
+                    boundary.io = hooks
     if records is not None:
         out._optimus2d_init = records
     return out
@@ -614,7 +627,10 @@ class _KeepAsRead:
         return module
 
 
-def choose_plan(model: nn.Module, mesh: Mesh, auto: Auto | str = "auto") -> tuple[Choice, dict]:
+def choose_plan(
+    model: nn.Module, mesh: Mesh, auto: Auto | str = "auto", *, io: str = "blocks"
+) -> tuple[Choice, dict]:
     """``plan="auto"``'s (choice with its table, ``plan=``) for ``model`` on ``mesh``, nothing converted
-    (``convert.auto.choose_plan``; the copies ``Auto(measure=)`` times are converted by ``parallelize``)."""
-    return auto_plan.choose_plan(model, mesh, auto, convert=parallelize)
+    (``convert.auto.choose_plan``; the copies ``Auto(measure=)`` times are converted by ``parallelize``
+    with ``io=``, so its step takes what the model will)."""
+    return auto_plan.choose_plan(model, mesh, auto, convert=functools.partial(parallelize, io=io))

@@ -1,0 +1,197 @@
+"""``parallelize(..., io="whole")``: a model that takes its inputs whole on every rank and gives its
+outputs whole (``convert/whole_io.py``), as torch's ``parallelize_module`` takes and gives them.
+
+Against the real torch classes: outputs, input gradients and one AdamW step equal to serial on
+every mesh shape of the world (4: 2×2 and 1×1×4; 8: 2×2×2 and 1×1×8; 9: 3×3 and 1×1×9), with the
+model on its mesh, a module in 1D, a module on another mesh shape, frozen and trained. A model that
+is one 1D region sends exactly torch's own collectives for it (as torch dispatches them) and none
+of optimus2d's; a model on a mesh sends one all-gather of its output forward and nothing for its
+input. Refusals on every rank before anything is sent."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import _meshes, mesh_shapes
+from helpers import assert_close, assert_state_close
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from optimus2d import Mesh, count_comm, parallelize, scatter, serial_state_dict
+from optimus2d.megatron import Megatron
+
+pytestmark = pytest.mark.mpi
+
+
+def _meshes_of(world) -> list[Mesh]:
+    for shape in mesh_shapes(world.size):
+        _meshes.setdefault(shape, Mesh(*shape))
+    return [_meshes[shape] for shape in mesh_shapes(world.size)]
+
+
+class Holder(nn.Module):
+    """One MLP, the model's only module (in 1D, the whole model is its region)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+class EncoderProjector(nn.Module):
+    """An MLP encoder (planned: 1D or another mesh shape), a norm and a projector on the model's mesh."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.norm = nn.LayerNorm(width)
+        self.proj = nn.Linear(width, 2 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(self.encoder(x)))
+
+
+def _step_whole(serial: nn.Module, parallel: nn.Module, x: torch.Tensor, tol: float = 1e-9) -> None:
+    """fwd+bwd+AdamW step of both on the same whole input: the parallel output whole on this rank,
+    the input's gradient whole, the parameters after the step, all equal to serial's."""
+    x_serial, x_whole = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_serial = serial(x_serial)
+    torch.manual_seed(2)
+    probe = torch.randn_like(y_serial)
+    (y_serial * probe).sum().backward()
+    y = parallel(x_whole)
+    assert getattr(y, "_optimus2d_layout", None) is None  # whole: no block of any mesh
+    assert_close(y.detach(), y_serial, tol, "output")
+    (y * probe).sum().backward()
+    assert_close(x_whole.grad, x_serial.grad, tol, "input grad")
+    for model in (serial, parallel):
+        torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2).step()
+    assert_state_close(serial_state_dict(parallel), serial.state_dict(), tol)
+
+
+class TorchCollectives(TorchDispatchMode):
+    """Every collective torch dispatches (DTensor's, torch.distributed's), as (op, elements) in order.
+    (torch's ``CommDebugMode`` would do, but its module tracker wraps a module's inputs in new tensors,
+    which drops the layouts optimus2d notes on them.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("_c10d_functional", "c10d_functional", "c10d") and "wait" not in func.__name__:
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            self.sent.append((func.__name__, first.numel() if first is not None else 0))
+        return func(*args, **(kwargs or {}))
+
+
+def _serial(cls, world, frozen: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    model = cls(6 * world.size).double()
+    if frozen:
+        next(iter(model.children())).requires_grad_(False)
+    return model
+
+
+def _x(world) -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(2 * world.size, 3, 6 * world.size, dtype=torch.float64)
+
+
+def test_a_model_in_1d_is_exact_and_sends_only_what_torch_sends(world):
+    """The whole model one 1D region: its input taken whole, its output given whole, so nothing of
+    optimus2d's is sent; torch's collectives the same as ``parallelize_module`` of the same MLP."""
+    x = _x(world)
+    for mesh in _meshes_of(world):
+        serial = _serial(Holder, world)
+        parallel = parallelize(copy.deepcopy(serial), mesh, plan={"inner": Megatron(mesh)}, io="whole")
+        _step_whole(serial, parallel, x)
+        ours, theirs = TorchCollectives(), TorchCollectives()
+        with count_comm() as sent, ours:
+            parallel(x.clone().requires_grad_()).sum().backward()
+        assert sent.records == []
+        if world.size == 1:
+            continue
+        from torch.distributed.device_mesh import init_device_mesh
+
+        torch_model = parallelize_module(
+            copy.deepcopy(serial.inner), init_device_mesh("cpu", (world.size,)), {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        )
+        with theirs:
+            torch_model(x.clone().requires_grad_()).sum().backward()
+        assert ours.sent == theirs.sent and len(ours.sent) >= 2  # an all-reduce each way at least
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_models_on_meshes_with_a_planned_module_are_exact(world, frozen):
+    """The encoder in 1D, on the other mesh shape, or not planned; the rest on the model's mesh."""
+    x = _x(world)
+    meshes = _meshes_of(world)
+    for mesh in meshes:
+        other = meshes[-1] if mesh is meshes[0] else meshes[0]
+        for plan in ({"encoder": Megatron(mesh)}, {"encoder": other}, None):
+            serial = _serial(EncoderProjector, world, frozen)
+            parallel = parallelize(copy.deepcopy(serial), mesh, plan=plan, io="whole")
+            _step_whole(serial, parallel, x)
+
+
+def test_a_model_on_a_mesh_sends_one_all_gather_of_its_output(world):
+    """Input: each rank cuts its own block, nothing sent forward, and backward only where the input
+    needs a gradient (its blocks' gradients all-gathered: the input's elements); output: one
+    all-gather forward (the whole output's elements recorded), nothing backward."""
+    if world.size == 1:
+        pytest.skip("one rank sends nothing")
+    mesh = _meshes_of(world)[0]
+    parallel = parallelize(_serial(EncoderProjector, world), mesh, io="whole")
+    for needs_grad in (False, True):
+        x = _x(world).requires_grad_(needs_grad)
+        with count_comm() as forward:
+            y = parallel(x)
+        assert forward.by("kind", "axis")[("all_gather", "mesh")] == y.numel()
+        with count_comm() as backward:
+            y.sum().backward()
+        assert backward.by("kind", "axis").get(("all_gather", "mesh"), 0) == (x.numel() if needs_grad else 0)
+
+
+def test_a_block_changed_in_place_is_gathered_not_taken_whole(world):
+    """A forward that changes its input's block in place before a 1D region: the region must see
+    the changed tensor, so it all-gathers the blocks instead of taking the whole input."""
+
+    class Scaled(Holder):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x.mul_(2))
+
+    x = _x(world)
+    mesh = _meshes_of(world)[0]
+    serial = _serial(Scaled, world)
+    parallel = parallelize(copy.deepcopy(serial), mesh, plan={"inner": Megatron(mesh)}, io="whole")
+    want = serial(x.clone())
+    with count_comm() as sent:
+        got = parallel(x.clone())
+    assert_close(got.detach(), want.detach(), 1e-9, "output")
+    if world.size > 1:
+        assert sent.by("kind", "axis")[("all_gather", "mesh")] == x.numel()
+
+
+def test_refusals_on_every_rank(world):
+    """An io= that is neither "blocks" nor "whole", or one that differs between ranks: a ValueError
+    on every rank before anything is converted; a block given to a model that takes whole tensors:
+    a ValueError naming it, before anything is sent."""
+    mesh = _meshes_of(world)[0]
+    model = _serial(EncoderProjector, world)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="io= is 'blocks'.*got 'replicated'"):
+        parallelize(model, mesh, io="replicated")
+    if world.size > 1:
+        with pytest.raises(ValueError, match="io='whole'"):
+            parallelize(model, mesh, io="whole" if world.rank == 0 else "blocks")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    parallel = parallelize(model, mesh, io="whole")
+    with count_comm() as sent, pytest.raises(ValueError, match="argument 0 of shape .* is a block of a mesh"):
+        parallel(scatter(_x(world), mesh))
+    assert sent.records == []
