@@ -58,8 +58,14 @@ def test_mlp_and_block_benchmarks_count_what_the_formulas_say_then_report(tmp_pa
     )  # the other transport
     assert set(mlp) == {
         "optimus2d 2D", "optimus2d 2D SUMMA", twin, "DTensor 1D", "DTensor 1D + SP", "optimus2d 1D (plan)",
-        "optimus2d auto", "optimus2d auto, measured", "torch, 1 rank",
+        "optimus2d auto", "optimus2d auto, measured", "optimus2d auto, whole io", "optimus2d auto, whole io, measured",
+        "torch, 1 rank",
     }  # fmt: skip
+    for name in ("optimus2d auto, whole io", "optimus2d auto, whole io, measured"):  # taking the input whole, a
+        if mlp[name]["layouts"]["inner"] == "1d":  # pick in 1D sends nothing of optimus2d's, only torch's
+            assert mlp[name]["elements_measured"] == 0
+        else:  # on a mesh: its output all-gathered (the input needs no gradient)
+            assert mlp[name]["elements_measured"] >= 2 * 8 * 32 * 3 // 4
     # re-planned for the 2D layout's largest batch within the cap, the planner picks a layout that holds it
     # (its memory model agrees with the bytes measured here)
     assert mlp["optimus2d auto"]["largest_batch"] >= mlp["optimus2d 2D"]["largest_batch"]

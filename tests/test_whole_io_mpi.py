@@ -119,9 +119,8 @@ def test_a_model_in_1d_is_exact_and_sends_only_what_torch_sends(world):
             continue
         from torch.distributed.device_mesh import init_device_mesh
 
-        torch_model = parallelize_module(
-            copy.deepcopy(serial.inner), init_device_mesh("cpu", (world.size,)), {"0": ColwiseParallel(), "2": RowwiseParallel()}
-        )
+        styles = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        torch_model = parallelize_module(copy.deepcopy(serial.inner), init_device_mesh("cpu", (world.size,)), styles)
         with theirs:
             torch_model(x.clone().requires_grad_()).sum().backward()
         assert ours.sent == theirs.sent and len(ours.sent) >= 2  # an all-reduce each way at least
@@ -185,13 +184,13 @@ def test_refusals_on_every_rank(world):
     mesh = _meshes_of(world)[0]
     model = _serial(EncoderProjector, world)
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match="io= is 'blocks'.*got 'replicated'"):
+    with pytest.raises(ValueError, match=r"io= is 'blocks'.*got 'replicated'"):
         parallelize(model, mesh, io="replicated")
     if world.size > 1:
         with pytest.raises(ValueError, match="io='whole'"):
             parallelize(model, mesh, io="whole" if world.rank == 0 else "blocks")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     parallel = parallelize(model, mesh, io="whole")
-    with count_comm() as sent, pytest.raises(ValueError, match="argument 0 of shape .* is a block of a mesh"):
+    with count_comm() as sent, pytest.raises(ValueError, match=r"argument 0 of shape .* is a block of a mesh"):
         parallel(scatter(_x(world), mesh))
     assert sent.records == []

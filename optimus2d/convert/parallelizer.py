@@ -188,15 +188,15 @@ def parallelize(
 
     The result takes ``optimus2d.scatter``-ed activations (and ``scatter_batch``-ed ids) and gives
     this rank's blocks; with ``io="whole"`` it takes every tensor whole, the same on every rank, and
-    gives its outputs whole (``convert/whole_io.py``: a model that is one 1D region then sends
-    what torch's ``parallelize_module`` sends); ``serial_state_dict`` of it has ``module``'s keys and values. A module used
-    twice is converted once; an ``nn.Linear`` sharing an ``nn.Embedding``'s weight (a tied head)
-    becomes a ``TiedHead2D`` on the same Parameter. The whole model is checked before anything is
-    changed: ``TypeError`` names the first submodule that cannot be converted, or a parameter
-    shared in a way that cannot be kept. Every rank must hold the same serial weights (as torch's
-    ``distribute_tensor`` assumes): their checksums are compared over the mesh and the weights that
-    differ are named in a ``ValueError`` on every rank (``check=False``, or a mesh built with
-    ``check="off"``, skips this one all-gather).
+    gives its outputs whole (``convert/whole_io.py``: a model that is one 1D region then sends what
+    torch's ``parallelize_module`` sends). ``serial_state_dict`` of it has ``module``'s keys and
+    values. A module used twice is converted once; an ``nn.Linear`` sharing an ``nn.Embedding``'s
+    weight (a tied head) becomes a ``TiedHead2D`` on the same Parameter. The whole model is checked
+    before anything is changed: ``TypeError`` names the first submodule that cannot be converted, or
+    a parameter shared in a way that cannot be kept. Every rank must hold the same serial weights
+    (as torch's ``distribute_tensor`` assumes): their checksums are compared over the mesh and the
+    weights that differ are named in a ``ValueError`` on every rank (``check=False``, or a mesh
+    built with ``check="off"``, skips this one all-gather).
 
     ``mesh`` (and a plan's meshes) may be torch's ``DeviceMesh`` with dims named "depth", "row" and
     "col" (``Mesh.from_device_mesh``; any other dims are data-parallel replicas).
@@ -627,9 +627,7 @@ class _KeepAsRead:
         return module
 
 
-def choose_plan(
-    model: nn.Module, mesh: Mesh, auto: Auto | str = "auto", *, io: str = "blocks"
-) -> tuple[Choice, dict]:
+def choose_plan(model: nn.Module, mesh: Mesh, auto: Auto | str = "auto", *, io: str = "blocks") -> tuple[Choice, dict]:
     """``plan="auto"``'s (choice with its table, ``plan=``) for ``model`` on ``mesh``, nothing converted
     (``convert.auto.choose_plan``; the copies ``Auto(measure=)`` times are converted by ``parallelize``
     with ``io=``, so its step takes what the model will)."""

@@ -39,7 +39,9 @@ IO = ("blocks", "whole")
 def io_refusal(io: object) -> Exception | None:
     """Why ``parallelize(io=)`` refuses ``io`` (None: it takes it)."""
     if not isinstance(io, str) or io not in IO:
-        return ValueError(f"parallelize: io= is 'blocks' (the default: blocks of the mesh in and out) or 'whole', got {io!r}")
+        return ValueError(
+            f"parallelize: io= is 'blocks' (the default: blocks of the mesh in and out) or 'whole', got {io!r}"
+        )
     return None
 
 
