@@ -231,3 +231,35 @@ def test_torchs_decoder_layer_is_not_priced_as_an_mlp():
             self.head = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
 
     assert [(b.path, b.kind) for b in _blocks(Decoder(), tokens=64, ranks=4, seq=8, own_q=2)] == [("head", "mlp")]
+
+
+def test_whole_io_prices_a_block_at_the_models_edges_as_it_runs():
+    """``parallelize(io="whole")``: a block taking the model's whole input and giving its whole output
+    pays nothing at the edges in 1D (the whole tensors taken and given as they are) and, on a mesh,
+    one all-gather of its output forward (nothing to enter: each rank cuts its block); ``_edges``
+    places them on a wrapper of one module, on neither where the model holds weights of its own."""
+    import torch
+    from torch import nn
+
+    from optimus2d.convert.auto import _blocks, _edges
+    from optimus2d.cost.planner import comm_time
+
+    block = _mlp(1024)
+    edged = dataclasses.replace(block, whole_in=True, whole_out=True)
+    gather = comm_time([("all_gather", 4, 1024 * 1024 * 2, 2)], HW, 0.0)  # the input in, the gradient out
+    assert predict(block, "1d", 4, HW)[0] - predict(edged, "1d", 4, HW)[0] == pytest.approx(gather)
+    rows = {row[0]["mlp"]: row[1] for row in choose([edged], 4, HW, layout="2×2×1").table}
+    out = comm_time([("all_gather", 4, 1024 * 1024, 1)], HW, 0.0)
+    assert rows["2×2×1"] == pytest.approx(predict(block, "2×2×1", 4, HW)[0] + out)
+    assert rows["1d"] == pytest.approx(predict(edged, "1d", 4, HW)[0])
+    assert choose([edged], 4, HW).seconds < choose([block], 4, HW).seconds  # 1D: weight-heavy, cheaper still
+
+    class Holder(nn.Module):
+        def __init__(self, token: bool) -> None:
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+            self.token = nn.Parameter(torch.zeros(8)) if token else None
+
+    for token in (False, True):
+        (priced,) = _edges(Holder(token), _blocks(Holder(token), 64, 4))
+        assert (priced.whole_in, priced.whole_out) == (not token, not token)

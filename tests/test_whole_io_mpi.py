@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from optimus2d import Mesh, count_comm, parallelize, scatter, serial_state_dict
+from optimus2d import Auto, Mesh, count_comm, parallelize, scatter, serial_state_dict
 from optimus2d.megatron import Megatron
 
 pytestmark = pytest.mark.mpi
@@ -194,3 +194,21 @@ def test_refusals_on_every_rank(world):
     with count_comm() as sent, pytest.raises(ValueError, match=r"argument 0 of shape .* is a block of a mesh"):
         parallel(scatter(_x(world), mesh))
     assert sent.records == []
+
+
+def test_plan_auto_with_whole_io_is_exact_and_times_its_copies_with_whole_tensors(world):
+    """``plan=Auto(measure=step)`` with ``io="whole"``: the copies it times take what the model will
+    (whole tensors: a copy taking blocks would refuse ``step``'s whole input), and the pick is exact."""
+    x = _x(world)
+    mesh = _meshes_of(world)[0]
+    timed = []
+
+    def step(model: nn.Module) -> None:
+        timed.append(model(x).shape)
+        model(x).sum().backward()
+
+    auto = Auto(tokens=x.numel() // x.shape[-1], seq=x.shape[1], measure=step, top=4)
+    serial = _serial(Holder, world)
+    parallel = parallelize(copy.deepcopy(serial), mesh, plan=auto, io="whole")
+    assert timed and all(shape == x.shape for shape in timed)  # every copy gave its output whole
+    _step_whole(serial, parallel, x)

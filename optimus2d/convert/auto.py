@@ -121,6 +121,17 @@ def _blocks(model: nn.Module, tokens: int, ranks: int, seq: int = 1, own_q: int 
     return _regions(model, _parts(model, blocks), tokens, ranks, seq, own_q)
 
 
+def _edges(model: nn.Module, blocks: list[Block]) -> list[Block]:
+    """``blocks`` with the model's whole input and output placed, for pricing: where the model holds
+    no weights of its own, a block that is its first child takes its input (``whole_in``) and one
+    that is its last child gives its output (``whole_out``), as a model calls its children in the
+    order it holds them (a wrapper of one module: both). Only the predictions depend on it."""
+    children = [name for name, _ in model.named_children()]
+    if not children or any(True for _ in model.parameters(recurse=False)):
+        return blocks
+    return [replace(b, whole_in=b.path == children[0], whole_out=b.path == children[-1]) for b in blocks]
+
+
 def _top(model: nn.Module, path: str) -> bool:
     """Whether the module at ``path`` hangs from the model itself, through lists at most (a module
     deeper may be called by its parent from outside a region: LLaVA's ``embed_tokens``)."""
@@ -195,12 +206,14 @@ def _parts(model: nn.Module, blocks: list[Block]) -> list[Block]:
 
 
 def choose_plan(
-    model: nn.Module, mesh: Mesh, auto: Auto | str = "auto", *, convert: Callable | None = None
+    model: nn.Module, mesh: Mesh, auto: Auto | str = "auto", *, convert: Callable | None = None, io: str = "blocks"
 ) -> tuple[Choice, dict]:
     """(the choice with its table, the ``plan=`` that applies it) for ``model`` on ``mesh``.
     Collective over the mesh (the calibration, or its cached value, agreed from rank 0; building the
     meshes the plan names). No model is changed. ``convert``: ``parallelize``, for the copies
-    ``Auto(measure=)`` times (``optimus2d.convert.choose_plan`` passes it)."""
+    ``Auto(measure=)`` times (``optimus2d.convert.choose_plan`` passes it); ``io``: how the model
+    takes its inputs and gives its outputs (``parallelize(io=)``; "whole": priced at its edges,
+    ``_edges``)."""
     auto = Auto() if isinstance(auto, str) and auto == "auto" else auto
     error = None
     if not isinstance(auto, Auto):
@@ -223,11 +236,14 @@ def choose_plan(
         asked = repr(replace(auto, explain=False, measure=None if auto.measure is None else "step"))
     else:
         asked = repr(auto)
+    asked += "" if io == "blocks" else f", io={io!r}"  # priced at the model's edges alike on every rank
     agree(mesh, "parallelize(plan='auto')", description=asked, error=error)
     if error is not None:  # a mesh of one rank, or checks off: raised here
         raise error
     here = f"{mesh.q}×{mesh.q}×{mesh.depth}"
     blocks = _blocks(model, auto.tokens, mesh.size, auto.seq, mesh.q)
+    if io == "whole":
+        blocks = _edges(model, blocks)
     costs = auto.hardware if auto.hardware is not None else hardware(mesh)
     # on a mesh with replicas (pipeline stages, copies) the model's own mesh only: 1D is refused there,
     # and another mesh shape is built by every rank of the world while the others convert other modules

@@ -65,6 +65,8 @@ class Block:
     layers: int = 1  # a "region"'s transformer layers
     other: int = 0  # a "region"'s weights outside its layers (an embedding): whole on every rank in 1D
     dtensor_attention: bool = False
+    whole_in: bool = False  # it takes the model's input, given whole on every rank (parallelize(io="whole"))
+    whole_out: bool = False  # it gives the model's output, which leaves whole on every rank
 
     @property
     def params(self) -> int:
@@ -102,9 +104,9 @@ def _scheme(layout: str, p: int) -> tuple[str, int, int]:
 
 def _gather_1d(block: Block, p: int) -> list[tuple[str, int, float, int]]:
     """A 1D block's boundary: its input all-gathered forward, its output's gradient backward (where
-    it has a backward)."""
-    backward = not block.frozen or block.input_grad
-    return [("all_gather", p, block.rows * block.hidden * (1 + int(backward)), 1 + int(backward))]
+    it has a backward); neither where it is taken or given whole at the model's edge."""
+    times = int(not block.whole_in) + int((not block.frozen or block.input_grad) and not block.whole_out)
+    return [("all_gather", p, block.rows * block.hidden * times, times)] if times else []
 
 
 def predict(block: Block, layout: str, p: int, hw: Hardware, *, boundary: bool = True) -> tuple[float, float]:
@@ -120,9 +122,7 @@ def predict(block: Block, layout: str, p: int, hw: Hardware, *, boundary: bool =
         _, q, _ = _scheme(layout, p)
         memory += block.other * (hw.bytes_per_element if block.frozen else 16) / (1 if layout == "1d" else q * q)
         if layout == "1d":
-            backward = block.input_grad or not block.frozen
-            gather = [("all_gather", p, block.rows * block.hidden * (1 + int(backward)), 1 + int(backward))]
-            seconds += comm_time(gather, hw, 0.0)
+            seconds += comm_time(_gather_1d(block, p), hw, 0.0)
         return seconds, memory
     scheme, q, depth = _scheme(layout, p)
     trained = not block.frozen
@@ -214,8 +214,11 @@ def _options(block: Block, p: int, hw: Hardware, start: str, only: set[str] | No
         t, m = predict(block, layout, p, hw)
         # on another mesh shape: its input moves there (its gradient back where it has one) and its
         # output back to the model's mesh (the gradient back where the block has a backward)
-        into = _boundary(block, start, layout, block.input_grad, p, hw)
-        back = _boundary(block, layout, start, block.input_grad or not block.frozen, p, hw)
+        into = 0.0 if block.whole_in else _boundary(block, start, layout, block.input_grad, p, hw)
+        if block.whole_out:  # a block of the mesh leaves whole: one all-gather forward (a 1D block's is whole)
+            back = 0.0 if layout == "1d" else comm_time([("all_gather", p, block.rows * block.hidden, 1)], hw, 0.0)
+        else:
+            back = _boundary(block, layout, start, block.input_grad or not block.frozen, p, hw)
         options.append(({block.path: layout}, t + into + back, m))
     if block.kind == "region":  # staying on the mesh: its attention there, each of its blocks laid out alone
         t, m = predict(block, start, p, hw)
