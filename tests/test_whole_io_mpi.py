@@ -212,3 +212,32 @@ def test_plan_auto_with_whole_io_is_exact_and_times_its_copies_with_whole_tensor
     parallel = parallelize(copy.deepcopy(serial), mesh, plan=auto, io="whole")
     assert timed and all(shape == x.shape for shape in timed)  # every copy gave its output whole
     _step_whole(serial, parallel, x)
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("region", [None, "model"], ids=["on-the-mesh", "all-but-head-in-1d"])
+def test_llava_takes_its_batch_whole_and_gives_logits_and_loss_whole(world, region):
+    """Hugging Face's LLaVA (a CLIP tower, LLaMA) with ``io="whole"``: ids, images, mask and labels
+    given whole (the images cut as a batch, not an activation), the logits and the loss given whole,
+    one AdamW step: as serial, on every mesh of the world, on the mesh or all but its head in 1D."""
+    from test_megatron_mpi import _batch, _llava
+
+    batch = _batch(world.size)
+    for mesh in _meshes_of(world):
+        serial = _llava(world, frozen_tower=True)
+        plan = {region: Megatron(mesh)} if region else None
+        parallel = parallelize(copy.deepcopy(serial), mesh, plan=plan, io="whole")
+        out_ref = serial(**batch)
+        out_ref.loss.backward()
+        out = parallel(**batch)
+        out.loss.backward()
+        assert getattr(out.logits, "_optimus2d_layout", None) is None
+        assert out.logits.shape == out_ref.logits.shape
+        assert_close(out.logits.detach(), out_ref.logits, 1e-4, "logits")
+        assert_close(out.loss, out_ref.loss, 1e-5, "loss")
+        scale = max(p.grad.abs().max().item() for p in serial.parameters() if p.grad is not None)
+        for model in (serial, parallel):
+            torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3 * scale).step()
+        state = serial_state_dict(parallel)
+        for key, value in serial.state_dict().items():
+            assert_close(state[key], value, 1e-4, key)

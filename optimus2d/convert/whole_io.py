@@ -7,7 +7,9 @@ and gives every tensor of its output whole on every rank (as DTensor's 1D layout
 
 * entry: each tensor argument of one dim or more → this rank's block of the model's mesh
   (``from_whole``: nothing sent; backward, where it needs a gradient, the blocks' gradients
-  all-gathered). A planned module that takes such a block unchanged does not move it: a 1D
+  all-gathered): a floating tensor of 2 or 3 dims is an activation ``[b, ..., h]`` (cut as
+  ``scatter`` cuts it), any other (ids, masks, labels, images ``[b, c, H, W]``) a batch tensor
+  (cut as ``scatter_batch`` cuts it). A planned module that takes such a block unchanged does not move it: a 1D
   region (``megatron.Megatron``) takes the whole tensor itself, a module on another mesh shape
   cuts its own block of it; nothing sent either way.
 * exit: each output tensor, a block of a mesh → the whole tensor (``to_whole``: one all-gather
@@ -96,7 +98,8 @@ class WholeIO(Boundary):
     def _in(self, t: torch.Tensor) -> torch.Tensor:
         if t.dim() == 0:
             return t
-        block = from_whole(t, self.inner, _kind(t))
+        kind = "activation" if t.is_floating_point() and t.dim() in (2, 3) else "batch"
+        block = from_whole(t, self.inner, kind)
         self.keep(block, t)
         return block
 
