@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimus2d import Auto, Mesh, count_comm, parallelize, scatter, serial_state_dict
+from optimus2d.convert import register_converter
 from optimus2d.megatron import Megatron
 
 pytestmark = pytest.mark.mpi
@@ -241,3 +242,143 @@ def test_llava_takes_its_batch_whole_and_gives_logits_and_loss_whole(world, regi
         state = serial_state_dict(parallel)
         for key, value in serial.state_dict().items():
             assert_close(state[key], value, 1e-4, key)
+
+
+# ---- what taking the whole tensor must not skip or keep --------------------------------------------
+class TwoRegions(nn.Module):
+    """Two MLPs (each a 1D region), a hook scaling the gradient of the activation between them."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.b = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: -0.5 * g)  # a gradient reversal between two modules
+        return self.b(h)
+
+
+register_converter(TwoRegions, keep=True)  # its forward: element-wise on blocks, and a hook
+
+
+def test_a_hook_on_a_block_between_regions_is_kept(world):
+    """The block between two 1D regions carries a gradient hook: the second region must take that
+    block (all-gathered), not the whole tensor it was cut from, or the hook is skipped."""
+    x = _x(world)
+    mesh = _meshes_of(world)[0]
+    serial = _serial(TwoRegions, world)
+    parallel = parallelize(copy.deepcopy(serial), mesh, plan={"a": Megatron(mesh), "b": Megatron(mesh)}, io="whole")
+    _step_whole(serial, parallel, x)
+
+
+class Stack(nn.Module):
+    """Eight MLPs, each a 1D region, with norms on the model's mesh between them."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(8)
+        )
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer, norm in zip(self.layers, self.norms, strict=True):
+            x = norm(x + layer(x))
+        return x
+
+
+register_converter(Stack, keep=True)  # its forward: a loop of element-wise sums and its children
+
+
+def test_a_regions_whole_output_is_not_kept_past_its_blocks(world):
+    """Each region's whole output is noted on the blocks cut from it, weakly kept by the model's
+    call: once those blocks are gone (the norm read them), the whole tensor goes too, as with blocks."""
+    import gc
+    import weakref
+
+    from optimus2d.convert import layouts
+
+    x = _x(world)
+    mesh = _meshes_of(world)[0]
+    serial = _serial(Stack, world)
+    outputs, alive = [], {}
+    original = layouts.WholeBoundary._out
+
+    def noted(self, t):
+        outputs.append(weakref.ref(t))
+        return original(self, t)
+
+    for io in ("blocks", "whole"):
+        outputs.clear()
+        parallel = parallelize(copy.deepcopy(serial), mesh, plan={"layers.*": Megatron(mesh)}, io=io)
+        layouts.WholeBoundary._out = noted
+        try:
+            with torch.no_grad():
+                parallel(x if io == "whole" else scatter(x, mesh))
+        finally:
+            layouts.WholeBoundary._out = original
+        gc.collect()
+        alive[io] = sum(ref() is not None for ref in outputs)
+    assert len(outputs) == 8 and alive == {"blocks": 0, "whole": 0}
+    assert_close(parallel(x), serial(x), 1e-9, "output")
+
+
+# ---- Hugging Face LLaMA: keywords, hidden states, generate ------------------------------------------
+def _llama(world):
+    transformers = pytest.importorskip("transformers")
+    p = world.size
+    config = transformers.LlamaConfig(
+        vocab_size=72, hidden_size=4 * p, intermediate_size=8 * p, num_hidden_layers=1, num_attention_heads=p,
+        num_key_value_heads=p, bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).double()
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("region", [None, "model"], ids=["on-the-mesh", "all-but-head-in-1d"])
+def test_llama_float_mask_hidden_states_and_generate_whole(world, region):
+    """A float attention mask with padding (a mask by its name: a batch tensor, not an activation),
+    the hidden states asked for (whole when read, also those a 1D region gives), ``cache_position``
+    (as it is), and ``generate`` (its own hooks cut and gather; ``io="whole"``'s step aside): as serial."""
+    mesh = _meshes_of(world)[0]
+    serial = _llama(world)
+    torch.manual_seed(1)
+    b, s = 2 * world.size, 8
+    ids, mask = torch.randint(1, 72, (b, s)), torch.ones(b, s, dtype=torch.float64)
+    mask[0, 5:] = 0
+    parallel = parallelize(copy.deepcopy(serial), mesh, plan={region: Megatron(mesh)} if region else None, io="whole")
+    kw = dict(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False,
+              cache_position=torch.arange(s))  # fmt: skip
+    ref, got = serial(**kw), parallel(**kw)
+    assert_close(got.logits.detach(), ref.logits, 1e-6, "logits")
+    assert len(got.hidden_states) == len(ref.hidden_states)
+    for n, (mine, theirs) in enumerate(zip(got.hidden_states, ref.hidden_states, strict=True)):
+        assert getattr(mine, "_optimus2d_layout", None) is None
+        assert_close(mine.detach(), theirs, 1e-6, f"hidden state {n}")
+    serial.eval(), parallel.eval()
+    want = serial.generate(ids[:, :5], max_new_tokens=3, do_sample=False)
+    assert torch.equal(parallel.generate(ids[:, :5], max_new_tokens=3, do_sample=False), want)
+    out = parallel(input_ids=ids, use_cache=False)  # and after generate, whole again
+    assert_close(out.logits.detach(), serial(input_ids=ids, use_cache=False).logits, 1e-6, "logits after generate")
+
+
+def test_plan_auto_prices_whole_io_at_the_models_edges(world):
+    """``parallelize(plan="auto", io="whole")`` prices what runs: the 1D row of a wrapper of one MLP
+    without its boundary's all-gathers (cheaper than with blocks), a mesh row with its output's."""
+    if world.size == 1:
+        pytest.skip("one rank: no 1D row")
+    from optimus2d.convert import choose_plan
+
+    mesh = _meshes_of(world)[0]
+    model = _serial(Holder, world)
+    auto = Auto(tokens=6 * world.size, seq=3)
+    rows = {
+        io: {row[0]["inner"]: row[1] for row in choose_plan(model, mesh, auto, io=io)[0].table}
+        for io in ("blocks", "whole")
+    }
+    assert rows["whole"]["1d"] < rows["blocks"]["1d"]
+    here = f"{mesh.q}×{mesh.q}×{mesh.depth}"
+    assert rows["whole"][here] > rows["blocks"][here]  # its output all-gathered to leave whole

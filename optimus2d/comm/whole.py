@@ -154,12 +154,17 @@ def keep_whole(block: torch.Tensor, whole: torch.Tensor) -> None:
 
 def whole_of(block: torch.Tensor) -> torch.Tensor | None:
     """The whole tensor ``block`` was cut from (``keep_whole``), the same on every rank, where neither
-    has changed in place since; else None."""
+    has changed in place since and the block's gradient has nothing of its own (a hook, a retained
+    gradient, another ``requires_grad``) that taking the whole tensor would skip; else None."""
     kept = getattr(block, "_optimus2d_whole", None)
     if kept is None:
         return None
     whole, whole_version, block_version = kept
-    return whole if whole._version == whole_version and block._version == block_version else None
+    if whole._version != whole_version or block._version != block_version:
+        return None
+    if block.requires_grad != whole.requires_grad or block._backward_hooks or block.retains_grad:
+        return None
+    return whole
 
 
 def forget_whole(block: torch.Tensor) -> None:

@@ -129,7 +129,12 @@ def _edges(model: nn.Module, blocks: list[Block]) -> list[Block]:
     children = [name for name, _ in model.named_children()]
     if not children or any(True for _ in model.parameters(recurse=False)):
         return blocks
-    return [replace(b, whole_in=b.path == children[0], whole_out=b.path == children[-1]) for b in blocks]
+
+    def placed(b: Block, first: bool, last: bool) -> Block:  # a part's first block takes its input, ...
+        inner = tuple(placed(x, first and n == 0, last and n == len(b.inner) - 1) for n, x in enumerate(b.inner))
+        return replace(b, whole_in=first, whole_out=last, inner=inner if b.kind == "part" else b.inner)
+
+    return [placed(b, b.path == children[0], b.path == children[-1]) for b in blocks]
 
 
 def _top(model: nn.Module, path: str) -> bool:

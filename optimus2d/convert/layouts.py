@@ -143,7 +143,7 @@ class Boundary:
         self.adopt(kwargs)
         named = [(f"argument {n}", a) for n, a in enumerate(args)] + list(kwargs.items())
         for name, t in (hit for key, value in named for hit in _tensors(value, key)):  # refuse before sending
-            if t.dim() and getattr(t, "_optimus2d_layout", None) is None:
+            if t.dim() and getattr(t, "_optimus2d_layout", None) is None and whole_of(t) is None:
                 raise ValueError(
                     f"parallelize: {self.path} (on {_shape(self.inner)}) receives {name} of shape {tuple(t.shape)} "
                     f"whose layout cannot be known (computed by plain torch, not given by scatter, scatter_batch, "
@@ -170,7 +170,9 @@ class Boundary:
         if isinstance(output, Mapping) and hasattr(output, "to_tuple"):
             for key in list(output.keys()):
                 value = output[key]
-                lazy = isinstance(value, (tuple, list)) and value and all(isinstance(t, torch.Tensor) for t in value)
+                lazy = isinstance(value, MovedOnRead) or (
+                    isinstance(value, (tuple, list)) and value and all(isinstance(t, torch.Tensor) for t in value)
+                )  # (a planned module's inside, moved when read: moved on from there when read)
                 output[key] = MovedOnRead(value, self._out) if lazy else self._fields(value)
             return output
         return _map(output, self._out)
@@ -238,7 +240,8 @@ class MovedOnRead(Sequence):
     """A tuple of a planned module's output tensors, each moved to the outer mesh when first read."""
 
     def __init__(self, items: Sequence, move) -> None:
-        self._items, self._move, self._moved = list(items), move, {}
+        self._items = items if isinstance(items, MovedOnRead) else list(items)  # an inner one: read when read
+        self._move, self._moved = move, {}
 
     def __len__(self) -> int:
         return len(self._items)

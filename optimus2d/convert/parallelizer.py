@@ -631,4 +631,4 @@ def choose_plan(model: nn.Module, mesh: Mesh, auto: Auto | str = "auto", *, io: 
     """``plan="auto"``'s (choice with its table, ``plan=``) for ``model`` on ``mesh``, nothing converted
     (``convert.auto.choose_plan``; the copies ``Auto(measure=)`` times are converted by ``parallelize``
     with ``io=``, so its step takes what the model will)."""
-    return auto_plan.choose_plan(model, mesh, auto, convert=functools.partial(parallelize, io=io))
+    return auto_plan.choose_plan(model, mesh, auto, convert=functools.partial(parallelize, io=io), io=io)

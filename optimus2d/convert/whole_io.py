@@ -7,25 +7,32 @@ and gives every tensor of its output whole on every rank (as DTensor's 1D layout
 
 * entry: each tensor argument of one dim or more → this rank's block of the model's mesh
   (``from_whole``: nothing sent; backward, where it needs a gradient, the blocks' gradients
-  all-gathered): a floating tensor of 2 or 3 dims is an activation ``[b, ..., h]`` (cut as
-  ``scatter`` cuts it), any other (ids, masks, labels, images ``[b, c, H, W]``) a batch tensor
-  (cut as ``scatter_batch`` cuts it). A planned module that takes such a block unchanged does not move it: a 1D
+  all-gathered). A Hugging Face keyword says what it is: ``inputs_embeds`` an activation
+  ``[b, s, h]`` (cut as ``scatter`` cuts it); ids, labels, images, and every ``*mask*`` a batch
+  tensor ``[b, ...]`` (cut as ``scatter_batch`` cuts it); ``cache_position`` and ``logits_to_keep``
+  (the same for every row) given as they are. Any other: a floating tensor of 2 or 3 dims an
+  activation, anything else a batch tensor. A planned module that takes such a block unchanged does not move it: a 1D
   region (``megatron.Megatron``) takes the whole tensor itself, a module on another mesh shape
   cuts its own block of it; nothing sent either way.
 * exit: each output tensor, a block of a mesh → the whole tensor (``to_whole``: one all-gather
   forward, nothing backward). A 1D region's whole output, cut into blocks at its boundary
   (``from_whole``) and returned unchanged, is given whole as it was: nothing sent either way. A
   tensor without a layout is a block of the model's mesh (the model's own forward ran on its
-  blocks), as at every boundary.
+  blocks), as at every boundary; a causal LM's logits keep the vocabulary padded to divide the
+  mesh, as ``gather`` gives them. Hidden states asked for are made whole when read.
 
 So a model that is one 1D region sends exactly what torch's ``parallelize_module`` sends for it,
 and a model on a mesh pays one all-gather of each output to give it whole. While a call runs, a
 1D region's whole output is kept beside the blocks cut from it; all are let go when the call
-returns. Whole inputs that differ between ranks are not detected (as DTensor assumes of a
-``Replicate`` input): every rank must load the same batch.
+returns (a block no longer referenced frees it earlier). Whole inputs that differ between ranks
+are not detected (as DTensor assumes of a ``Replicate`` input): every rank must load the same
+batch. ``generate`` (Hugging Face) takes and gives whole tensors itself: the hooks step aside
+(``paused``) while it runs.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -36,6 +43,8 @@ from optimus2d.convert.layouts import Boundary, _kind, _map, _tensors
 from optimus2d.layers.base import ShardedModule
 
 IO = ("blocks", "whole")
+_BATCH = ("input_ids", "position_ids", "token_type_ids", "labels", "pixel_values", "image_sizes")
+_AS_IS = ("cache_position", "logits_to_keep")  # positions the same for every row
 
 
 def io_refusal(io: object) -> Exception | None:
@@ -51,14 +60,16 @@ class WholeIO(Boundary):
     """The hooks of a model converted with ``io="whole"``: whole tensors in, whole tensors out.
 
     ``active`` while a call runs (a 1D region's boundary then keeps its whole output beside the
-    blocks it cuts, ``keep``); ``kept``: those blocks and the inputs' blocks, forgotten on return."""
+    blocks it cuts, ``keep``); ``kept``: those blocks and the inputs' blocks (weakly), forgotten on
+    return; ``paused``: the hooks pass everything as it is (while ``generate`` runs)."""
 
     def __init__(self, mesh: Mesh, meshes: list[Mesh]) -> None:
         super().__init__("the model", mesh, mesh, meshes)
-        self.active = False
-        self.kept: list[torch.Tensor] = []
+        self.active = self.paused = False
+        self.kept: list[weakref.ref] = []
 
     def install(self, module: nn.Module) -> None:
+        module.__dict__["_optimus2d_whole_io"] = self
         if isinstance(module, ShardedModule):  # its __call__ calls before and after around its own check
             module.__dict__["_optimus2d_boundary"] = self
         else:
@@ -67,6 +78,8 @@ class WholeIO(Boundary):
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._forget()
+        if self.paused:
+            return args, kwargs
         named = [(f"argument {n}", a) for n, a in enumerate(args)] + list(kwargs.items())
         for name, t in (hit for key, value in named for hit in _tensors(value, key)):  # refuse before cutting
             if t.dim() and getattr(t, "_optimus2d_layout", None) is not None:
@@ -76,11 +89,12 @@ class WholeIO(Boundary):
                     f"tensor, or convert the model with io='blocks'"
                 )
         self.active = True
-        return _map((args, kwargs), self._in)
+        args = tuple(_map(a, lambda t: self._cut(t, "")) for a in args)
+        return args, {key: _map(value, lambda t, key=key: self._cut(t, key)) for key, value in kwargs.items()}
 
     def after(self, module: nn.Module, args: tuple, output: object) -> object:
         try:
-            return super().after(module, args, output) if output is not None else output
+            return super().after(module, args, output) if output is not None and not self.paused else output
         finally:
             self.active = False
             self._forget()
@@ -88,17 +102,29 @@ class WholeIO(Boundary):
     def keep(self, block: torch.Tensor, whole: torch.Tensor) -> None:
         """Note on ``block`` the whole tensor it was cut from, until this call returns."""
         keep_whole(block, whole)
-        self.kept.append(block)
+        self.kept.append(weakref.ref(block))
 
     def _forget(self) -> None:
-        for block in self.kept:
-            forget_whole(block)
+        for ref in self.kept:
+            block = ref()
+            if block is not None:
+                forget_whole(block)
         self.kept.clear()
 
-    def _in(self, t: torch.Tensor) -> torch.Tensor:
+    def _cut(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """The whole argument ``t`` (keyword ``name``, "" if positional) → this rank's block."""
         if t.dim() == 0:
             return t
-        kind = "activation" if t.is_floating_point() and t.dim() in (2, 3) else "batch"
+        if name in _AS_IS:  # the same on every rank and row: whole wherever it goes (a 1D region takes it)
+            same = t.view_as(t)
+            self.keep(same, t)
+            return same
+        if name in _BATCH or "mask" in name:
+            kind = "batch"
+        elif name == "inputs_embeds":
+            kind = "activation"
+        else:
+            kind = "activation" if t.is_floating_point() and t.dim() in (2, 3) else "batch"
         block = from_whole(t, self.inner, kind)
         self.keep(block, t)
         return block

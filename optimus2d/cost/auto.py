@@ -156,6 +156,12 @@ def predict(block: Block, layout: str, p: int, hw: Hardware, *, boundary: bool =
     return seconds, weights + (acts * hw.bytes_per_element if backward else 0.0)
 
 
+def _whole_out(block: Block, p: int, hw: Hardware) -> float:
+    """Seconds to give the model's output [rows, hidden] whole from blocks of its mesh: one all-gather
+    forward, nothing backward (``to_whole``)."""
+    return comm_time([("all_gather", p, block.rows * block.hidden, 1)], hw, 0.0)
+
+
 def _boundary(block: Block, before: str, after: str, backward: bool, p: int, hw: Hardware) -> float:
     """Seconds to move ``block``'s input [rows, hidden] from mesh layout ``before`` to ``after`` (and
     its gradient back when ``backward``); a 1D block's own boundary is in its ``predict``."""
@@ -215,13 +221,13 @@ def _options(block: Block, p: int, hw: Hardware, start: str, only: set[str] | No
         # on another mesh shape: its input moves there (its gradient back where it has one) and its
         # output back to the model's mesh (the gradient back where the block has a backward)
         into = 0.0 if block.whole_in else _boundary(block, start, layout, block.input_grad, p, hw)
-        if block.whole_out:  # a block of the mesh leaves whole: one all-gather forward (a 1D block's is whole)
-            back = 0.0 if layout == "1d" else comm_time([("all_gather", p, block.rows * block.hidden, 1)], hw, 0.0)
-        else:
-            back = _boundary(block, layout, start, block.input_grad or not block.frozen, p, hw)
+        back = _boundary(block, layout, start, block.input_grad or not block.frozen, p, hw)
+        if block.whole_out:  # leaving whole: a 1D block's is; a mesh's moves to the model's, then all-gathered
+            back = 0.0 if layout == "1d" else back + _whole_out(block, p, hw)
         options.append(({block.path: layout}, t + into + back, m))
     if block.kind == "region":  # staying on the mesh: its attention there, each of its blocks laid out alone
         t, m = predict(block, start, p, hw)
+        t += _whole_out(block, p, hw) if block.whole_out else 0.0
         for b in block.inner:
             bt, bm = predict(b, start, p, hw)
             t, m = t - bt, m - bm

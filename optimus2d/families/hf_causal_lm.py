@@ -166,10 +166,15 @@ def generate(self: nn.Module, *args, **kwargs):
         self.register_forward_hook(_gather_outputs, prepend=True),
     ]
     self._optimus2d_generating = True
+    whole_io = self.__dict__.get("_optimus2d_whole_io")  # parallelize(io="whole"): these hooks cut and gather
+    if whole_io is not None:
+        whole_io.paused = True
     try:
         return type(self).generate(self, *args, **kwargs)
     finally:
         self._optimus2d_generating = False
+        if whole_io is not None:
+            whole_io.paused = False
         for handle in handles:
             handle.remove()
 
