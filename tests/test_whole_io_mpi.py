@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import optimus2d
 from optimus2d import Auto, Mesh, count_comm, parallelize, scatter, serial_state_dict
 from optimus2d.convert import register_converter
 from optimus2d.megatron import Megatron
@@ -382,3 +383,121 @@ def test_plan_auto_prices_whole_io_at_the_models_edges(world):
     assert rows["whole"]["1d"] < rows["blocks"]["1d"]
     here = f"{mesh.q}×{mesh.q}×{mesh.depth}"
     assert rows["whole"][here] > rows["blocks"][here]  # its output all-gathered to leave whole
+
+
+class Pair(TwoRegions):
+    """The same two regions, nothing between them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+register_converter(Pair, keep=True)
+
+
+def test_a_hook_asked_of_a_block_taken_whole_after_the_forward_is_refused(world):
+    """A block the next 1D region took whole is out of the backward graph: a gradient hook or
+    ``retain_grad`` asked of it after the forward (as a forward hook keeps it) would never fire, so
+    it is refused with a message; with ``io="blocks"`` the same hook fires as in serial."""
+    if world.size == 1:
+        pytest.skip("one rank: the region's block is the whole tensor")
+    x = _x(world)
+    mesh = _meshes_of(world)[0]
+    plan = {"a": Megatron(mesh), "b": Megatron(mesh)}
+    for io in ("blocks", "whole"):
+        parallel = parallelize(_serial(Pair, world), mesh, plan=plan, io=io)
+        seen: list[torch.Tensor] = []
+        parallel.a.register_forward_hook(lambda module, args, out, seen=seen: seen.append(out))
+        parallel(x if io == "whole" else scatter(x, mesh)).sum().backward()
+        block = seen[0]
+        if io == "blocks":
+            block.register_hook(lambda g: g)
+            block.retain_grad()
+            continue
+        with pytest.raises(RuntimeError, match="handed whole to the next module"):
+            block.register_hook(lambda g: g)
+        with pytest.raises(RuntimeError, match="handed whole to the next module"):
+            block.retain_grad()
+
+
+@pytest.mark.families
+def test_llama_positional_float_mask_and_broadcast_position_ids(world):
+    """A float mask given by position is cut by its parameter's name (a batch tensor); ``position_ids``
+    of one row ``[1, s]`` (Hugging Face's broadcast shape) goes as it is: exact on every rank."""
+    mesh = _meshes_of(world)[0]
+    serial = _llama(world)
+    torch.manual_seed(1)
+    b, s = 2 * world.size, 8
+    ids, mask = torch.randint(1, 72, (b, s)), torch.ones(b, s, dtype=torch.float64)
+    mask[0, 5:] = 0
+    parallel = parallelize(copy.deepcopy(serial), mesh, io="whole")
+    assert_close(parallel(ids, mask).logits.detach(), serial(ids, mask).logits, 1e-6, "logits, mask by position")
+    positions = torch.arange(s)[None]
+    got = parallel(input_ids=ids, position_ids=positions).logits.detach()
+    assert_close(got, serial(input_ids=ids, position_ids=positions).logits, 1e-6, "logits, positions [1, s]")
+
+
+class Inner(nn.Module):
+    """Two residual MLPs giving their hidden states (a Hugging Face-like output)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.m1 = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.m2 = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        h1 = x + self.m1(x)
+        h2 = h1 + self.m2(h1)
+        return BaseModelOutput(last_hidden_state=h2, hidden_states=(h1, h2))
+
+
+class Middle(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inner, self.norm = Inner(width), nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        out = self.inner(x)
+        return BaseModelOutput(last_hidden_state=self.norm(out.last_hidden_state), hidden_states=out.hidden_states)
+
+
+class Nested(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mid, self.proj = Middle(width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        out = self.mid(x)
+        return BaseModelOutput(last_hidden_state=self.proj(out.last_hidden_state), hidden_states=out.hidden_states)
+
+
+for _cls in (Inner, Middle, Nested):
+    register_converter(_cls, keep=True)  # their forwards: children and element-wise work
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("io", ["blocks", "whole"])
+def test_hidden_states_of_nested_planned_modules_reach_the_model_mesh(world, io):
+    """Hidden states a 1D region gives inside a module on another mesh shape: moved on through each
+    boundary when read, to the model's mesh (blocks) or whole (io="whole"), exact."""
+    pytest.importorskip("transformers")
+    meshes = _meshes_of(world)
+    mesh, other = meshes[0], meshes[-1]
+    serial = _serial(Nested, world)
+    x = _x(world)
+    plans = [{"mid": other, "mid.inner": Megatron(other)}, {"mid": other}, {"mid.inner": Megatron(mesh)}]
+    for plan in plans:
+        parallel = parallelize(copy.deepcopy(serial), mesh, plan=plan, io=io)
+        got, want = parallel(x if io == "whole" else scatter(x, mesh)), serial(x)
+        for mine, theirs in zip(got.hidden_states, want.hidden_states, strict=True):
+            if io == "blocks":
+                if world.size > 1:  # (one rank: one mesh, no boundary, nothing tagged)
+                    assert mine._optimus2d_layout == optimus2d.comm.calls.layout(mesh)
+                mine = optimus2d.gather(mine, mesh)
+            assert_close(mine.detach(), theirs, 1e-9, f"hidden state, plan {plan}")

@@ -20,7 +20,9 @@ and direction where the other direction sends nothing.
 ``keep_whole``/``whole_of``: a block cut by ``from_whole`` may remember the whole tensor it was cut
 from, so that a consumer wanting the whole again takes it as it is, nothing sent (a model whose
 inputs and outputs are whole, ``parallelize(io="whole")``). Only while neither tensor has changed
-in place since (torch's version counters): otherwise the block is all-gathered as usual.
+in place since (torch's version counters; a write through ``.data``, which autograd does not see
+either, is not seen) and the block's gradient has nothing of its own: otherwise the block is
+all-gathered as usual (``take_whole``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from optimus2d.comm.calls import tag
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.redistribution import LAYOUTS, boxes, global_shape
 
-__all__ = ["forget_whole", "from_whole", "keep_whole", "to_whole", "whole_of"]
+__all__ = ["forget_whole", "from_whole", "keep_whole", "take_whole", "to_whole", "whole_of"]
 
 
 def _slices(box) -> tuple[slice, ...]:
@@ -165,6 +167,25 @@ def whole_of(block: torch.Tensor) -> torch.Tensor | None:
     if block.requires_grad != whole.requires_grad or block._backward_hooks or block.retains_grad:
         return None
     return whole
+
+
+def take_whole(block: torch.Tensor) -> torch.Tensor | None:
+    """``whole_of(block)``, for a consumer that takes the whole tensor instead of the block: the block
+    then leaves the backward graph (nothing flows through it), so a gradient hook or ``retain_grad``
+    asked of it later is refused (it would never fire), not silently ignored."""
+    whole = whole_of(block)
+    if whole is not None:
+        block.register_hook = _bypassed
+        block.retain_grad = _bypassed
+    return whole
+
+
+def _bypassed(*args, **kwargs):
+    raise RuntimeError(
+        "this block was handed whole to the next module (parallelize(io='whole')): no gradient flows through "
+        "it, so a hook or retain_grad on it would never fire; register it during the forward, before the next "
+        "module reads the block, or convert with io='blocks'"
+    )
 
 
 def forget_whole(block: torch.Tensor) -> None:

@@ -36,7 +36,7 @@ from optimus2d.comm.agreement import agree
 from optimus2d.comm.calls import layout, tag
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.redistribution import redistribute
-from optimus2d.comm.whole import from_whole, to_whole, whole_of
+from optimus2d.comm.whole import from_whole, take_whole, to_whole, whole_of
 from optimus2d.context.parallel import ContextParallel
 from optimus2d.layers.base import ShardedModule
 from optimus2d.megatron.region import Megatron
@@ -181,7 +181,7 @@ class Boundary:
         given = getattr(t, "_optimus2d_layout", None)
         if t.dim() == 0 or given is None or given == layout(self.inner):
             return t
-        whole = whole_of(t)  # cut from a whole tensor (a model's whole input): this mesh's block of it
+        whole = take_whole(t)  # cut from a whole tensor (a model's whole input): this mesh's block of it
         if whole is not None:
             return from_whole(whole, self.inner, _kind(t))
         src = self.meshes.get(given)
@@ -219,7 +219,7 @@ class WholeBoundary(Boundary):
         given = getattr(t, "_optimus2d_layout", None)
         if t.dim() == 0 or given is None:
             return t
-        whole = whole_of(t)  # cut from a whole tensor (a model's whole input): take it as it is
+        whole = take_whole(t)  # cut from a whole tensor (a model's whole input): take it as it is
         if whole is not None:
             return whole
         src = self.meshes.get(given)

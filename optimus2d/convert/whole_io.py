@@ -7,19 +7,23 @@ and gives every tensor of its output whole on every rank (as DTensor's 1D layout
 
 * entry: each tensor argument of one dim or more → this rank's block of the model's mesh
   (``from_whole``: nothing sent; backward, where it needs a gradient, the blocks' gradients
-  all-gathered). A Hugging Face keyword says what it is: ``inputs_embeds`` an activation
-  ``[b, s, h]`` (cut as ``scatter`` cuts it); ids, labels, images, and every ``*mask*`` a batch
-  tensor ``[b, ...]`` (cut as ``scatter_batch`` cuts it); ``cache_position`` and ``logits_to_keep``
-  (the same for every row) given as they are. Any other: a floating tensor of 2 or 3 dims an
-  activation, anything else a batch tensor. A planned module that takes such a block unchanged does not move it: a 1D
-  region (``megatron.Megatron``) takes the whole tensor itself, a module on another mesh shape
-  cuts its own block of it; nothing sent either way.
+  all-gathered). A Hugging Face keyword (or the name of the ``forward`` parameter a positional
+  argument fills) says what it is: ``inputs_embeds`` an activation ``[b, s, h]`` (cut as
+  ``scatter`` cuts it); ids, labels, images, and every ``*mask*`` a batch tensor ``[b, ...]`` (cut
+  as ``scatter_batch`` cuts it); ``cache_position``, ``logits_to_keep`` and ``position_ids`` of one
+  row ``[1, s]`` (the same for every row) given as they are. Any other: a floating tensor of 2 or 3
+  dims an activation, anything else a batch tensor. A planned module that takes such a block
+  unchanged does not move it: a 1D region (``megatron.Megatron``) takes the whole tensor itself,
+  a module on another mesh shape cuts its own block of it; nothing sent either way.
 * exit: each output tensor, a block of a mesh → the whole tensor (``to_whole``: one all-gather
   forward, nothing backward). A 1D region's whole output, cut into blocks at its boundary
   (``from_whole``) and returned unchanged, is given whole as it was: nothing sent either way. A
   tensor without a layout is a block of the model's mesh (the model's own forward ran on its
   blocks), as at every boundary; a causal LM's logits keep the vocabulary padded to divide the
   mesh, as ``gather`` gives them. Hidden states asked for are made whole when read.
+
+A block a module took whole is out of the backward graph: a gradient hook or ``retain_grad`` asked
+of it after the module read it is refused (it would never fire; ``comm.whole.take_whole``).
 
 So a model that is one 1D region sends exactly what torch's ``parallelize_module`` sends for it,
 and a model on a mesh pays one all-gather of each output to give it whole. While a call runs, a
@@ -32,13 +36,14 @@ batch. ``generate`` (Hugging Face) takes and gives whole tensors itself: the hoo
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
 from torch import nn
 
 from optimus2d.comm.mesh import Mesh
-from optimus2d.comm.whole import forget_whole, from_whole, keep_whole, to_whole, whole_of
+from optimus2d.comm.whole import forget_whole, from_whole, keep_whole, take_whole, to_whole
 from optimus2d.convert.layouts import Boundary, _kind, _map, _tensors
 from optimus2d.layers.base import ShardedModule
 
@@ -89,7 +94,8 @@ class WholeIO(Boundary):
                     f"tensor, or convert the model with io='blocks'"
                 )
         self.active = True
-        args = tuple(_map(a, lambda t: self._cut(t, "")) for a in args)
+        names = _positional_names(module, len(args))
+        args = tuple(_map(a, lambda t, name=name: self._cut(t, name)) for a, name in zip(args, names, strict=True))
         return args, {key: _map(value, lambda t, key=key: self._cut(t, key)) for key, value in kwargs.items()}
 
     def after(self, module: nn.Module, args: tuple, output: object) -> object:
@@ -115,7 +121,8 @@ class WholeIO(Boundary):
         """The whole argument ``t`` (keyword ``name``, "" if positional) → this rank's block."""
         if t.dim() == 0:
             return t
-        if name in _AS_IS:  # the same on every rank and row: whole wherever it goes (a 1D region takes it)
+        if name in _AS_IS or (name == "position_ids" and t.shape[0] == 1):  # the same for every row: whole
+            # wherever it goes (a 1D region takes it as it is)
             same = t.view_as(t)
             self.keep(same, t)
             return same
@@ -132,9 +139,21 @@ class WholeIO(Boundary):
     def _out(self, t: torch.Tensor) -> torch.Tensor:
         if t.dim() == 0:
             return t
-        whole = whole_of(t)
+        whole = take_whole(t)
         if whole is not None:
             return whole
         given = getattr(t, "_optimus2d_layout", None)
         src = self.meshes.get(given, self.inner) if given is not None else self.inner
         return to_whole(t, src, _kind(t))
+
+
+def _positional_names(module: nn.Module, count: int) -> list[str]:
+    """The names of ``module.forward``'s first ``count`` positional parameters ("" past them, as for
+    ``*args``): a positional argument is cut by its keyword's rule as well."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in params if p.kind in kinds]
+    return [names[n] if n < len(names) else "" for n in range(count)]
