@@ -89,6 +89,16 @@ def world():
 _meshes: dict = {}
 
 
+def meshes_of(world) -> list:
+    """A Mesh of every shape of the world (``mesh_shapes``), each built once per session (collectively)."""
+    import optimus2d
+
+    for shape in mesh_shapes(world.size):
+        if shape not in _meshes:
+            _meshes[shape] = optimus2d.Mesh(*shape)
+    return [_meshes[shape] for shape in mesh_shapes(world.size)]
+
+
 @pytest.fixture
 def mesh(world, mesh_shape):
     """The mesh of shape (q, depth) over all ranks, built once per session (collectively)."""

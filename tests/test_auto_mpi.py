@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import _meshes, mesh_shapes
+from conftest import meshes_of
 from helpers import FAST_S, assert_close, check_against_serial, raises_fast
 from torch import nn
 
@@ -42,12 +42,6 @@ class TwoMLPs(nn.Module):
         return self.mlp2(self.norm(self.mlp1(x)))
 
 
-def _meshes_of(world) -> list[Mesh]:
-    for shape in mesh_shapes(world.size):
-        _meshes.setdefault(shape, Mesh(*shape))
-    return [_meshes[shape] for shape in mesh_shapes(world.size)]
-
-
 def _layout_of(module: nn.Module, mesh: Mesh) -> str:
     """The layout ``parallelize`` gave an MLP: "1d", or its mesh's "q×q×d"."""
     if any(runs_split(m) for m in module.modules()):
@@ -59,7 +53,7 @@ def _layout_of(module: nn.Module, mesh: Mesh) -> str:
 def test_auto_applies_its_pick_and_is_exact_on_every_mesh(world):
     torch.manual_seed(1)
     x = torch.randn(2 * world.size, 3, 6 * world.size, dtype=torch.float64)
-    for mesh in _meshes_of(world):
+    for mesh in meshes_of(world):
         picked = set()
         for tokens in (16, 1 << 22):
             torch.manual_seed(0)
@@ -90,7 +84,7 @@ def test_auto_refuses_what_it_cannot_read_on_every_rank(world):
 
 
 def test_the_calibration_is_the_same_on_every_rank_and_cached(world, tmp_path, monkeypatch):
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     monkeypatch.setenv("OPTIMUS2D_CACHE", str(tmp_path))  # rank 0's is the one read and written
     measured = calibration.hardware(mesh, refresh=True)
     assert measured.flops > 0 and measured.bandwidth > 0 and measured.latency >= 0
@@ -112,7 +106,7 @@ def test_auto_times_the_best_predicted_on_request_and_picks_the_fastest_measured
     """``Auto(measure=step, top=3)``: the 3 best predicted and the model's own mesh converted on copies
     and timed; every rank gets the same times (the slowest rank's) and so the same pick; the model
     itself untouched; the plan exact."""
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     torch.manual_seed(1)
     x = torch.randn(2 * world.size, 3, 6 * world.size, dtype=torch.float64)
     torch.manual_seed(0)
@@ -208,7 +202,7 @@ def test_auto_lays_out_torch_transformer_layers_and_is_exact_on_every_mesh(world
     torch.manual_seed(1)
     x = torch.randn(2 * world.size, 4, 6 * world.size, dtype=torch.float64)
     picked = set()
-    for mesh in _meshes_of(world):  # on 1×1×4, 3 heads: never offered the 2×2 grid (refused there)
+    for mesh in meshes_of(world):  # on 1×1×4, 3 heads: never offered the 2×2 grid (refused there)
         for tokens, memory in ((8, None), (1 << 22, None), (8, 1.0)):  # a cap none fits: the leanest
             torch.manual_seed(0)
             serial = Layers(6 * world.size, heads=3 * mesh.q).double()
@@ -246,7 +240,7 @@ def test_every_layout_of_the_parts_the_planner_offers_is_exact(world):
     ``choose_plan`` would return for it, and ``plan=Auto`` itself: exact against serial on every mesh."""
     torch.manual_seed(1)
     x = torch.randn(2 * world.size, 4, 6 * world.size, dtype=torch.float64)
-    for n, mesh in enumerate(_meshes_of(world)):
+    for n, mesh in enumerate(meshes_of(world)):
         torch.manual_seed(0)
         serial = Parts(6 * world.size, heads=world.size if world.size > 1 else 6).double()
         auto = Auto(tokens=x.shape[0] * x.shape[1], seq=4, hardware=HW)
@@ -296,7 +290,7 @@ def test_a_llama_decoder_stack_is_a_region_run_whole_in_1d_or_left_on_the_mesh_e
     )  # fmt: skip
     torch.manual_seed(1)
     ids = torch.randint(0, 72, (2 * p, 6))
-    for mesh in _meshes_of(world):
+    for mesh in meshes_of(world):
         torch.manual_seed(0)
         serial = transformers.LlamaForCausalLM(config)  # fp32: its eager softmax rounds to fp32 anyway
         auto = Auto(tokens=ids.numel(), seq=ids.shape[1], hardware=HW)

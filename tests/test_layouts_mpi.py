@@ -10,20 +10,13 @@ import itertools
 
 import pytest
 import torch
-from conftest import _meshes, mesh_shapes
+from conftest import meshes_of
 from helpers import check_against_serial
 from torch import nn
 
-from optimus2d import Mesh, count_comm, parallelize, scatter, serial_state_dict
+from optimus2d import count_comm, parallelize, scatter, serial_state_dict
 
 pytestmark = pytest.mark.mpi
-
-
-def _meshes_of(world) -> list[Mesh]:
-    for shape in mesh_shapes(world.size):
-        if shape not in _meshes:
-            _meshes[shape] = Mesh(*shape)
-    return [_meshes[shape] for shape in mesh_shapes(world.size)]
 
 
 def _layer(width: int) -> nn.TransformerEncoderLayer:
@@ -57,7 +50,7 @@ def _input(world) -> torch.Tensor:
 
 def test_every_pair_exact(world):
     x = _input(world)
-    for model_mesh, encoder_mesh in itertools.product(_meshes_of(world), repeat=2):
+    for model_mesh, encoder_mesh in itertools.product(meshes_of(world), repeat=2):
         serial = _serial()
         parallel = parallelize(copy.deepcopy(serial), model_mesh, plan={"encoder": encoder_mesh})
         assert parallel.encoder.layers[0].linear1.mesh is encoder_mesh
@@ -66,7 +59,7 @@ def test_every_pair_exact(world):
 
 
 def test_glob_keys_and_the_innermost_wins(world):
-    meshes = _meshes_of(world)
+    meshes = meshes_of(world)
     outer, inner = meshes[0], meshes[-1]
     serial = _serial()
     parallel = parallelize(copy.deepcopy(serial), outer, plan={"*": inner, "lm": outer, "lm.layers.*": inner})
@@ -79,7 +72,7 @@ def test_glob_keys_and_the_innermost_wins(world):
 
 
 def test_plan_refusals(world):
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     with pytest.raises(ValueError, match=r"plan= names no module of the model at 'vision'"):
         parallelize(_serial(), mesh, plan={"vision": mesh})
     with pytest.raises(TypeError, match="plan= maps module paths"):
@@ -87,7 +80,7 @@ def test_plan_refusals(world):
 
 
 def test_untagged_input_refused_on_every_rank(world):
-    meshes = _meshes_of(world)
+    meshes = meshes_of(world)
     if len(meshes) < 2:
         pytest.skip("needs two mesh shapes")
     outer, inner = meshes
@@ -99,7 +92,7 @@ def test_untagged_input_refused_on_every_rank(world):
 
 def test_frozen_encoder_state(world):
     """A frozen encoder on its own mesh stays frozen and gets no gradient; the rest trains as serial."""
-    meshes = _meshes_of(world)
+    meshes = meshes_of(world)
     serial = _serial(frozen=True)
     parallel = parallelize(copy.deepcopy(serial), meshes[0], plan={"encoder": meshes[-1]})
     assert not any(p.requires_grad for p in parallel.encoder.parameters())
@@ -117,7 +110,7 @@ def test_autocast_sender_and_receiver_agree(world):
     """Under autocast the encoder's output crosses the boundary in the dtype serial's encoder gives
     (the receiver's buffer takes the sender's, agreed with the shape) and the model stays close to
     serial's autocast."""
-    meshes = _meshes_of(world)
+    meshes = meshes_of(world)
     torch.manual_seed(0)
     serial = EncoderProjectorLM()
     parallel = parallelize(copy.deepcopy(serial), meshes[0], plan={"encoder": meshes[-1]})

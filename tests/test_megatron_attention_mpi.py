@@ -16,22 +16,16 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import _meshes, mesh_shapes
+from conftest import meshes_of
 from helpers import assert_close, check_against_serial, compare_step
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 import optimus2d
-from optimus2d import Mesh, gather, parallelize, scatter, serial_state_dict
+from optimus2d import gather, parallelize, scatter, serial_state_dict
 from optimus2d.megatron import Megatron, SplitMultiheadAttention
 
 pytestmark = pytest.mark.mpi
-
-
-def _meshes_of(world) -> list[Mesh]:
-    for shape in mesh_shapes(world.size):
-        _meshes.setdefault(shape, Mesh(*shape))
-    return [_meshes[shape] for shape in mesh_shapes(world.size)]
 
 
 def _heads(world) -> int:
@@ -65,7 +59,7 @@ def test_encoder_layers_exact_on_every_mesh(world, frozen):
     h = _heads(world)
     torch.manual_seed(1)
     x = torch.randn(world.size, 5, 2 * h, dtype=torch.float64)
-    for mesh in _meshes_of(world):
+    for mesh in meshes_of(world):
         serial = _encoder(world, frozen)
         parallel = parallelize(copy.deepcopy(serial), mesh, plan={"encoder": Megatron(mesh)})
         layer = parallel.encoder.layers[0]
@@ -80,7 +74,7 @@ def test_encoder_layers_exact_on_every_mesh(world, frozen):
 
 
 def test_gradients_their_norm_and_a_step_of_a_trained_encoder(world):
-    h, mesh = _heads(world), _meshes_of(world)[0]
+    h, mesh = _heads(world), meshes_of(world)[0]
     torch.manual_seed(2)
     x = torch.randn(world.size, 5, 2 * h, dtype=torch.float64)
     serial = _encoder(world, False)
@@ -129,7 +123,7 @@ class Outer(nn.Module):
 
 @pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "seq-first"])
 def test_masks_cross_attention_and_averaged_weights(world, batch_first):
-    h, mesh = _heads(world), _meshes_of(world)[-1]
+    h, mesh = _heads(world), meshes_of(world)[-1]
     torch.manual_seed(3)
     x = torch.randn(world.size, 6, 2 * h, dtype=torch.float64)
     for kind in ("causal", "per-head", "cross"):
@@ -156,7 +150,7 @@ def test_decoder_layer_self_and_cross_attention(world):
     h = _heads(world)
     torch.manual_seed(5)
     x = torch.randn(world.size, 4, 2 * h, dtype=torch.float64)
-    for mesh in _meshes_of(world):
+    for mesh in meshes_of(world):
         torch.manual_seed(6)
         serial = Decoder(2 * h, h).double()
         parallel = parallelize(copy.deepcopy(serial), mesh, plan={"decoder": Megatron(mesh)})
@@ -166,7 +160,7 @@ def test_decoder_layer_self_and_cross_attention(world):
 
 def test_eval_without_grad_is_the_serial_forward(world):
     """torch's encoder layer has a fused fast path in eval without grad: it must not run on blocks."""
-    h, mesh = _heads(world), _meshes_of(world)[0]
+    h, mesh = _heads(world), meshes_of(world)[0]
     torch.manual_seed(7)
     x = torch.randn(world.size, 5, 2 * h, dtype=torch.float64)
     serial = _encoder(world, False).eval()
@@ -178,7 +172,7 @@ def test_eval_without_grad_is_the_serial_forward(world):
 def test_checkpoint_moves_between_meshes_with_split_attention(world):
     """Saved with the encoder in 1D on the first mesh, loaded on the last: the same serial tensors,
     and AdamW goes on stepping exactly; ``load_serial_state_dict`` takes the serial tensors."""
-    first, last = _meshes_of(world)[0], _meshes_of(world)[-1]
+    first, last = meshes_of(world)[0], meshes_of(world)[-1]
     root = [tempfile.mkdtemp(prefix="optimus2d-mha1d-") if world.rank == 0 else None]
     dist.broadcast_object_list(root, src=0)
     torch.manual_seed(8)
@@ -211,7 +205,7 @@ def test_checkpoint_moves_between_meshes_with_split_attention(world):
 def test_what_does_not_split_is_refused_on_every_rank(world):
     if world.size == 1:
         pytest.skip("one rank splits every head count")
-    mesh, heads = _meshes_of(world)[-1], world.size + 1
+    mesh, heads = meshes_of(world)[-1], world.size + 1
     cases = {
         "num_heads": nn.MultiheadAttention(2 * heads, heads, batch_first=True),
         "add_bias_kv": nn.MultiheadAttention(2 * world.size, world.size, add_bias_kv=True, batch_first=True),
@@ -231,7 +225,7 @@ def test_what_does_not_split_is_refused_on_every_rank(world):
 
 
 def test_per_head_weights_and_a_causal_hint_without_mask_are_refused(world):
-    mesh, h = _meshes_of(world)[-1], _heads(world)
+    mesh, h = meshes_of(world)[-1], _heads(world)
     attn = SplitMultiheadAttention.from_serial(nn.MultiheadAttention(2 * h, h, batch_first=True).double(), mesh)
     x = torch.randn(2, 3, 2 * h, dtype=torch.float64)
     if world.size > 1:
@@ -249,7 +243,7 @@ def test_one_all_reduce_forward_and_one_per_input_backward(world):
     input that needs none; cross-attention: one for the query, one for the memory (key is value)."""
     if world.size == 1:
         pytest.skip("one rank sends nothing")
-    mesh, h = _meshes_of(world)[-1], _heads(world)
+    mesh, h = meshes_of(world)[-1], _heads(world)
     b, s, e = 2, 3, 2 * h
     attn = SplitMultiheadAttention.from_serial(nn.MultiheadAttention(e, h, batch_first=True).double(), mesh)
     x = torch.randn(b, s, e, dtype=torch.float64, requires_grad=True)
@@ -272,7 +266,7 @@ def test_one_all_reduce_forward_and_one_per_input_backward(world):
 def test_built_alone_it_holds_blocks_of_torchs_own_init(world):
     """``SplitMultiheadAttention(E, H, mesh=)`` draws as ``nn.MultiheadAttention`` does: with the same
     seed, the serial module's tensors (``serial_state_dict``), and its output."""
-    mesh, h = _meshes_of(world)[-1], _heads(world)
+    mesh, h = meshes_of(world)[-1], _heads(world)
     torch.manual_seed(11)
     serial = nn.MultiheadAttention(2 * h, h, batch_first=True, dtype=torch.float64)
     torch.manual_seed(11)
@@ -287,7 +281,7 @@ def test_built_alone_it_holds_blocks_of_torchs_own_init(world):
 
 def test_heads_and_masks_that_do_not_fit_are_refused_with_their_numbers(world):
     """Before any collective: a head count the ranks do not divide (built alone), a mask of another shape."""
-    mesh, h = _meshes_of(world)[-1], _heads(world)
+    mesh, h = meshes_of(world)[-1], _heads(world)
     if world.size > 1:
         with pytest.raises(ValueError, match=f"num_heads = {world.size + 1}: .* the {world.size} ranks"):
             SplitMultiheadAttention(2 * (world.size + 1), world.size + 1, mesh=mesh)

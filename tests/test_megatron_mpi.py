@@ -11,22 +11,16 @@ import copy
 
 import pytest
 import torch
-from conftest import _meshes, mesh_shapes
+from conftest import meshes_of
 from helpers import assert_close, check_against_serial
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import optimus2d
-from optimus2d import Mesh, count_comm, gather, parallelize, scatter_batch, serial_state_dict
+from optimus2d import count_comm, gather, parallelize, scatter_batch, serial_state_dict
 from optimus2d.megatron import Megatron
 
 pytestmark = pytest.mark.mpi
-
-
-def _meshes_of(world) -> list[Mesh]:
-    for shape in mesh_shapes(world.size):
-        _meshes.setdefault(shape, Mesh(*shape))
-    return [_meshes[shape] for shape in mesh_shapes(world.size)]
 
 
 class EncoderProjector(nn.Module):
@@ -53,7 +47,7 @@ def _serial(world, frozen: bool) -> EncoderProjector:
 def test_mlp_region_exact_on_every_mesh(world, frozen):
     torch.manual_seed(1)
     x = torch.randn(2 * world.size, 3, 6 * world.size, dtype=torch.float64)
-    for mesh in _meshes_of(world):
+    for mesh in meshes_of(world):
         serial = _serial(world, frozen)
         parallel = parallelize(copy.deepcopy(serial), mesh, plan={"encoder": Megatron(mesh)})
         first, last = parallel.encoder[0], parallel.encoder[2]
@@ -73,7 +67,7 @@ def test_boundary_sends_one_all_gather_each_way(world):
     gradient sends nothing backward but torch's own all-reduces (not recorded here)."""
     if world.size == 1:
         pytest.skip("one rank splits nothing")
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     b, s, h = 2 * world.size, 3, 6 * world.size
     serial = _serial(world, frozen=False)
     parallel = parallelize(copy.deepcopy(serial), mesh, plan={"encoder": Megatron(mesh)})
@@ -94,7 +88,7 @@ def test_boundary_sends_one_all_gather_each_way(world):
 def test_clip_grad_norm_of_a_region_alone_asks_for_its_mesh(world):
     if world.size == 1:
         pytest.skip("one rank splits nothing")
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     parallel = parallelize(_serial(world, frozen=False), mesh, plan={"encoder": Megatron(mesh)})
     parallel(
         optimus2d.scatter(torch.randn(2 * world.size, 3, 6 * world.size, dtype=torch.float64), mesh)
@@ -112,7 +106,7 @@ def test_clip_grad_norm_of_a_region_alone_asks_for_its_mesh(world):
 
 
 def test_serial_state_dict_round_trip(world):
-    mesh = _meshes_of(world)[-1]
+    mesh = meshes_of(world)[-1]
     serial = _serial(world, frozen=False)
     parallel = parallelize(copy.deepcopy(serial), mesh, plan={"encoder": Megatron(mesh)})
     state = serial_state_dict(parallel)
@@ -129,7 +123,7 @@ def test_refusals_on_every_rank(world):
     every offender, the model unchanged."""
     if world.size == 1:
         pytest.skip("one rank splits nothing")
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     torch.manual_seed(0)
     model = EncoderProjector(6, 2 * world.size + 1).double()
     model.encoder.insert(2, nn.Dropout(0.1))
@@ -193,7 +187,7 @@ def test_llava_module_in_1d(world, region, frozen_tower):
     LlamaAttention and LlamaMLP split too), in 1D, the rest on each mesh of the world: logits,
     loss and one AdamW step as serial."""
     batch = _batch(world.size)
-    for mesh in _meshes_of(world):
+    for mesh in meshes_of(world):
         serial = _llava(world, frozen_tower)
         parallel = parallelize(copy.deepcopy(serial), mesh, plan={region: Megatron(mesh)})
         inside = parallel.get_submodule(region)
@@ -223,7 +217,7 @@ def test_llava_module_in_1d(world, region, frozen_tower):
 def test_heads_the_ranks_do_not_divide_are_refused(world):
     if world.size == 1:
         pytest.skip("one rank splits nothing")
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     model = _llava(world, True, tower_heads=world.size + 1)
     before = {key: value.clone() for key, value in model.state_dict().items()}
     with pytest.raises(ValueError) as info:
@@ -239,7 +233,7 @@ def test_heads_the_ranks_do_not_divide_are_refused(world):
 def test_a_region_module_called_from_outside_is_refused(world):
     """LLaVA calls its language model's ``embed_tokens`` itself, on blocks of its mesh: with the
     language model in 1D that call is refused on every rank, before anything is sent."""
-    mesh = _meshes_of(world)[-1]
+    mesh = meshes_of(world)[-1]
     parallel = parallelize(_llava(world, True), mesh, plan={"model.language_model": Megatron(mesh)})
     batch = {k: scatter_batch(v, mesh) for k, v in _batch(world.size).items()}
     with pytest.raises(ValueError, match=r"model.language_model.embed_tokens \(Embedding\) is inside the 1D region"):
@@ -247,7 +241,7 @@ def test_a_region_module_called_from_outside_is_refused(world):
 
 
 def test_a_plan_entry_inside_a_region_is_refused(world):
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     model = _serial(world, frozen=False)
     with pytest.raises(ValueError, match=r"holds no other plan entry: 'encoder.0' inside 'encoder'"):
         parallelize(model, mesh, plan={"encoder": Megatron(mesh), "encoder.0": mesh})
@@ -261,7 +255,7 @@ def test_checkpoint_moves_between_meshes_with_a_region(world):
 
     import torch.distributed as dist
 
-    first, last = _meshes_of(world)[0], _meshes_of(world)[-1]
+    first, last = meshes_of(world)[0], meshes_of(world)[-1]
     root = [tempfile.mkdtemp(prefix="optimus2d-megatron-") if world.rank == 0 else None]
     dist.broadcast_object_list(root, src=0)
     torch.manual_seed(3)
@@ -318,7 +312,7 @@ def test_modules_split_where_they_could_be_wrong_are_refused(world):
     module (it would see one shard and get a part of its gradient): refused, nothing changed."""
     from optimus2d.megatron import plans, register_split
 
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     with pytest.raises(ValueError, match=r"first \(Linear\): is also enc.0, inside a 1D region"):
         parallelize(_Shared(), mesh, plan={"enc": Megatron(mesh)})
     register_split(_WeightedActivation, {"fc1": "colwise", "fc2": "rowwise"})
@@ -331,7 +325,7 @@ def test_modules_split_where_they_could_be_wrong_are_refused(world):
 
 
 def test_load_state_dict_takes_the_serial_tensors(world):
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     serial = _serial(world, frozen=False)
     parallel = parallelize(copy.deepcopy(serial), mesh, plan={"encoder": Megatron(mesh)})
     changed = {key: value * 2 for key, value in serial.state_dict().items()}
@@ -347,7 +341,7 @@ class _PassThrough(nn.Module):
 
 def test_a_batch_tensor_keeps_its_layout_through_a_region(world):
     """A float ``[b, k]`` given by scatter_batch and returned unchanged leaves as a batch block."""
-    mesh = _meshes_of(world)[-1]
+    mesh = meshes_of(world)[-1]
     holder = nn.ModuleDict({"inner": _PassThrough()})
     parallelize(holder, mesh, plan={"inner": Megatron(mesh)})
     mask = torch.arange(2.0 * world.size * 5).reshape(2 * world.size, 5)
@@ -365,7 +359,7 @@ class _FirstSample(nn.Module):
 def test_an_output_the_mesh_does_not_divide_is_refused_with_its_numbers(world):
     """The whole output goes back to the caller's blocks: a batch of 1 on depth·q > 1 ranks is
     refused on every rank alike (the whole tensor is the same everywhere), naming shape and mesh."""
-    mesh = _meshes_of(world)[-1]
+    mesh = meshes_of(world)[-1]
     if mesh.depth * mesh.q == 1:
         pytest.skip("one rank divides every batch")
     holder = nn.ModuleDict({"inner": _FirstSample()})
@@ -388,7 +382,7 @@ class _TiedList(nn.Module):
 
 
 def test_regions_with_no_forward_a_tied_weight_or_meta_tensors_are_refused(world):
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     with pytest.raises(ValueError) as info:
         parallelize(_TiedList(), mesh, plan={"layers": Megatron(mesh), "head": Megatron(mesh)})
     text = str(info.value)

@@ -14,24 +14,18 @@ import copy
 
 import pytest
 import torch
-from conftest import _meshes, mesh_shapes
+from conftest import meshes_of
 from helpers import assert_close, assert_state_close
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import optimus2d
-from optimus2d import Auto, Mesh, count_comm, parallelize, scatter, serial_state_dict
+from optimus2d import Auto, count_comm, parallelize, scatter, serial_state_dict
 from optimus2d.convert import register_converter
 from optimus2d.megatron import Megatron
 
 pytestmark = pytest.mark.mpi
-
-
-def _meshes_of(world) -> list[Mesh]:
-    for shape in mesh_shapes(world.size):
-        _meshes.setdefault(shape, Mesh(*shape))
-    return [_meshes[shape] for shape in mesh_shapes(world.size)]
 
 
 class Holder(nn.Module):
@@ -109,7 +103,7 @@ def test_a_model_in_1d_is_exact_and_sends_only_what_torch_sends(world):
     """The whole model one 1D region: its input taken whole, its output given whole, so nothing of
     optimus2d's is sent; torch's collectives the same as ``parallelize_module`` of the same MLP."""
     x = _x(world)
-    for mesh in _meshes_of(world):
+    for mesh in meshes_of(world):
         serial = _serial(Holder, world)
         parallel = parallelize(copy.deepcopy(serial), mesh, plan={"inner": Megatron(mesh)}, io="whole")
         _step_whole(serial, parallel, x)
@@ -132,7 +126,7 @@ def test_a_model_in_1d_is_exact_and_sends_only_what_torch_sends(world):
 def test_models_on_meshes_with_a_planned_module_are_exact(world, frozen):
     """The encoder in 1D, on the other mesh shape, or not planned; the rest on the model's mesh."""
     x = _x(world)
-    meshes = _meshes_of(world)
+    meshes = meshes_of(world)
     for mesh in meshes:
         other = meshes[-1] if mesh is meshes[0] else meshes[0]
         for plan in ({"encoder": Megatron(mesh)}, {"encoder": other}, None):
@@ -147,7 +141,7 @@ def test_a_model_on_a_mesh_sends_one_all_gather_of_its_output(world):
     all-gather forward (the whole output's elements recorded), nothing backward."""
     if world.size == 1:
         pytest.skip("one rank sends nothing")
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     parallel = parallelize(_serial(EncoderProjector, world), mesh, io="whole")
     for needs_grad in (False, True):
         x = _x(world).requires_grad_(needs_grad)
@@ -168,7 +162,7 @@ def test_a_block_changed_in_place_is_gathered_not_taken_whole(world):
             return self.inner(x.mul_(2))
 
     x = _x(world)
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     serial = _serial(Scaled, world)
     parallel = parallelize(copy.deepcopy(serial), mesh, plan={"inner": Megatron(mesh)}, io="whole")
     want = serial(x.clone())
@@ -183,7 +177,7 @@ def test_refusals_on_every_rank(world):
     """An io= that is neither "blocks" nor "whole", or one that differs between ranks: a ValueError
     on every rank before anything is converted; a block given to a model that takes whole tensors:
     a ValueError naming it, before anything is sent."""
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     model = _serial(EncoderProjector, world)
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match=r"io= is 'blocks'.*got 'replicated'"):
@@ -202,7 +196,7 @@ def test_plan_auto_with_whole_io_is_exact_and_times_its_copies_with_whole_tensor
     """``plan=Auto(measure=step)`` with ``io="whole"``: the copies it times take what the model will
     (whole tensors: a copy taking blocks would refuse ``step``'s whole input), and the pick is exact."""
     x = _x(world)
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     timed = []
 
     def step(model: nn.Module) -> None:
@@ -225,7 +219,7 @@ def test_llava_takes_its_batch_whole_and_gives_logits_and_loss_whole(world, regi
     from test_megatron_mpi import _batch, _llava
 
     batch = _batch(world.size)
-    for mesh in _meshes_of(world):
+    for mesh in meshes_of(world):
         serial = _llava(world, frozen_tower=True)
         plan = {region: Megatron(mesh)} if region else None
         parallel = parallelize(copy.deepcopy(serial), mesh, plan=plan, io="whole")
@@ -268,7 +262,7 @@ def test_a_hook_on_a_block_between_regions_is_kept(world):
     """The block between two 1D regions carries a gradient hook: the second region must take that
     block (all-gathered), not the whole tensor it was cut from, or the hook is skipped."""
     x = _x(world)
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     serial = _serial(TwoRegions, world)
     parallel = parallelize(copy.deepcopy(serial), mesh, plan={"a": Megatron(mesh), "b": Megatron(mesh)}, io="whole")
     _step_whole(serial, parallel, x)
@@ -302,7 +296,7 @@ def test_a_regions_whole_output_is_not_kept_past_its_blocks(world):
     from optimus2d.convert import layouts
 
     x = _x(world)
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     serial = _serial(Stack, world)
     outputs, alive = [], {}
     original = layouts.WholeBoundary._out
@@ -338,18 +332,24 @@ def _llama(world):
     return transformers.LlamaForCausalLM(config).double()
 
 
+def _padded(world) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids [2p, 8] and a float attention mask with the first row padded after 5 tokens."""
+    torch.manual_seed(1)
+    ids, mask = torch.randint(1, 72, (2 * world.size, 8)), torch.ones(2 * world.size, 8, dtype=torch.float64)
+    mask[0, 5:] = 0
+    return ids, mask
+
+
 @pytest.mark.families
 @pytest.mark.parametrize("region", [None, "model"], ids=["on-the-mesh", "all-but-head-in-1d"])
 def test_llama_float_mask_hidden_states_and_generate_whole(world, region):
     """A float attention mask with padding (a mask by its name: a batch tensor, not an activation),
     the hidden states asked for (whole when read, also those a 1D region gives), ``cache_position``
     (as it is), and ``generate`` (its own hooks cut and gather; ``io="whole"``'s step aside): as serial."""
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     serial = _llama(world)
-    torch.manual_seed(1)
-    b, s = 2 * world.size, 8
-    ids, mask = torch.randint(1, 72, (b, s)), torch.ones(b, s, dtype=torch.float64)
-    mask[0, 5:] = 0
+    ids, mask = _padded(world)
+    s = ids.shape[1]
     parallel = parallelize(copy.deepcopy(serial), mesh, plan={region: Megatron(mesh)} if region else None, io="whole")
     kw = dict(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False,
               cache_position=torch.arange(s))  # fmt: skip
@@ -373,7 +373,7 @@ def test_plan_auto_prices_whole_io_at_the_models_edges(world):
         pytest.skip("one rank: no 1D row")
     from optimus2d.convert import choose_plan
 
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     model = _serial(Holder, world)
     auto = Auto(tokens=6 * world.size, seq=3)
     rows = {
@@ -402,7 +402,7 @@ def test_a_hook_asked_of_a_block_taken_whole_after_the_forward_is_refused(world)
     if world.size == 1:
         pytest.skip("one rank: the region's block is the whole tensor")
     x = _x(world)
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     plan = {"a": Megatron(mesh), "b": Megatron(mesh)}
     for io in ("blocks", "whole"):
         parallel = parallelize(_serial(Pair, world), mesh, plan=plan, io=io)
@@ -424,12 +424,10 @@ def test_a_hook_asked_of_a_block_taken_whole_after_the_forward_is_refused(world)
 def test_llama_positional_float_mask_and_broadcast_position_ids(world):
     """A float mask given by position is cut by its parameter's name (a batch tensor); ``position_ids``
     of one row ``[1, s]`` (Hugging Face's broadcast shape) goes as it is: exact on every rank."""
-    mesh = _meshes_of(world)[0]
+    mesh = meshes_of(world)[0]
     serial = _llama(world)
-    torch.manual_seed(1)
-    b, s = 2 * world.size, 8
-    ids, mask = torch.randint(1, 72, (b, s)), torch.ones(b, s, dtype=torch.float64)
-    mask[0, 5:] = 0
+    ids, mask = _padded(world)
+    s = ids.shape[1]
     parallel = parallelize(copy.deepcopy(serial), mesh, io="whole")
     assert_close(parallel(ids, mask).logits.detach(), serial(ids, mask).logits, 1e-6, "logits, mask by position")
     positions = torch.arange(s)[None]
@@ -487,7 +485,7 @@ def test_hidden_states_of_nested_planned_modules_reach_the_model_mesh(world, io)
     """Hidden states a 1D region gives inside a module on another mesh shape: moved on through each
     boundary when read, to the model's mesh (blocks) or whole (io="whole"), exact."""
     pytest.importorskip("transformers")
-    meshes = _meshes_of(world)
+    meshes = meshes_of(world)
     mesh, other = meshes[0], meshes[-1]
     serial = _serial(Nested, world)
     x = _x(world)
