@@ -499,3 +499,15 @@ def test_hidden_states_of_nested_planned_modules_reach_the_model_mesh(world, io)
                     assert mine._optimus2d_layout == optimus2d.comm.calls.layout(mesh)
                 mine = optimus2d.gather(mine, mesh)
             assert_close(mine.detach(), theirs, 1e-9, f"hidden state, plan {plan}")
+
+
+def test_a_converted_layer_as_the_whole_model_takes_and_gives_whole_tensors(world):
+    """``parallelize(nn.Linear)`` is itself an optimus2d layer (its call checks its inputs first): the
+    hooks sit around that check; exact, and its output is no block."""
+    x = _x(world)
+    for mesh in meshes_of(world):
+        torch.manual_seed(0)
+        serial = nn.Linear(6 * world.size, 12 * world.size).double()
+        parallel = parallelize(copy.deepcopy(serial), mesh, io="whole")
+        assert isinstance(parallel, optimus2d.layers.base.ShardedModule)
+        _step_whole(serial, parallel, x)
