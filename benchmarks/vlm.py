@@ -68,7 +68,7 @@ from optimus2d.pipeline import propose_placement
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for name in ("enc_hidden", "enc_layers", "lm_hidden", "lm_layers"):  # unset: the workload's size, else SIZES's
+    for name in ("enc_hidden", "enc_layers", "lm_hidden", "lm_layers", "pool"):  # unset: the workload's, else SIZES's
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     parser.add_argument("--heads", type=int, default=8)
     compare.add_run_arguments(parser)
@@ -79,12 +79,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-SIZES = dict(enc_hidden=256, enc_layers=4, lm_hidden=512, lm_layers=2, batch=8, seq=64)
+SIZES = dict(enc_hidden=256, enc_layers=4, lm_hidden=512, lm_layers=2, batch=8, seq=64, pool=1)
 # preset → (the sizes it sets, which encoders: frozen, trained or both); batch None: one sequence a rank
 WORKLOADS = {
     "small-frozen": (dict(enc_hidden=128, enc_layers=2, lm_hidden=512, lm_layers=2, batch=8, seq=64), (True,)),
     "large-trained": (dict(enc_hidden=512, enc_layers=4, lm_hidden=256, lm_layers=2, batch=8, seq=64), (False,)),
     "long-sequence": (dict(enc_hidden=128, enc_layers=2, lm_hidden=256, lm_layers=2, batch=None, seq=256), (True,)),
+    "pooled-frozen": (
+        dict(enc_hidden=256, enc_layers=12, lm_hidden=1024, lm_layers=2, batch=4, seq=144, pool=4),
+        (True,),
+    ),
 }
 
 
@@ -92,6 +96,23 @@ def _sizes(args: argparse.Namespace, preset: dict, p: int) -> argparse.Namespace
     """``args`` with every size given on the command line, else the preset's, else ``SIZES``'s."""
     sizes = {k: getattr(args, k) if getattr(args, k) is not None else preset.get(k, SIZES[k]) for k in SIZES}
     return argparse.Namespace(**{**vars(args), **sizes, "batch": sizes["batch"] or p})
+
+
+class SequencePool(nn.Module):
+    """The mean of each ``k`` consecutive tokens, ``[b, s, e]`` → ``[b, s/k, e]``: patch features pooled
+    before the LM (as LLaVA-OneVision pools a video's, or Qwen2-VL merges 2×2 patches), so the LM
+    sees k times fewer tokens than the encoder. Element by element on the hidden dim and within one
+    sequence: correct on every layout's blocks as it is (``register_converter(keep=True)`` below)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(1, (-1, self.k)).mean(dim=2)
+
+
+optimus2d.convert.register_converter(SequencePool, keep=True)
 
 
 class EncoderProjectorLM(nn.Module):
@@ -103,10 +124,12 @@ class EncoderProjectorLM(nn.Module):
             layer = nn.TransformerEncoderLayer(width, args.heads, 4 * width, dropout=0.0, batch_first=True)
             return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
 
-        self.encoder, self.proj, self.lm = stack(e, args.enc_layers), nn.Linear(e, h), stack(h, args.lm_layers)
+        self.encoder = stack(e, args.enc_layers)
+        self.pool = SequencePool(args.pool) if args.pool > 1 else nn.Identity()
+        self.proj, self.lm = nn.Linear(e, h), stack(h, args.lm_layers)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        return self.lm(self.proj(self.encoder(patches)))
+        return self.lm(self.proj(self.pool(self.encoder(patches))))
 
 
 def _shape(mesh: optimus2d.Mesh | str) -> str:
@@ -203,6 +226,13 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
                 f"{v['placement_over_best']:6.3f}  {v['pick']} (best: {v['best']}); placed: {v['placement']} "
                 f"(best: {v['placement_best']})"
             )
+            if (w := v["within_cap"]) is not None:
+                print(
+                    f"{'  within the cap':16} {w['homogeneous']:>24} {w['homogeneous_ms']:6.1f} ms "
+                    f"{w['heterogeneous']:>26} {w['heterogeneous_ms']:6.1f} ms {w['speedup']:13.2f} "
+                    f"{w['pick_over_best']:11.3f}  best: {w['best']}; {len(w['left_out'])} pairs over "
+                    f"{args.cap_mib:g} MiB: {', '.join(w['left_out'])}"
+                )
     return {"ranks": p, "workloads": results, "summary": summary}
 
 
@@ -219,6 +249,7 @@ def _verdict(name: str, rows: list[dict]) -> dict:
     homo = min((r for r in rows if r["encoder"] == r["lm"]), key=lambda r: r["train_ms"])
     hetero = min((r for r in rows if r["encoder"] != r["lm"]), key=lambda r: r["train_ms"])
     best, pick = min(rows, key=lambda r: r["train_ms"]), next(r for r in rows if r["plan_pick"])
+    within = _within_cap(rows, pick)
 
     def as_pair(auto: dict) -> float | None:
         """The mesh pair laid out as ``auto`` picked ÷ the best: the pick itself, without the boundaries
@@ -241,8 +272,40 @@ def _verdict(name: str, rows: list[dict]) -> dict:
         "apart": apart and apart["peer"], "apart_speedup": apart and best["train_ms"] / apart["train_ms"],
         "apart_predicted_speedup": apart and min(r["predicted_ms"] for r in rows) / apart["predicted_ms"],
         "placement": placement["peer"], "placement_over_best": placement["train_ms"] / fastest["train_ms"],
-        "placement_best": fastest["peer"],
+        "placement_best": fastest["peer"], "within_cap": within,
     }  # fmt: skip
+
+
+def _within_cap(rows: list[dict], pick: dict) -> dict | None:
+    """The verdict among the mesh pairs whose measured bytes a rank fit the cap (``memory_bytes``),
+    where some do not: the best homogeneous and heterogeneous of those, the best, and the pick's
+    time over it (None: every pair fits, or no homogeneous or heterogeneous one does)."""
+    fit = [r for r in rows if r["fits_measured"]]
+    homo = min((r for r in fit if r["encoder"] == r["lm"]), key=lambda r: r["train_ms"], default=None)
+    hetero = min((r for r in fit if r["encoder"] != r["lm"]), key=lambda r: r["train_ms"], default=None)
+    if len(fit) == len(rows) or homo is None or hetero is None:
+        return None
+    best = min(fit, key=lambda r: r["train_ms"])
+    return {
+        "homogeneous": homo["peer"], "homogeneous_ms": homo["train_ms"], "heterogeneous": hetero["peer"],
+        "heterogeneous_ms": hetero["train_ms"], "speedup": homo["train_ms"] / hetero["train_ms"], "best": best["peer"],
+        "pick_over_best": pick["train_ms"] / best["train_ms"], "pick_fits": pick["fits_measured"],
+        "left_out": [r["peer"] for r in rows if not r["fits_measured"]],
+    }  # fmt: skip
+
+
+def _memory_bytes(peer: Peer, row: dict) -> int:
+    """The most bytes a rank holds to train ``peer``, over the ranks: 16 a trained parameter (its value,
+    gradient and two AdamW moments), 4 a frozen one, and what autograd keeps of a step (measured,
+    ``row["activation_bytes"]``)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+    state = sum(local(t).nbytes * (4 if t.requires_grad else 1) for t in peer.model.parameters())
+    most = torch.tensor([state + row["activation_bytes"]], device=compare.collective_device())
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
 
 
 def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, encoders: tuple[bool, ...]) -> dict:
@@ -253,7 +316,8 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
     torch.manual_seed(0)
     base = EncoderProjectorLM(args).to(device)
     x = torch.randn(args.batch, args.seq, args.enc_hidden, device=device)
-    probe = torch.randn(args.batch, args.seq, args.lm_hidden, device=device)
+    lm_seq = args.seq // args.pool  # the tokens a sequence has after the pool: the LM's
+    probe = torch.randn(args.batch, lm_seq, args.lm_hidden, device=device)
     sizes = argparse.Namespace(hidden=args.lm_hidden, ffn=4 * args.lm_hidden)
     hw = calibrate.measure_hardware(mesh, device, sizes, 5, args.batch * args.seq)
     if one_d:  # DTensor's collectives (the 1D linears) go over torch's groups, not the mesh's transport
@@ -267,7 +331,7 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
         combos = list(itertools.product(layouts, repeat=2))
         peers = [_pair_peer(serial, e, m, meshes, mesh, x, probe, frozen) for e, m in combos]
         local_x, local_probe = optimus2d.scatter(x, mesh, check=False), optimus2d.scatter(probe, mesh, check=False)
-        auto = optimus2d.Auto(tokens=args.batch * args.seq, seq=args.seq, memory=cap)
+        auto = optimus2d.Auto(tokens=args.batch * args.seq, seq=args.seq, memory=cap, example=x)  # the LM: pooled
         timed = replace(auto, measure=_Step(local_x, local_probe), top=4)  # the 4 best predicted, timed
         choices = [choose_plan(serial, mesh, a) for a in (auto, timed)]
         peers += [
@@ -278,7 +342,7 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
         parts = [
             Part("encoder", Layer(args.batch, args.seq, args.enc_hidden, 4 * args.enc_hidden, args.heads),
                  args.enc_layers, frozen=frozen),
-            Part("lm", Layer(args.batch, args.seq, args.lm_hidden, 4 * args.lm_hidden, args.heads), args.lm_layers,
+            Part("lm", Layer(args.batch, lm_seq, args.lm_hidden, 4 * args.lm_hidden, args.heads), args.lm_layers,
                  input_grad=True),  # the projector before it trains
         ]  # fmt: skip
         placement = propose_placement(*parts, p, hw, microbatches=vlm_apart.MICROBATCHES, memory_cap=cap, one_d=one_d)
@@ -293,6 +357,9 @@ def _workload(args: argparse.Namespace, mesh: optimus2d.Mesh, meshes: dict, enco
         sent = [_sent_bytes(peer) for peer in peers]
         compare.time_rounds(peers, args.rounds, device, f"{'frozen' if frozen else 'trained'} encoder")
         measured = compare.summarize(peers, args.batch * args.seq, args.batch, args.cap_mib)
+        for peer, row in zip(peers, measured, strict=True):
+            row["memory_bytes"] = _memory_bytes(peer, row)
+            row["fits_measured"] = row["memory_bytes"] <= cap
         proposal = propose_layouts(parts, p, hw, memory_cap=cap, one_d=one_d)
         predicted = {(r[0]["encoder"], r[0]["lm"]): r for r in proposal.table}
         k = len(combos)  # the pairs, then plan="auto" (predicted, measured), then the non-colocated peers

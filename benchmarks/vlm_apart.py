@@ -1,5 +1,5 @@
-"""The VLM benchmark's non-colocated peers: the encoder on ranks of its own, the projector and the LM
-on the rest (``optimus2d.pipeline.rank_sets``), two stages under torch's ``Schedule1F1B``: the
+"""The VLM benchmark's non-colocated peers: the encoder on ranks of its own, the pool, the projector
+and the LM on the rest (``optimus2d.pipeline.rank_sets``), two stages under torch's ``Schedule1F1B``: the
 encoder's ranks run micro-batch m + 1 while the LM's run m, the features cross the sets as each
 rank's block, and a frozen encoder gets nothing back.
 
@@ -47,7 +47,8 @@ def apart_peer(serial: nn.Module, x: torch.Tensor, probe: torch.Tensor, placed: 
         stage = pipeline_stage(chunk, pipe, microbatch_shape=features, output_shape=features, output_grad=not frozen)
         args, kwargs = (scatter_microbatches(x, pipe.mesh, n),), {}
     else:
-        chunk = optimus2d.parallelize(nn.Sequential(copy.deepcopy(serial.proj), copy.deepcopy(serial.lm)), pipe.mesh)
+        rest = nn.Sequential(*(copy.deepcopy(m) for m in (serial.pool, serial.proj, serial.lm)))
+        chunk = optimus2d.parallelize(rest, pipe.mesh)
         stage = pipeline_stage(chunk, pipe, microbatch_shape=features, output_shape=(mb, *probe.shape[1:]),
                                input_grad=not frozen)  # fmt: skip
         args, kwargs = (), {"target": scatter_microbatches(probe, pipe.mesh, n)}

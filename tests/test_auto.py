@@ -263,3 +263,62 @@ def test_whole_io_prices_a_block_at_the_models_edges_as_it_runs():
     for token in (False, True):
         (priced,) = _edges(Holder(token), _blocks(Holder(token), 64, 4))
         assert (priced.whole_in, priced.whole_out) == (not token, not token)
+
+
+def test_an_example_prices_each_block_at_the_rows_it_sees():
+    """``Auto(example=)``: each block at the rows and sequence of the first tensor it is called with in
+    a forward on the meta device (a pool before the LM: a quarter of the encoder's; a layer not
+    ``batch_first``: its sequence from dim 0; ids: a region's rows), not ``tokens`` and ``seq``;
+    a forward that cannot run on meta is refused, naming its error."""
+    import torch
+    from torch import nn
+
+    from optimus2d.convert.auto import _blocks
+
+    class Pooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(24, 4, 48, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.proj = nn.Linear(24, 32)
+            self.lm = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0)  # [s, b, h]
+            self.head = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            pooled = self.encoder(x).unflatten(1, (-1, 4)).mean(dim=2)  # [b, s/4, 24]
+            return self.head(self.lm(self.proj(pooled).transpose(0, 1)))
+
+    model, x = Pooled(), torch.randn(6, 16, 24)
+    plain = {b.path: (b.rows, b.seq) for b in _blocks(model, tokens=96, ranks=4, seq=16)}
+    assert plain == {"encoder": (96, 16), "lm": (96, 16), "head": (96, 16)}
+    blocks = _blocks(model, tokens=96, ranks=4, seq=16, example=x)
+    seen = {b.path: (b.rows, b.seq) for b in blocks}  # the head: [4, 6, 32], 6 rows a slice of dim 0
+    assert seen == {"encoder": (96, 16), "lm": (24, 4), "head": (24, 6)}
+    assert [(b.rows, b.seq) for b in blocks[0].inner] == [(96, 16)] * 2
+    assert not any(t.is_meta for t in model.parameters())  # the model itself untouched
+    keyword = {b.path: b.rows for b in _blocks(model, 96, 4, 16, example={"x": x})}
+    assert keyword == {"encoder": 96, "lm": 24, "head": 24}
+
+    class Counts(Pooled):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.proj(self.encoder(x)[:, : int(x.sum().item() > 0)]))
+
+    with pytest.raises(ValueError, match=r"Auto\(example=\) runs the model once on the meta device.*item"):
+        _blocks(Counts(), tokens=96, ranks=4, seq=16, example=x)
+
+
+def test_an_example_gives_a_llama_region_the_rows_of_its_ids():
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from optimus2d.convert.auto import _blocks
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (3, 10))
+    [region] = _blocks(model, tokens=64, ranks=4, seq=8, own_q=2, example={"input_ids": ids})
+    assert (region.path, region.rows, region.seq) == ("model", 30, 10)
+    assert [(b.rows, b.seq) for b in region.inner] == [(30, 10)] * 2  # each MLP: [3, 10, 32]

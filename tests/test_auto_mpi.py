@@ -318,3 +318,60 @@ def test_a_llama_decoder_stack_is_a_region_run_whole_in_1d_or_left_on_the_mesh_e
             state = optimus2d.serial_state_dict(parallel)
             for key, value in model.state_dict().items():
                 assert_close(state[key], value, 1e-5, key)
+
+
+class Pool(nn.Module):
+    """The mean of each 4 consecutive tokens (over the sequence: correct on blocks as it is)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(1, (-1, 4)).mean(dim=2)
+
+
+optimus2d.convert.register_converter(Pool, keep=True)
+
+
+class PooledMLPs(TwoMLPs):
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.pool = Pool()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp2(self.norm(self.pool(self.mlp1(x))))
+
+
+def test_an_example_prices_what_follows_a_pool_at_its_rows_and_the_pick_is_exact(world):
+    """``Auto(example=)``: mlp2 after a pool priced at a quarter of mlp1's rows (the same choice as the
+    planner's over blocks traced from the example, not over ``tokens``), applied and exact on every mesh."""
+    from optimus2d.convert.auto import _blocks
+    from optimus2d.cost.auto import choose
+
+    for mesh in meshes_of(world):
+        torch.manual_seed(0)
+        serial = PooledMLPs(6 * world.size).double()
+        x = torch.randn(4 * world.size, 16, 6 * world.size, dtype=torch.double)
+        auto = Auto(tokens=x.shape[0] * 16, seq=16, hardware=HW, example=x)
+        choice, _ = choose_plan(serial, mesh, auto)
+        here = f"{mesh.q}×{mesh.q}×{mesh.depth}"
+        traced = _blocks(serial, auto.tokens, mesh.size, 16, mesh.q, example=x)
+        assert [b.rows for b in traced] == [x.shape[0] * 16, x.shape[0] * 4]
+        assert choice.seconds == choose(traced, mesh.size, HW, layout=here).seconds
+        plain = choose(_blocks(serial, auto.tokens, mesh.size, 16, mesh.q), mesh.size, HW, layout=here)
+        assert choice.seconds < plain.seconds  # mlp2's quarter of the rows: less work than tokens= says
+        parallel = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=auto)
+        check_against_serial(serial, parallel, x, mesh, tol=1e-9, optimizer=torch.optim.AdamW)
+
+
+def test_an_example_the_ranks_disagree_on_or_meta_cannot_run_is_refused_on_every_rank(world):
+    model = PooledMLPs(6 * world.size)
+    x = torch.randn(world.size, 8, 6 * world.size)
+    if world.size > 1:  # another shape on one rank: every rank refuses, before any mesh is built
+        mine = x if world.rank else x[:, :4]
+        with pytest.raises(ValueError, match="plan='auto'"):
+            optimus2d.parallelize(model, Mesh(1, world.size), plan=Auto(hardware=HW, example=mine))
+
+    class Counting(PooledMLPs):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp2(self.mlp1(x)[: int(x.abs().sum().item())])
+
+    with pytest.raises(ValueError, match=r"meta device to see each block.s rows, and its forward raised RuntimeError"):
+        optimus2d.parallelize(Counting(6 * world.size), Mesh(1, world.size), plan=Auto(hardware=HW, example=x))

@@ -296,3 +296,30 @@ def test_vlm_benchmark_compares_layouts_per_workload_and_the_planners_pick(tmp_p
         assert verdict["placement"] == pick["peer"] and verdict["placement_over_best"] == pick["train_ms"] / fastest
         assert pick["predicted_ms"] == min(r["predicted_ms"] for r in placed.values() if r["fits_cap"])
         assert pick["apart"] or pick["plan_pick"]  # together, it is propose_layouts' pick
+
+
+def test_vlm_benchmarks_pooled_workload_judges_the_layouts_that_fit_the_cap(tmp_path):
+    """The pooled preset: the LM sees a quarter of the encoder's tokens (priced so, by propose_layouts
+    and plan="auto"'s example); a verdict among the pairs whose measured bytes a rank fit the cap."""
+    small = ["--enc-hidden", "32", "--enc-layers", "2", "--lm-hidden", "64", "--lm-layers", "1", "--heads", "4"]
+    _bench(tmp_path, 4, "vlm", *small, "--seq", "16", "--workloads", "pooled-frozen", "--rounds", "1",
+           "--cap-mib", "0.6")  # fmt: skip
+    result = json.loads((tmp_path / "vlm-p4-q2d1.json").read_text())
+    [verdict], rows = result["summary"], result["workloads"]["pooled-frozen"]["rows"]
+    assert result["workloads"]["pooled-frozen"]["config"]["pool"] == 4
+    pairs = [r for r in rows if not r["auto"] and not r["apart"]]
+    cap = 0.6 * 2**20
+    assert all(r["fits_measured"] == (r["memory_bytes"] <= cap) for r in rows)
+    everywhere = next(r for r in pairs if r["encoder"] == r["lm"] == [1, 4])  # every weight whole on every rank
+    def layer(d: int, f: int) -> int:  # torch's layer: attention (qkv, out), two linears, two norms
+        return 4 * d * d + 2 * d * f + 3 * d + d + f + d + 4 * d
+
+    trained, frozen = layer(64, 256) + 32 * 64 + 64, 2 * layer(32, 128)  # the LM and the projector; the encoder
+    assert everywhere["memory_bytes"] == 16 * trained + 4 * frozen + everywhere["activation_bytes"]
+    within = verdict["within_cap"]
+    assert within["left_out"] == [r["peer"] for r in pairs if not r["fits_measured"]] and within["left_out"]
+    fit = {r["peer"]: r["train_ms"] for r in pairs if r["fits_measured"]}
+    homo = min(t for name, t in fit.items() if name.count("1×1×4") == 2 or name.count("2×2") == 2
+               or name.count("1D") == 2)  # fmt: skip
+    assert within["homogeneous_ms"] == homo and within["speedup"] == homo / within["heterogeneous_ms"]
+    assert within["pick_over_best"] == next(r for r in pairs if r["plan_pick"])["train_ms"] / min(fit.values())

@@ -36,13 +36,14 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
 from optimus2d.comm import watch
 from optimus2d.comm.agreement import agree
 from optimus2d.comm.mesh import Mesh
+from optimus2d.convert.auto_example import describe, traced_rows
 from optimus2d.cost.auto import Block, Choice, choose
 from optimus2d.cost.calibration import hardware, time_step
 from optimus2d.cost.planner import Hardware
@@ -61,7 +62,11 @@ class Auto:
     ``step(model)``, one forward and backward of a converted model, to time the ``top`` best predicted
     candidates with and pick the fastest measured (None: the best predicted, nothing run); ``seq``:
     the length of the sequences (``tokens`` = batch × ``seq``): the model's transformer layers attend
-    over them, and a mesh shape is offered only where its depth·q splits the batch."""
+    over them, and a mesh shape is offered only where its depth·q splits the batch; ``example``: one
+    step's inputs (a tensor, a tuple of positional arguments or a dict of keyword ones, global
+    shapes): each block is priced at the rows and sequence it is called with in a forward of them on
+    the meta device (``convert/auto_example.py``: a VLM whose LM sees fewer tokens than its encoder),
+    in place of ``tokens`` and ``seq``; a block that forward does not reach keeps those."""
 
     tokens: int = 8192
     memory: float | None = None
@@ -70,6 +75,7 @@ class Auto:
     measure: Callable[[nn.Module], object] | None = None
     top: int = 4
     seq: int = 1  # the sequence length: a layer attends over it; tokens / seq, the batch a mesh splits
+    example: object = field(default=None, compare=False, repr=False)  # one step's inputs: rows per block
 
 
 def _divides(sizes: list[int], ranks: int, own: int, batch: int) -> tuple[int, ...]:
@@ -84,19 +90,35 @@ def _divides(sizes: list[int], ranks: int, own: int, batch: int) -> tuple[int, .
     return tuple(sorted(fits | {own}))
 
 
-def _blocks(model: nn.Module, tokens: int, ranks: int, seq: int = 1, own_q: int = 1) -> list[Block]:
-    """The model's MLP and transformer-layer blocks, outermost first, in ``named_modules``' order."""
+def _blocks(
+    model: nn.Module, tokens: int, ranks: int, seq: int = 1, own_q: int = 1, example: object = None
+) -> list[Block]:
+    """The model's MLP and transformer-layer blocks, outermost first, in ``named_modules``' order;
+    each of ``tokens`` rows of ``seq``, or those it sees in a forward of ``example`` (``traced_rows``)."""
+    blocks = _found(model, tokens, ranks, seq, own_q)
+    if example is None:
+        return blocks
+    widths = {b.path: b.hidden for b in blocks}
+    widths.update({b.path: b.hidden for group in blocks for b in group.inner})
+    seen = traced_rows(model, example, widths)
+    return _found(model, tokens, ranks, seq, own_q, seen)
+
+
+def _found(model: nn.Module, tokens: int, ranks: int, seq: int, own_q: int, seen: dict | None = None) -> list[Block]:
+    """``_blocks``, each at ``seen``'s (rows, seq) for its path where it has one."""
+    seen = seen or {}
     blocks, inside = [], []
     trained_before = any(p.requires_grad for p in model.parameters(recurse=False))  # the model's own (a token)
     for path, module in model.named_modules():
         if path == "" or any(path.startswith(f"{outer}.") for outer in inside):
             continue
+        rows, length = seen.get(path, (tokens, seq))
         if isinstance(module, nn.TransformerEncoderLayer):
             frozen = not any(p.requires_grad for p in module.parameters())
             hidden, ffn, heads = module.linear1.in_features, module.linear1.out_features, module.self_attn.num_heads
-            qs = _divides([hidden, ffn, heads], ranks, own_q, tokens // seq)
+            qs = _divides([hidden, ffn, heads], ranks, own_q, rows // length)
             splits = ranks > 1 and not tensor_parallel_plan(module, path, ranks)[1]  # its heads and linears
-            blocks.append(Block(path, "layer", tokens, hidden, ffn, heads=heads, seq=seq, frozen=frozen,
+            blocks.append(Block(path, "layer", rows, hidden, ffn, heads=heads, seq=length, frozen=frozen,
                                 input_grad=trained_before, splits_1d=splits, qs=qs))  # fmt: skip
             trained_before |= not frozen
             inside.append(path)
@@ -113,12 +135,12 @@ def _blocks(model: nn.Module, tokens: int, ranks: int, seq: int = 1, own_q: int 
         frozen = not any(p.requires_grad for p in module.parameters())
         _, refused = tensor_parallel_plan(module, path, ranks)
         blocks.append(
-            Block(path, "mlp", tokens, hidden, weights // (2 * hidden), frozen=frozen, input_grad=trained_before,
-                  splits_1d=not refused, qs=_divides(sizes, ranks, own_q, tokens // seq))
+            Block(path, "mlp", rows, hidden, weights // (2 * hidden), frozen=frozen, input_grad=trained_before,
+                  seq=length, splits_1d=not refused, qs=_divides(sizes, ranks, own_q, rows // length))
         )  # fmt: skip
         trained_before |= not frozen
         inside.append(path)
-    return _regions(model, _parts(model, blocks), tokens, ranks, seq, own_q)
+    return _regions(model, _parts(model, blocks), tokens, ranks, seq, own_q, seen)
 
 
 def _edges(model: nn.Module, blocks: list[Block]) -> list[Block]:
@@ -145,7 +167,9 @@ def _top(model: nn.Module, path: str) -> bool:
                for n in range(len(parents)))  # fmt: skip
 
 
-def _regions(model: nn.Module, blocks: list[Block], tokens: int, ranks: int, seq: int, own_q: int) -> list[Block]:
+def _regions(
+    model: nn.Module, blocks: list[Block], tokens: int, ranks: int, seq: int, own_q: int, seen: dict
+) -> list[Block]:
     """``blocks`` with those inside a region gathered into it (in its place): a module hanging from the
     model (``_top``) that runs, holds attention Megatron's 1D split knows (``split_of`` with heads)
     and splits in 1D over ``ranks`` without a refusal. It may run whole in 1D (a LLaMA's decoder
@@ -165,7 +189,8 @@ def _regions(model: nn.Module, blocks: list[Block], tokens: int, ranks: int, seq
             inner = tuple(b for b in blocks if b.path.startswith(f"{path}."))
             ffn = next((b.ffn for b in inner if b.kind == "mlp"), 4 * hidden)
             frozen = not any(p.requires_grad for p in module.parameters())
-            region = Block(path, "region", tokens, hidden, ffn, heads, seq, frozen, seen_trained, True, (own_q,),
+            rows, length = seen.get(path, (tokens, seq))
+            region = Block(path, "region", rows, hidden, ffn, heads, length, frozen, seen_trained, True, (own_q,),
                            inner, layers=len(attention))  # fmt: skip
             weights = sum(p.numel() for p in module.parameters() if p.dim() > 1)
             regions[path] = replace(region, other=max(0, weights - region.params))
@@ -204,7 +229,8 @@ def _parts(model: nn.Module, blocks: list[Block]) -> list[Block]:
         if any(p.dim() > 1 and id(p) not in theirs for p in module.parameters()):
             continue
         qs = set.intersection(*(set(b.qs) for b in inner))
-        parts[path] = Block(path, "part", inner[0].rows, inner[0].hidden, 0, frozen=all(b.frozen for b in inner),
+        parts[path] = Block(path, "part", inner[0].rows, inner[0].hidden, 0, seq=inner[0].seq,
+                            frozen=all(b.frozen for b in inner),
                             input_grad=inner[0].input_grad, splits_1d=all(b.splits_1d for b in inner),
                             qs=tuple(sorted(qs)), inner=tuple(inner))  # fmt: skip
     return _gathered(blocks, parts)
@@ -236,17 +262,23 @@ def choose_plan(
     elif auto.measure is not None and (meta := [n for n, p in model.named_parameters() if p.is_meta]):
         error = ValueError(f"parallelize: Auto(measure=) runs the model, whose parameters are on meta: {meta[:4]}"
                            " (materialize or load them first, or leave measure out)")  # fmt: skip
+    blocks = []
+    if error is None:  # (no communication: a forward of example= on the meta device, where given)
+        try:
+            blocks = _blocks(model, auto.tokens, mesh.size, auto.seq, mesh.q, auto.example)
+        except ValueError as err:
+            error = err
     # the same request on every rank of the mesh (or the same refusal), before anything is measured or built
     if error is None:  # (a function's repr differs between ranks)
         asked = repr(replace(auto, explain=False, measure=None if auto.measure is None else "step"))
     else:
         asked = repr(auto)
+    asked += "" if auto.example is None else f", example=[{describe(auto.example)}]"  # (shapes, not values)
     asked += "" if io == "blocks" else f", io={io!r}"  # priced at the model's edges alike on every rank
     agree(mesh, "parallelize(plan='auto')", description=asked, error=error)
     if error is not None:  # a mesh of one rank, or checks off: raised here
         raise error
     here = f"{mesh.q}×{mesh.q}×{mesh.depth}"
-    blocks = _blocks(model, auto.tokens, mesh.size, auto.seq, mesh.q)
     if io == "whole":
         blocks = _edges(model, blocks)
     costs = auto.hardware if auto.hardware is not None else hardware(mesh)
@@ -259,7 +291,8 @@ def choose_plan(
         choice = _measured(model, mesh, auto, choice, built, convert)
     if auto.explain and mesh.rank == mesh.ranks[0]:
         where = f"Mesh(q={mesh.q}, depth={mesh.depth})"
-        print(f"plan='auto' on {where} for {auto.tokens} tokens a step:\n{choice.explain()}", flush=True)
+        what = f"{auto.tokens} tokens a step" if auto.example is None else "the rows each block sees in example="
+        print(f"plan='auto' on {where} for {what}:\n{choice.explain()}", flush=True)
     return choice, _plan(choice.layouts, mesh, built)
 
 
