@@ -311,6 +311,7 @@ def test_vlm_benchmarks_pooled_workload_judges_the_layouts_that_fit_the_cap(tmp_
     cap = 0.6 * 2**20
     assert all(r["fits_measured"] == (r["memory_bytes"] <= cap) for r in rows)
     everywhere = next(r for r in pairs if r["encoder"] == r["lm"] == [1, 4])  # every weight whole on every rank
+
     def layer(d: int, f: int) -> int:  # torch's layer: attention (qkv, out), two linears, two norms
         return 4 * d * d + 2 * d * f + 3 * d + d + f + d + 4 * d
 
