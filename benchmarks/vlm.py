@@ -43,8 +43,16 @@ pick's step time over the best's::
     small-frozen    encoder 2 × 128 frozen, LM 2 × 512, 8 × 64 tokens (the encoder a small share)
     large-trained   encoder 4 × 512 trained, LM 2 × 256, 8 × 64 tokens (the encoder the larger part)
     long-sequence   encoder 2 × 128 frozen, LM 2 × 256, p × 256 tokens (one long sequence a rank)
+    pooled-frozen   encoder 12 × 256 frozen, LM 2 × 1024, 4 images × 144 patches pooled 4:1 (``--pool``,
+                    ``SequencePool``: the LM sees 36 tokens an image, a quarter of the encoder's)
 
-    mpiexec -n 4 python -m benchmarks vlm --workloads small-frozen,large-trained,long-sequence
+    mpiexec -n 4 python -m benchmarks vlm --workloads small-frozen,large-trained,long-sequence,pooled-frozen
+
+A workload some pairs of which do not fit ``--cap-mib`` (by their measured bytes a rank: 16 a
+trained parameter, 4 a frozen one, and what autograd keeps of a step, the most over the ranks;
+``memory_bytes``) gets a second line, the same verdict among the pairs that fit ("within the cap").
+``plan="auto"`` is given the step's input (``Auto(example=)``): each block priced at the rows it
+sees, the LM at the pooled ones.
 """
 
 from __future__ import annotations
