@@ -273,7 +273,8 @@ def choose_plan(
         asked = repr(replace(auto, explain=False, measure=None if auto.measure is None else "step"))
     else:
         asked = repr(auto)
-    asked += "" if auto.example is None else f", example=[{describe(auto.example)}]"  # (shapes, not values)
+    example = getattr(auto, "example", None)  # (its shapes, not its values: agreed)
+    asked += "" if example is None else f", example=[{describe(example)}]"
     asked += "" if io == "blocks" else f", io={io!r}"  # priced at the model's edges alike on every rank
     agree(mesh, "parallelize(plan='auto')", description=asked, error=error)
     if error is not None:  # a mesh of one rank, or checks off: raised here

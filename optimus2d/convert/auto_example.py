@@ -35,15 +35,15 @@ def traced_rows(model: nn.Module, example, widths: dict[str, int]) -> dict[str, 
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
     seen: dict[str, tuple[int, int]] = {}
     with torch.random.fork_rng(devices=[]):
-        twin = copy.deepcopy(model, memo)
-        for path, width in widths.items():
-            module = twin.get_submodule(path)
-            module.register_forward_pre_hook(_recorder(path, width, _sequence_dim(module), seen), with_kwargs=True)
-        meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
         try:
+            twin = copy.deepcopy(model, memo)
+            for path, width in widths.items():
+                module = twin.get_submodule(path)
+                module.register_forward_pre_hook(_recorder(path, width, _sequence_dim(module), seen), with_kwargs=True)
+            meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
             with torch.no_grad():
                 twin(*meta_args, **meta_kwargs)
-        except Exception as err:  # any error of the model's own forward on meta
+        except Exception as err:  # any error of the model's own forward (or copy) on meta
             raise ValueError(
                 f"parallelize: Auto(example=) runs the model once on the meta device to see each block's rows, and "
                 f"its forward raised {type(err).__name__}: {err}; give Auto(tokens=, seq=) instead"
