@@ -299,12 +299,20 @@ def test_an_example_prices_each_block_at_the_rows_it_sees():
     keyword = {b.path: b.rows for b in _blocks(model, 96, 4, 16, example={"x": x})}
     assert keyword == {"encoder": 96, "lm": 24, "head": 24}
 
-    class Counts(Pooled):
+    class Counts(Pooled):  # reads a value: not on meta, so once for real (no_grad, eval), as LLaVA's forward
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.proj(self.encoder(x)[:, : int(x.sum().item() > 0)]))
+            keep = int(x.abs().sum().item() > 0) * x.shape[1] // 2
+            return self.head(self.lm(self.proj(self.encoder(x)[:, :keep]).transpose(0, 1)))
 
-    with pytest.raises(ValueError, match=r"Auto\(example=\) runs the model once on the meta device.*item"):
-        _blocks(Counts(), tokens=96, ranks=4, seq=16, example=x)
+    counts = Counts().train()
+    counts.encoder.requires_grad_(False)
+    seen = {b.path: (b.rows, b.seq) for b in _blocks(counts, 96, 4, 16, example=x)}
+    assert seen == {"encoder": (96, 16), "lm": (48, 8), "head": (48, 6)}
+    assert all(m.training for m in counts.modules()) and all(p.grad is None for p in counts.parameters())
+    with torch.device("meta"):  # nothing to run for real
+        unreal = Counts()
+    with pytest.raises(ValueError, match=r"Auto\(example=\) runs the model once .* on the meta device .*item"):
+        _blocks(unreal, tokens=96, ranks=4, seq=16, example=x)
 
 
 def test_an_example_gives_a_llama_region_the_rows_of_its_ids():
@@ -322,3 +330,34 @@ def test_an_example_gives_a_llama_region_the_rows_of_its_ids():
     [region] = _blocks(model, tokens=64, ranks=4, seq=8, own_q=2, example={"input_ids": ids})
     assert (region.path, region.rows, region.seq) == ("model", 30, 10)
     assert [(b.rows, b.seq) for b in region.inner] == [(30, 10)] * 2  # each MLP: [3, 10, 32]
+
+
+def test_an_example_gives_llavas_tower_projector_and_lm_their_own_rows():
+    """LLaVA reads its image tokens' count (``.item()``): traced once for real. The tower sees 5 tokens
+    an image (4 patches and the class token), the projector 4, the LM the text's 10 a sample."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from optimus2d.convert.auto import _blocks
+
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6, image_size=16, patch_size=8
+    )
+    text = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=60, intermediate_size=120, num_hidden_layers=1, num_attention_heads=6,
+        num_key_value_heads=6, max_position_embeddings=32,
+    )  # fmt: skip
+    config = transformers.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=95, vision_feature_layer=-2,
+        vision_feature_select_strategy="default", attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.LlavaForConditionalGeneration(config)
+    ids = torch.randint(1, 95, (3, 10))
+    ids[:, 1:5] = 95  # one image a sample: its 4 feature rows
+    example = {"input_ids": ids, "pixel_values": torch.randn(3, 3, 16, 16)}
+    seen = {b.path.rpartition(".")[2] if "layers" not in b.path else b.path: (b.rows, b.seq)
+            for b in _blocks(model, tokens=64, ranks=4, seq=16, own_q=2, example=example)}  # fmt: skip
+    assert seen == {
+        "model.vision_tower.encoder.layers.0.mlp": (15, 5), "model.vision_tower.encoder.layers.1.mlp": (15, 5),
+        "multi_modal_projector": (12, 4), "model.language_model.layers.0.mlp": (30, 10),
+    }  # fmt: skip

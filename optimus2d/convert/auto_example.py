@@ -4,12 +4,15 @@
 A model whose modules see different token counts — a VLM whose projector pools the encoder's
 patches (the LM sees k times fewer), or whose LM adds text tokens to the image's — is priced
 wrong that way. Given ``example`` (one step's inputs, as the model is called on them), the model
-runs once on the meta device (a copy whose tensors are meta: nothing is computed or allocated) and
-each block's rows and sequence are read from the first tensor it is called with
+runs once on the meta device (a copy whose tensors are meta: nothing is computed or allocated; a
+forward that reads a value, such as LLaVA's check of its image tokens, once for real under
+``no_grad`` in eval mode instead) and each block's rows and sequence are read from the first tensor
+it is called with
 (``traced_rows``): a floating tensor whose last dim is the block's width (``[b, s, h]``; a layer's
 sequence is the dim it attends over, ``[s, b, h]`` where not ``batch_first``; another block's is
 its rows over dim 0, the dim a mesh splits), or integer ids ``[b, s]`` (a region's input). A
-forward that cannot run on meta is refused (``ValueError``): give ``tokens=``/``seq=`` then.
+forward that runs neither way (or cannot run for real: parameters on meta) is refused
+(``ValueError``): give ``tokens=``/``seq=`` then.
 """
 
 from __future__ import annotations
@@ -25,30 +28,57 @@ from torch.utils._pytree import tree_flatten, tree_map
 def traced_rows(model: nn.Module, example, widths: dict[str, int]) -> dict[str, tuple[int, int]]:
     """Block path → (rows, sequence length) it is first called with, for the paths of ``widths``
     (path → the block's hidden width) that run in ``model(*example)`` (``example``: a tensor, a tuple
-    of positional arguments, or a dict of keyword arguments). Raises ``ValueError`` naming the error
-    when the model's forward cannot run on the meta device."""
+    of positional arguments, or a dict of keyword arguments). On a copy whose tensors are meta; where
+    the forward reads a value (``.item()``: LLaVA's count of its image tokens), on ``model`` itself,
+    once, under ``no_grad`` in eval mode (no running statistics updated; every module's mode and the
+    random state restored after). Raises ``ValueError`` naming the error where neither runs."""
     args, kwargs = ((), example) if isinstance(example, dict) else (
         (example,) if isinstance(example, torch.Tensor) else tuple(example), {})  # fmt: skip
     memo: dict = {}
     for t in (*model.parameters(), *model.buffers()):
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    seen: dict[str, tuple[int, int]] = {}
     with torch.random.fork_rng(devices=[]):
         try:
             twin = copy.deepcopy(model, memo)
-            for path, width in widths.items():
-                module = twin.get_submodule(path)
-                module.register_forward_pre_hook(_recorder(path, width, _sequence_dim(module), seen), with_kwargs=True)
-            meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
-            with torch.no_grad():
-                twin(*meta_args, **meta_kwargs)
-        except Exception as err:  # any error of the model's own forward (or copy) on meta
-            raise ValueError(
-                f"parallelize: Auto(example=) runs the model once on the meta device to see each block's rows, and "
-                f"its forward raised {type(err).__name__}: {err}; give Auto(tokens=, seq=) instead"
-            ) from err
+            return _run(twin, widths, *tree_map(_to_meta, (args, kwargs)))
+        except Exception as err:  # the model's own forward (or its copy) cannot run on meta
+            on_meta = err
+        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            raise _refusal(on_meta, "") from on_meta
+        modes = {m: m.training for m in model.modules()}
+        try:
+            model.eval()
+            return _run(model, widths, args, kwargs)
+        except Exception as err:
+            raise _refusal(on_meta, f"; run for real, {type(err).__name__}: {err}") from err
+        finally:
+            for m, mode in modes.items():
+                m.training = mode
+
+
+def _run(model: nn.Module, widths: dict[str, int], args, kwargs) -> dict[str, tuple[int, int]]:
+    """``model(*args, **kwargs)`` under ``no_grad`` with a hook on each block of ``widths``: what they saw."""
+    seen: dict[str, tuple[int, int]] = {}
+    hooks = []
+    try:
+        for path, width in widths.items():
+            module = model.get_submodule(path)
+            record = _recorder(path, width, _sequence_dim(module), seen)
+            hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
     return seen
+
+
+def _refusal(on_meta: Exception, then: str) -> ValueError:
+    return ValueError(
+        f"parallelize: Auto(example=) runs the model once to see each block's rows, and its forward raised "
+        f"on the meta device {type(on_meta).__name__}: {on_meta}{then}; give Auto(tokens=, seq=) instead"
+    )
 
 
 def describe(example) -> str:
