@@ -43,7 +43,7 @@ pick's step time over the best's::
     small-frozen    encoder 2 × 128 frozen, LM 2 × 512, 8 × 64 tokens (the encoder a small share)
     large-trained   encoder 4 × 512 trained, LM 2 × 256, 8 × 64 tokens (the encoder the larger part)
     long-sequence   encoder 2 × 128 frozen, LM 2 × 256, p × 256 tokens (one long sequence a rank)
-    pooled-frozen   encoder 12 × 256 frozen, LM 2 × 1024, 4 images × 144 patches pooled 4:1 (``--pool``,
+    pooled-frozen   encoder 12 × 256 frozen, LM 2 × 1024, p images × 144 patches pooled 4:1 (``--pool``,
                     ``SequencePool``: the LM sees 36 tokens an image, a quarter of the encoder's)
 
     mpiexec -n 4 python -m benchmarks vlm --workloads small-frozen,large-trained,long-sequence,pooled-frozen
@@ -94,7 +94,7 @@ WORKLOADS = {
     "large-trained": (dict(enc_hidden=512, enc_layers=4, lm_hidden=256, lm_layers=2, batch=8, seq=64), (False,)),
     "long-sequence": (dict(enc_hidden=128, enc_layers=2, lm_hidden=256, lm_layers=2, batch=None, seq=256), (True,)),
     "pooled-frozen": (
-        dict(enc_hidden=256, enc_layers=12, lm_hidden=1024, lm_layers=2, batch=4, seq=144, pool=4),
+        dict(enc_hidden=256, enc_layers=12, lm_hidden=1024, lm_layers=2, batch=None, seq=144, pool=4),
         (True,),
     ),
 }
