@@ -4,8 +4,9 @@
 
 1. Measures, with every rank busy at once (as in a real step, so sharing of cores and links is
    in the figures): the compute rate of one rank on its share of the MLP, the bandwidth of an
-   exchange of 4 MiB with another rank, and the latency of a wait for a partner between two
-   pieces of work (what a sync point costs when ranks share cores).
+   exchange of 4 MiB with another rank and of an all-reduce of 16 MiB over the mesh (``Hardware.
+   reduce_bandwidth``: what a replicated module's gradients meet), and the latency of a wait for a
+   partner between two pieces of work (what a sync point costs when ranks share cores).
 2. Builds ``optimus2d.cost.planner.Hardware`` from them and predicts the fwd+bwd time of MLPs under
    optimus2d (as it chooses, and SUMMA only) and Megatron 1D (compute + communication, no overlap).
 3. Measures the same MLPs (``benchmarks.compare``, interleaved rounds) and prints predicted against
@@ -25,6 +26,7 @@ from torch import nn
 
 import optimus2d
 from benchmarks import compare, peers
+from optimus2d.comm import primitives as P
 from optimus2d.cost import calibration
 from optimus2d.cost.planner import Hardware, comm_time, mlp_comm, mlp_flops
 
@@ -55,7 +57,7 @@ def measure_hardware(
 
     The rate is that of a 1/p share of the MLP (h → f/p → h, fwd+bwd on ``rows`` rows, GELU included),
     the kernels the steps run, at the slowest rank; the link that of exchanges of 64 bytes and
-    4 MiB with another rank between matmuls.
+    4 MiB with another rank between matmuls, and all-reduces of 16 MiB over the mesh between them.
     """
     h, f = args.hidden, args.ffn
     share = nn.Sequential(nn.Linear(h, f // mesh.size), nn.GELU(), nn.Linear(f // mesh.size, h)).to(device)
@@ -73,11 +75,17 @@ def measure_hardware(
     synced = _median_ms(lambda: [(a @ b, compare.exchange(mesh, *small)) for _ in range(steps)], repeats, device)
     loaded = _median_ms(lambda: [(a @ b, compare.exchange(mesh, *big)) for _ in range(steps)], repeats, device)
     t_big = max(loaded - synced, 0.0) / 1e3 / steps
+    # and an all-reduce over the mesh of a weight gradient's size (16 MiB) between the same matmuls, as
+    # a replicated module's gradients meet it: it adds and copies what it receives as well as moving it
+    grads = torch.zeros(4 * n, device=device)
+    reduced = _median_ms(lambda: [(a @ b, P.all_reduce(grads, mesh, "mesh")) for _ in range(steps)], repeats, device)
+    t_reduce = max(reduced - synced, 0.0) / 1e3 / steps
     rates = torch.tensor(
-        [t_big, (synced - alone) / 1e3 / steps, alone / 1e3 / steps], device=compare.collective_device()
+        [t_big, (synced - alone) / 1e3 / steps, alone / 1e3 / steps, t_reduce], device=compare.collective_device()
     )
     dist.all_reduce(rates)  # the link: the mean over ranks
-    t_big, latency, work = (rates / dist.get_world_size()).tolist()
+    t_big, latency, work, t_reduce = (rates / dist.get_world_size()).tolist()
+    p = mesh.size
     # compute: the slowest rank's rate, as a step that syncs waits for it (ranks sharing cores
     # finish the same work up to a third apart; their mean rate would price the fastest)
     slowest = torch.tensor([flops], device=compare.collective_device())
@@ -89,6 +97,7 @@ def measure_hardware(
         latency=max(latency, 0.0),
         bytes_per_element=4,
         latency_work=work if shared_cores(device) else 0.0,
+        reduce_bandwidth=2 * (p - 1) / p * 4 * grads.numel() / max(t_reduce, 1e-9) if p > 1 else None,
     )
 
 
@@ -235,4 +244,5 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
 
 def _fields(hw: Hardware) -> dict:
     fields = {"flops": hw.flops, "bandwidth": hw.bandwidth, "latency": hw.latency, "latency_work": hw.latency_work}
+    fields |= {"reduce_bandwidth": hw.reduce_bandwidth} if hw.reduce_bandwidth else {}
     return fields | ({"torch_link": list(hw.torch_link)} if hw.torch_link else {})

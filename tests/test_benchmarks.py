@@ -107,7 +107,9 @@ def test_calibrate_prices_sync_stages_by_the_work_before_them_on_shared_cores(tm
     assert {r["peer"] for r in result["rows"]} >= {"optimus2d 2D", "optimus2d 2D SUMMA", "DTensor 1D"}
     row = next(r for r in result["rows"] if r["peer"] == "optimus2d 2D SUMMA")
     assert row["predicted_ms"] == pytest.approx(row["compute_ms"] + row["comm_ms"]) and row["measured_ms"] > 0
-    priced = Hardware(hw["flops"], hw["bandwidth"], hw["latency"], 4, hw["latency_work"])
+    assert hw["reduce_bandwidth"] > 0  # the mesh's all-reduce of 16 MiB, measured between matmuls
+    priced = Hardware(hw["flops"], hw["bandwidth"], hw["latency"], 4, hw["latency_work"],
+                      reduce_bandwidth=hw["reduce_bandwidth"])  # fmt: skip
     comm = mlp_comm(2 * 8, 32, 128, "2d", 4, algorithm="summa")
     compute = row["compute_ms"] / 1e3
     assert row["comm_ms"] == pytest.approx(1e3 * comm_time(comm, priced, compute))  # stages after the work

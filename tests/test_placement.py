@@ -155,3 +155,22 @@ def test_dtensors_collectives_are_priced_on_torchs_link():
     assert layout_time(torchs, ONE_D, 4, slow) < layout_time(hfs, ONE_D, 4, slow)
     assert layout_time(torchs, ONE_D, 4, HW) == layout_time(hfs, ONE_D, 4, HW)  # one link: the same price
     assert layout_time(torchs, (2, 1), 4, slow) == layout_time(hfs, (2, 1), 4, slow)
+
+
+def test_the_meshs_all_reduces_are_priced_at_their_own_bandwidth_where_measured():
+    """``Hardware.reduce_bandwidth``: the mesh's all-reduces (a replicated module's weight gradients)
+    at the rate an all-reduce was measured at; moves, and DTensor's collectives (torch's link), not."""
+    from dataclasses import replace as with_
+
+    from optimus2d.cost.planner import DTENSOR, Layer, comm_time, step_time
+
+    slow = with_(HW, reduce_bandwidth=HW.bandwidth / 3)
+    reduce, gather = [("all_reduce", 4, 1000, 1)], [("all_gather", 4, 1000, 1), ("reduce_scatter", 4, 1000, 1)]
+    assert comm_time(reduce, slow) == pytest.approx(1000 * 4 * 1.5 / (HW.bandwidth / 3) + HW.latency * 2, rel=1e-12)
+    assert comm_time(gather, slow) == comm_time(gather, HW)
+    assert comm_time([(DTENSOR + "all_reduce", 4, 1000, 1)], slow) == comm_time(
+        [(DTENSOR + "all_reduce", 4, 1000, 1)], HW
+    )
+    layer = Layer(4, 128, 128, 512, heads=4)  # replicated and trained (1×1×4): its gradients all-reduced
+    assert step_time(layer, "2.5d:4", 4, slow)["total"] > step_time(layer, "2.5d:4", 4, HW)["total"]
+    assert step_time(layer, "2.5d:4", 4, slow, dw=False) == step_time(layer, "2.5d:4", 4, HW, dw=False)  # frozen

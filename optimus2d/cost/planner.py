@@ -61,6 +61,12 @@ class Hardware:
     collectives (a 1D layout's linears), where they differ from the mesh's transport: on CPU the
     mesh's go over MPI's shared memory and DTensor's over gloo, 2.5–6× slower on 4 ranks here
     (``calibration.hardware`` measures both). None: the same link.
+
+    ``reduce_bandwidth``: bytes/s of the mesh's all-reduces of a weight gradient's size, where they
+    run slower than ``bandwidth`` says (measured by moving bytes between two ranks): an all-reduce
+    also adds what it receives and copies it on, on cores the ranks share (4 ranks on 2 cores here:
+    1.5 GB/s against 4.7 for a move, ``benchmarks/calibrate.py``). A replicated module's gradients
+    meet it (1×1×p, the depth of 2.5D). None: ``bandwidth``.
     """
 
     flops: float
@@ -69,6 +75,7 @@ class Hardware:
     bytes_per_element: int = 2
     latency_work: float = 0.0
     torch_link: tuple[float, float] | None = None  # (bandwidth, latency) of torch's groups; None: the same
+    reduce_bandwidth: float | None = None  # of the mesh's all-reduces, where it differs; None: ``bandwidth``
 
     def stage_latency(self, work: float, latency: float | None = None) -> float:
         """Seconds one sync stage costs after ``work`` seconds of work since the previous one (of
@@ -79,9 +86,12 @@ class Hardware:
         return latency * math.sqrt(work / self.latency_work)
 
     def link(self, kind: str) -> tuple[float, float]:
-        """(bandwidth, latency) of a collective of ``kind``: ``torch_link`` for DTensor's (``DTENSOR``)."""
+        """(bandwidth, latency) of a collective of ``kind``: ``torch_link`` for DTensor's (``DTENSOR``), the
+        mesh's all-reduce at ``reduce_bandwidth`` where measured."""
         if kind.startswith(DTENSOR) and self.torch_link is not None:
             return self.torch_link
+        if kind == "all_reduce" and self.reduce_bandwidth is not None:
+            return self.reduce_bandwidth, self.latency
         return self.bandwidth, self.latency
 
 
