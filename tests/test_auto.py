@@ -361,3 +361,45 @@ def test_an_example_gives_llavas_tower_projector_and_lm_their_own_rows():
         "model.vision_tower.encoder.layers.0.mlp": (15, 5), "model.vision_tower.encoder.layers.1.mlp": (15, 5),
         "multi_modal_projector": (12, 4), "model.language_model.layers.0.mlp": (30, 10),
     }  # fmt: skip
+
+
+def test_an_examples_call_and_description_what_a_block_reads_of_it():
+    """A tokenizer's mapping is keyword arguments, anything but a tensor, a tuple or a mapping is refused;
+    the description keeps keywords (in any order) and shapes, and names objects by type (their repr
+    holds an address that differs by rank). A block reads its activation wherever it is in the call,
+    ids only without one (the largest), and skips empty and nested tensors."""
+    from collections import UserDict
+
+    import torch
+    from torch import nn
+
+    from optimus2d.convert.auto_example import call_of, describe, traced_rows
+
+    x, ids = torch.randn(2, 3, 8), torch.zeros(2, 3, dtype=torch.long)
+    assert call_of(UserDict(input_ids=ids)) == ((), {"input_ids": ids}) and call_of([x]) == ((x,), {})
+    with pytest.raises(TypeError, match=r"Auto\(example=\) is one step's inputs.*not int"):
+        call_of(5)
+    assert describe({"b": ids, "a": x}) == describe({"a": x, "b": ids}) != describe({"a": ids, "b": x})
+    assert describe((x, None, 3, object())) == "((2, 3, 8):torch.float32, None, 3, object)"
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, position_ids=None, hidden=None, ids=None):
+            return self.fc(hidden) if hidden is not None else self.fc(torch.zeros(*ids.shape, 8))
+
+    class Calls(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second, self.empty = Block(), Block(), Block()
+
+        def forward(self, x, ids):
+            self.empty(hidden=x[:0])  # no rows: not read (its later call is)
+            self.empty(hidden=x)
+            positions = torch.arange(x.shape[1])[None]
+            return self.first(position_ids=positions, hidden=x) + self.second(position_ids=positions, ids=ids)
+
+    seen = traced_rows(Calls(), (x, ids), {"first": 8, "second": 8, "empty": 8})
+    assert seen == {"empty": (6, 3), "first": (6, 3), "second": (6, 3)}  # ids [2, 3], not positions [1, 3]

@@ -369,6 +369,18 @@ def test_an_example_the_ranks_disagree_on_or_meta_cannot_run_is_refused_on_every
         with pytest.raises(ValueError, match="plan='auto'"):
             optimus2d.parallelize(model, Mesh(1, world.size), plan=Auto(hardware=HW, example=mine))
 
+    class Selecting(PooledMLPs):  # reads a value: traced for real, its rows as the values say
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp2(self.mlp1(x)[: 1 + int(x[0, 0, 0].item() > 0)])
+
+    if world.size > 1:  # the same shapes, other values on one rank: other rows priced, refused on every rank
+        mine = x.clone()
+        mine[0, 0, 0] = 1.0 if world.rank == 0 else -1.0
+        with pytest.raises(ValueError, match=r"plan='auto'"):
+            optimus2d.parallelize(Selecting(6 * world.size), Mesh(1, world.size), plan=Auto(hardware=HW, example=mine))
+    with pytest.raises(TypeError, match=r"Auto\(example=\) is one step's inputs"):  # agreed: every rank
+        optimus2d.parallelize(model, Mesh(1, world.size), plan=Auto(hardware=HW, example=5))
+
     class Counting(PooledMLPs):  # reads a value: not on meta; built on meta, not for real either
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.mlp2(self.mlp1(x)[: int(x.abs().sum().item())])

@@ -98,10 +98,21 @@ def _blocks(
     blocks = _found(model, tokens, ranks, seq, own_q)
     if example is None:
         return blocks
-    widths = {b.path: b.hidden for b in blocks}
-    widths.update({b.path: b.hidden for group in blocks for b in group.inner})
+    widths: dict[str, int] = {}
+
+    def note(found: tuple[Block, ...]) -> None:  # a part, a region and a part inside a region: every depth
+        for b in found:
+            widths[b.path] = b.hidden
+            note(b.inner)
+
+    note(tuple(blocks))
     seen = traced_rows(model, example, widths)
     return _found(model, tokens, ranks, seq, own_q, seen)
+
+
+def _rows_seen(blocks: list[Block]) -> str:
+    """Each block's path, rows and sequence, at every depth: what the plan is priced at."""
+    return ";".join(f"{b.path}:{b.rows}:{b.seq}[{_rows_seen(list(b.inner))}]" for b in blocks)
 
 
 def _found(model: nn.Module, tokens: int, ranks: int, seq: int, own_q: int, seen: dict | None = None) -> list[Block]:
@@ -266,15 +277,16 @@ def choose_plan(
     if error is None:  # (no communication: a forward of example= on the meta device, where given)
         try:
             blocks = _blocks(model, auto.tokens, mesh.size, auto.seq, mesh.q, auto.example)
-        except ValueError as err:
+        except (TypeError, ValueError) as err:
             error = err
     # the same request on every rank of the mesh (or the same refusal), before anything is measured or built
     if error is None:  # (a function's repr differs between ranks)
         asked = repr(replace(auto, explain=False, measure=None if auto.measure is None else "step"))
     else:
         asked = repr(auto)
-    example = getattr(auto, "example", None)  # (its shapes, not its values: agreed)
-    asked += "" if example is None else f", example=[{describe(example)}]"
+    example = getattr(auto, "example", None)  # its shapes, and the rows each block saw (a value read may
+    if example is not None and error is None:  # make them differ between ranks of the same shapes)
+        asked += f", example={describe(example)}, rows={_rows_seen(blocks)}"
     asked += "" if io == "blocks" else f", io={io!r}"  # priced at the model's edges alike on every rank
     agree(mesh, "parallelize(plan='auto')", description=asked, error=error)
     if error is not None:  # a mesh of one rank, or checks off: raised here

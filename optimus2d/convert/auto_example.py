@@ -18,7 +18,7 @@ forward that runs neither way (or cannot run for real: parameters on meta) is re
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -32,13 +32,14 @@ def traced_rows(model: nn.Module, example, widths: dict[str, int]) -> dict[str, 
     the forward reads a value (``.item()``: LLaVA's count of its image tokens), on ``model`` itself,
     once, under ``no_grad`` in eval mode (no running statistics updated; every module's mode and the
     random state restored after). Raises ``ValueError`` naming the error where neither runs."""
-    args, kwargs = ((), example) if isinstance(example, dict) else (
-        (example,) if isinstance(example, torch.Tensor) else tuple(example), {})  # fmt: skip
+    args, kwargs = call_of(example)
     memo: dict = {}
-    for t in (*model.parameters(), *model.buffers()):
+    tensors = (*model.parameters(), *model.buffers())
+    for t in tensors:
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    with torch.random.fork_rng(devices=[]):
+    gpus = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})  # their generators kept too
+    with torch.random.fork_rng(devices=gpus):
         try:
             twin = copy.deepcopy(model, memo)
             return _run(twin, widths, *tree_map(_to_meta, (args, kwargs)))
@@ -81,10 +82,33 @@ def _refusal(on_meta: Exception, then: str) -> ValueError:
     )
 
 
+def call_of(example) -> tuple[tuple, dict]:
+    """``example`` as (positional, keyword) arguments: a tensor, a tuple or list of positional ones, or
+    a mapping of keyword ones (a tokenizer's ``BatchEncoding`` too); ``TypeError`` for anything else."""
+    if isinstance(example, torch.Tensor):
+        return (example,), {}
+    if isinstance(example, Mapping):
+        return (), dict(example)
+    if isinstance(example, (tuple, list)):
+        return tuple(example), {}
+    raise TypeError(
+        f"parallelize: Auto(example=) is one step's inputs: a tensor, a tuple of positional arguments or a dict "
+        f"of keyword ones, not {type(example).__name__}"
+    )
+
+
 def describe(example) -> str:
-    """``example`` as its tensors' shapes and dtypes (the same on every rank that gives the same inputs)."""
-    leaves, _ = tree_flatten(example)
-    return ", ".join(f"{tuple(t.shape)}:{t.dtype}" if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
+    """``example`` as its structure, keywords and tensors' shapes and dtypes (plain values as they are,
+    other objects by type): the same on every rank that calls the model alike."""
+    if isinstance(example, torch.Tensor):
+        return f"{tuple(example.shape)}:{example.dtype}"
+    if isinstance(example, Mapping):
+        return "{" + ", ".join(f"{k!r}: {describe(example[k])}" for k in sorted(example, key=str)) + "}"
+    if isinstance(example, (tuple, list)):
+        return "(" + ", ".join(describe(v) for v in example) + ")"
+    if example is None or isinstance(example, (bool, int, float, str)):
+        return repr(example)
+    return type(example).__name__
 
 
 def _to_meta(value):
@@ -99,18 +123,24 @@ def _sequence_dim(module: nn.Module) -> int | None:
 
 
 def _recorder(path: str, width: int, dim: int | None, seen: dict):
+    """The hook of one block: its first call's activation (a floating tensor of its width, wherever in
+    the call), else its ids ``[b, s]`` (the largest integer 2-D tensor); a nested or empty tensor is
+    not read. A block called more than once is priced at its first call."""
+
     def record(module, args, kwargs):
         if path in seen:
             return
-        for t in _tensors([*args, *kwargs.values()]):
+        tensors = [t for t in _tensors([*args, *kwargs.values()]) if not t.is_nested and t.numel() > 0]
+        for t in tensors:
             if t.is_floating_point() and t.dim() >= 2 and t.shape[-1] == width:
                 rows = t.numel() // width
                 seq = t.shape[dim] if dim is not None and t.dim() >= 3 else rows // t.shape[0]
                 seen[path] = (rows, seq)
                 return
-            if not t.is_floating_point() and not t.is_complex() and t.dim() == 2:  # ids [b, s]
-                seen[path] = (t.numel(), t.shape[-1])
-                return
+        ids = [t for t in tensors if t.dim() == 2 and not t.is_floating_point() and not t.is_complex()]
+        if ids:  # ids [b, s]: the largest (not one row of positions beside them)
+            t = max(ids, key=torch.Tensor.numel)
+            seen[path] = (t.numel(), t.shape[-1])
 
     return record
 
