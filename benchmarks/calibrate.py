@@ -91,13 +91,15 @@ def measure_hardware(
     slowest = torch.tensor([flops], device=compare.collective_device())
     dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
     flops = slowest.item()
+    bandwidth = 4 * n / max(t_big, 1e-9)
     return Hardware(
         flops=flops,
-        bandwidth=4 * n / max(t_big, 1e-9),
+        bandwidth=bandwidth,
         latency=max(latency, 0.0),
         bytes_per_element=4,
         latency_work=work if shared_cores(device) else 0.0,
-        reduce_bandwidth=2 * (p - 1) / p * 4 * grads.numel() / max(t_reduce, 1e-9) if p > 1 else None,
+        # (no faster than a move: where noise says so, the move's)
+        reduce_bandwidth=min(2 * (p - 1) / p * 4 * grads.numel() / max(t_reduce, 1e-9), bandwidth) if p > 1 else None,
     )
 
 
