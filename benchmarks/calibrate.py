@@ -173,6 +173,7 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
             latency=statistics.median(s.latency for s in found),
             bytes_per_element=4,
             latency_work=statistics.median(s.latency_work for s in found),
+            reduce_bandwidth=_median_of(s.reduce_bandwidth for s in found),
         )
         for key, found in samples.items()
     }
@@ -242,6 +243,12 @@ def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) 
         "hardware_gloo": {b: _fields(h) for b, h in gloo_hw.items()},
         "rows": rows_out,
     }
+
+
+def _median_of(values) -> float | None:
+    """The median of the values measured (None where none was: one rank)."""
+    found = [v for v in values if v is not None]
+    return statistics.median(found) if found else None
 
 
 def _fields(hw: Hardware) -> dict:
