@@ -192,17 +192,22 @@ def test_a_part_of_blocks_is_laid_out_whole_with_one_boundary_in_and_out():
         mlps.inner[0], "1×1×4", 4, HW)[0])  # fmt: skip
 
 
+def _llama(layers: int):
+    """A tiny ``LlamaForCausalLM``: vocabulary 64, hidden 32, MLP 64, 4 heads (skipped without transformers)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=4,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
 def test_a_llama_stack_is_a_region_offered_whole_in_1d_or_left_with_its_mlps_alone():
     """LLaMA's ``model`` holds attention Megatron splits: one region, whole in 1D (its embedding then
     whole on every rank) or on the mesh with each MLP laid out alone; not where 1D is refused."""
-    transformers = pytest.importorskip("transformers")
     from optimus2d.convert.auto import _blocks
 
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
+    model = _llama(layers=3)
     [region] = _blocks(model, tokens=64, ranks=4, seq=8, own_q=2)
     assert (region.path, region.kind, region.layers, region.hidden, region.heads) == ("model", "region", 3, 32, 4)
     assert [b.path for b in region.inner] == [f"model.layers.{n}.mlp" for n in range(3)]
@@ -316,16 +321,11 @@ def test_an_example_prices_each_block_at_the_rows_it_sees():
 
 
 def test_an_example_gives_a_llama_region_the_rows_of_its_ids():
-    transformers = pytest.importorskip("transformers")
     import torch
 
     from optimus2d.convert.auto import _blocks
 
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
+    model = _llama(layers=2)
     ids = torch.randint(0, 64, (3, 10))
     [region] = _blocks(model, tokens=64, ranks=4, seq=8, own_q=2, example={"input_ids": ids})
     assert (region.path, region.rows, region.seq) == ("model", 30, 10)

@@ -65,8 +65,9 @@ class Auto:
     over them, and a mesh shape is offered only where its depth·q splits the batch; ``example``: one
     step's inputs (a tensor, a tuple of positional arguments or a dict of keyword ones, global
     shapes): each block is priced at the rows and sequence it is called with in a forward of them on
-    the meta device (``convert/auto_example.py``: a VLM whose LM sees fewer tokens than its encoder),
-    in place of ``tokens`` and ``seq``; a block that forward does not reach keeps those."""
+    the meta device, or once for real where the forward reads a value (``convert/auto_example.py``: a
+    VLM whose LM sees fewer tokens than its encoder), in place of ``tokens`` and ``seq``; a block that
+    forward does not reach keeps those."""
 
     tokens: int = 8192
     memory: float | None = None
