@@ -27,6 +27,7 @@ from optimus2d.convert import auto as auto_plan
 from optimus2d.convert import blockwise, forward_reader, layouts
 from optimus2d.convert.auto import Auto
 from optimus2d.convert.dtensor_params import distribute_parameters
+from optimus2d.convert.instance_forward import replaced_forward, set_aside_hub_kernels
 from optimus2d.convert.meta_init import has_meta, record_init
 from optimus2d.convert.tied import tied_embeddings
 from optimus2d.convert.whole_io import WholeIO, io_refusal
@@ -196,7 +197,10 @@ def parallelize(
     a parameter shared in a way that cannot be kept. Every rank must hold the same serial weights
     (as torch's ``distribute_tensor`` assumes): their checksums are compared over the mesh and the
     weights that differ are named in a ``ValueError`` on every rank (``check=False``, or a mesh
-    built with ``check="off"``, skips this one all-gather).
+    built with ``check="off"``, skips this one all-gather). Every module is judged by its class's
+    forward: a hub kernel ``kernels`` put on an instance (transformers ≥ 5.25's ``from_pretrained``
+    on a GPU) is set aside first, any other forward assigned to an instance is refused
+    (``convert/instance_forward.py``).
 
     ``mesh`` (and a plan's meshes) may be torch's ``DeviceMesh`` with dims named "depth", "row" and
     "col" (``Mesh.from_device_mesh``; any other dims are data-parallel replicas).
@@ -213,6 +217,8 @@ def parallelize(
     """
     whole = mesh if isinstance(mesh, DeviceMesh) and tuple(mesh.mesh_dim_names or ()) != DIM_NAMES else None
     mesh = as_mesh(mesh, "parallelize's mesh")  # a torch DeviceMesh: its Mesh (collective, every rank alike)
+    if _current.get() is None:  # every module on its class's forward, the one judged (instance_forward.py)
+        set_aside_hub_kernels(module)
     if isinstance(plan, (str, Auto)) and io_refusal(io) is None:  # "auto": the plan of least predicted cost
         plan = choose_plan(module, mesh, plan, io=io)[1]  # (collective over the mesh)
     if isinstance(plan, Mapping):
@@ -562,6 +568,8 @@ def _as_is(module: nn.Module, mesh: Mesh) -> nn.Module:
 
 def _plan(module: nn.Module, parent: nn.Module | None, mesh: Mesh) -> Converter | str:
     """How ``module`` converts, or why it cannot (``convert/blockwise.py`` says what is known to be correct)."""
+    if (why := replaced_forward(module)) is not None:
+        return why
     converter = converter_for(module)
     if converter is None and _load_library_of(module):  # e.g. the first transformers module met
         converter = converter_for(module)
