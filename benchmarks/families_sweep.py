@@ -457,19 +457,28 @@ def run_family(family: str, class_name: str, mesh, agree: Agreement, args) -> tu
 
 
 def parallel_grads(parallel) -> dict[str, torch.Tensor]:
-    """Every gradient as a full tensor under the serial keys: each parameter's data swapped for its
-    gradient (zeros where none), ``serial_state_dict`` (collective), and swapped back."""
+    """Every gradient as a full tensor under the serial keys: each parameter's block overwritten by
+    its gradient's (zeros where none), ``serial_state_dict`` (collective), and put back. A parameter
+    is a DTensor whose gradient is one too, laid out alike: the block is its ``to_local()``, which
+    shares the storage (a swap of ``.data`` leaves that block as it was: every gradient was read as its
+    weight here until this was found)."""
+    from torch.distributed.tensor import DTensor
+
     import optimus2d
 
+    def block(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
     params = list(parallel.parameters())  # each Parameter once (tied ones included once)
-    saved = [p.data for p in params]
-    try:
-        for p in params:
-            p.data = p.grad.detach() if p.grad is not None else torch.zeros_like(p.data)
-        state = optimus2d.serial_state_dict(parallel)
-    finally:
-        for p, data in zip(params, saved, strict=True):
-            p.data = data
+    with torch.no_grad():
+        saved = [block(p).clone() for p in params]
+        try:
+            for p in params:
+                block(p).copy_(block(p.grad) if p.grad is not None else torch.zeros_like(block(p)))
+            state = {name: t.clone() for name, t in optimus2d.serial_state_dict(parallel).items()}
+        finally:
+            for p, data in zip(params, saved, strict=True):
+                block(p).copy_(data)
     return state
 
 

@@ -6,7 +6,10 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv
 fi
-if ! .venv/bin/python -c "import optimus2d, mpi4py, pytest_mpi, pytest_timeout, einops, ruff, transformers" 2>/dev/null \
+# (again when constraints.txt pins another transformers than the one installed)
+pinned=$(sed -n 's/^transformers==//p' constraints.txt)
+if ! .venv/bin/python -c "import optimus2d, mpi4py, pytest_mpi, pytest_timeout, einops, ruff, transformers
+assert transformers.__version__ == '$pinned'" 2>/dev/null \
    || [ ! -x .venv/bin/mpiexec ]; then
   echo "setting up .venv (a few minutes)..."
   .venv/bin/pip install -q --disable-pip-version-check --no-cache-dir -c constraints.txt -e '.[test,mpi,families]' 2>&1 \

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Creates .venv-timm (once): optimus2d with torch 2.14.1 + torchvision 0.29.1 + timm + transformers
-# 5.24.0, to test the timm converters and the high end of the torch range (about 1.5 min and 5.5 GB;
+# 5.25.0, to test the timm converters and the high end of the torch range (about 1.5 min and 5.5 GB;
 # see constraints-timm.txt for why a second environment).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv-timm/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv-timm
 fi
-if ! .venv-timm/bin/python -c "import optimus2d, timm, transformers, mpi4py, pytest_mpi, pytest_timeout" 2>/dev/null \
+pinned=$(sed -n 's/^transformers==//p' constraints-timm.txt)  # again when the pin changes
+if ! .venv-timm/bin/python -c "import optimus2d, timm, transformers, mpi4py, pytest_mpi, pytest_timeout
+assert transformers.__version__ == '$pinned'" 2>/dev/null \
    || [ ! -x .venv-timm/bin/mpiexec ]; then
   echo "setting up .venv-timm (torch 2.14.1 + torchvision + timm, about 1.5 minutes)..."
   .venv-timm/bin/pip install -q --disable-pip-version-check --no-cache-dir -c constraints-timm.txt \

@@ -326,3 +326,15 @@ def test_vlm_benchmarks_pooled_workload_judges_the_layouts_that_fit_the_cap(tmp_
                or name.count("1D") == 2)  # fmt: skip
     assert within["homogeneous_ms"] == homo and within["speedup"] == homo / within["heterogeneous_ms"]
     assert within["pick_over_best"] == next(r for r in pairs if r["plan_pick"])["train_ms"] / min(fit.values())
+
+
+def test_families_sweep_finds_converted_families_exact(tmp_path):
+    """The sweep end to end: gpt2 and llama exact (``tests/test_sweep_grads_mpi.py`` proves the
+    gradients it reads are the gradients)."""
+    out = tmp_path / "sweep.json"
+    cmd = [str(BIN / "mpiexec"), "-n", "4", sys.executable, "benchmarks/families_sweep.py"]
+    cmd += ["--only", "gpt2", "llama", "--out", str(out)]
+    ran = subprocess.run(cmd, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
+    families = json.loads(out.read_text())["families"]
+    assert [(r["family"], r["category"]) for r in families] == [("gpt2", "exact"), ("llama", "exact")]

@@ -95,11 +95,12 @@ class LlamaStage(nn.Module):
 
 def causal_mask(config, hidden: torch.Tensor, positions: torch.Tensor):
     """Hugging Face's causal mask for ``hidden`` at ``positions``, with no padding and no cache (the
-    cache argument is ``past_key_values`` up to transformers 5.23, ``cache`` from 5.24)."""
+    cache argument is ``past_key_values`` up to transformers 5.23, ``cache`` from 5.24; 5.25 takes both
+    and warns when both are given)."""
     from transformers.masking_utils import create_causal_mask
 
     params = inspect.signature(create_causal_mask).parameters
-    no_cache = {name: None for name in ("cache", "past_key_values") if name in params}
+    no_cache = {"cache" if "cache" in params else "past_key_values": None}
     return create_causal_mask(
         config=config, inputs_embeds=hidden, attention_mask=None, position_ids=positions, **no_cache
     )
