@@ -23,6 +23,8 @@ if [ "${1:-}" = "--newest" ]; then
 fi
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1
+# every pytest below names its 8 slowest tests: what to trim when the suite outgrows its time
+export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} --durations=8"
 start=$SECONDS
 lap=$SECONDS
 took() { echo "   ($1: $((SECONDS - lap)) s; whole suite so far $((SECONDS - start)) s)"; lap=$SECONDS; }

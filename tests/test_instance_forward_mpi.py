@@ -13,7 +13,7 @@ from helpers import check_against_serial
 from torch import nn
 
 from optimus2d import parallelize
-from optimus2d.convert.instance_forward import set_aside_hub_kernels
+from optimus2d.convert.instance_forward import replaced_forward, set_aside_hub_kernels
 
 pytestmark = pytest.mark.mpi
 
@@ -88,16 +88,19 @@ def test_a_hub_kernel_is_set_aside_and_the_class_forward_runs(mesh, how):
 
 
 def test_set_aside_names_the_modules_and_keeps_optimus2ds_own():
-    model = _kernelize(_model(), "as kernels does")
+    model = _kernelize(nn.Sequential(*_model(), NewGELU()), "as kernels does")  # kernels on 1, 3 and 4
 
     def ours(self, x):
         return x
 
     ours.__module__ = "optimus2d.context.parallel"  # a forward optimus2d installs (context parallelism)
-    model[1].__dict__.pop("_kernel_repo")  # an older kernels: only the class is marked
+    model[1].__dict__.pop("_kernel_repo")  # no repository noted: anyone's forward, left (and refused)
     model[3].forward = types.MethodType(ours, model[3])
-    assert set_aside_hub_kernels(model) == ["1"]
-    assert "forward" not in model[1].__dict__ and model[3].forward.__func__ is ours
+    assert set_aside_hub_kernels(model) == ["4"]
+    assert "forward" not in model[4].__dict__ and "_kernel_repo" not in model[4].__dict__
+    assert model[1].forward.__func__ is RowMeanKernel.forward and model[3].forward.__func__ is ours
+    assert "a hub kernel? load with use_kernels=False" in replaced_forward(model[1])
+    assert replaced_forward(model[3]) is None and replaced_forward(model[4]) is None
 
 
 def test_a_forward_set_on_an_instance_is_refused_by_path(mesh):

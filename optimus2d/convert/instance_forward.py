@@ -8,7 +8,8 @@ correct on blocks, so:
 - a kernel from the Hugging Face ``kernels`` package (``kernels.kernelize``, which transformers
   ≥ 5.25 runs in ``from_pretrained`` by default, on CUDA, ROCm and XPU: LigerRMSNorm for every
   RMSNorm, a rotary kernel, fast activations) is a drop-in for its class's forward (the package
-  checks it holds no state and takes the same arguments). It is set aside (``set_aside_hub_kernels``):
+  checks it holds no state and takes the same arguments; 0.19 notes the repository beside it, in
+  ``_kernel_repo``, and only such a forward is taken for a kernel). It is set aside (``set_aside_hub_kernels``):
   the module runs its class's forward again, the one judged, as ``kernelize`` itself does where no
   kernel fits. Values do not change; the kernel's speed is lost on the modules kept as they are (the
   ones converted are replaced anyway).
@@ -31,8 +32,9 @@ def set_aside_hub_kernels(model: nn.Module) -> list[str]:
     set_aside = []
     for path, module in model.named_modules():
         for holder in (module, *module.__dict__.get("_kernel_funcs", {}).values()):
-            # kernels marks the instance (``_kernel_repo``, 0.19); its classes are marked in every release
-            kernel = "_kernel_repo" in holder.__dict__ or hasattr(type(holder), "kernel_layer_name")
+            # kernels (0.19, what transformers 5.25 requires) notes the repository beside the forward it
+            # sets; a forward set on a kernelizable class without it may be anyone's: refused below
+            kernel = "_kernel_repo" in holder.__dict__
             if kernel and "forward" in holder.__dict__ and not _ours(_function(holder.__dict__["forward"])):
                 holder.__dict__.pop("forward")
                 holder.__dict__.pop("_kernel_repo", None)
@@ -51,10 +53,12 @@ def replaced_forward(module: nn.Module) -> str | None:
     if fn is type(module).forward or _ours(fn):
         return None
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    hub = hasattr(type(module), "kernel_layer_name")  # an older kernels' kernel: no repository noted
     return (
         f"its forward is replaced on this instance (by {name}), so {type(module).__name__}.forward, "
-        "the one judged on blocks, is not what runs: not known to be exact (restore the class's forward, "
-        "`del module.forward`, or register a converter for a class of its own)"
+        "the one judged on blocks, is not what runs: not known to be exact ("
+        + ("a hub kernel? load with use_kernels=False or call model.reset_kernels(); " if hub else "")
+        + "restore the class's forward, `del module.forward`, or register a converter for a class of its own)"
     )
 
 
