@@ -474,6 +474,8 @@ def parallel_grads(parallel) -> dict[str, torch.Tensor]:
         saved = [block(p).clone() for p in params]
         try:
             for p in params:
+                if isinstance(p, DTensor) and p.grad is not None and p.grad.placements != p.placements:
+                    raise ValueError(f"a gradient laid out as {p.grad.placements}, its parameter {p.placements}")
                 block(p).copy_(block(p.grad) if p.grad is not None else torch.zeros_like(block(p)))
             state = {name: t.clone() for name, t in optimus2d.serial_state_dict(parallel).items()}
         finally:

@@ -27,7 +27,7 @@ from optimus2d.convert import auto as auto_plan
 from optimus2d.convert import blockwise, forward_reader, layouts
 from optimus2d.convert.auto import Auto
 from optimus2d.convert.dtensor_params import distribute_parameters
-from optimus2d.convert.instance_forward import replaced_forward, set_aside_hub_kernels
+from optimus2d.convert.instance_forward import SetAside, refusals, replaced_forward, set_aside_hub_kernels
 from optimus2d.convert.meta_init import has_meta, record_init
 from optimus2d.convert.tied import tied_embeddings
 from optimus2d.convert.whole_io import WholeIO, io_refusal
@@ -199,8 +199,8 @@ def parallelize(
     weights that differ are named in a ``ValueError`` on every rank (``check=False``, or a mesh
     built with ``check="off"``, skips this one all-gather). Every module is judged by its class's
     forward: a hub kernel ``kernels`` put on an instance (transformers ≥ 5.25's ``from_pretrained``
-    on a GPU) is set aside first, any other forward assigned to an instance is refused
-    (``convert/instance_forward.py``).
+    on a GPU) is set aside first (and put back if the model is refused), any other forward assigned
+    to an instance, anywhere in the model, is refused (``convert/instance_forward.py``).
 
     ``mesh`` (and a plan's meshes) may be torch's ``DeviceMesh`` with dims named "depth", "row" and
     "col" (``Mesh.from_device_mesh``; any other dims are data-parallel replicas).
@@ -217,42 +217,13 @@ def parallelize(
     """
     whole = mesh if isinstance(mesh, DeviceMesh) and tuple(mesh.mesh_dim_names or ()) != DIM_NAMES else None
     mesh = as_mesh(mesh, "parallelize's mesh")  # a torch DeviceMesh: its Mesh (collective, every rank alike)
-    if _current.get() is None:  # every module on its class's forward, the one judged (instance_forward.py)
-        set_aside_hub_kernels(module)
-    if isinstance(plan, (str, Auto)) and io_refusal(io) is None:  # "auto": the plan of least predicted cost
-        plan = choose_plan(module, mesh, plan, io=io)[1]  # (collective over the mesh)
-    if isinstance(plan, Mapping):
-        plan = {key: as_mesh(value) if isinstance(value, DeviceMesh) else value for key, value in plan.items()}
-    # Checked on this rank (no communication), then agreed with every rank before anything is sent:
-    # the plan (its keys and meshes) and any refusal, so a plan or a model that differs on one rank
-    # is one error on every rank, not a rank left waiting for the others (layouts.agree_plan)
-    error, walk = None, None
+    # every module on its class's forward, the one judged; put back if the model is refused (instance_forward.py)
+    aside = set_aside_hub_kernels(module) if _current.get() is None else SetAside()
     try:
-        if (refused := io_refusal(io)) is not None:
-            raise refused
-        walk = _Walk(mesh, {}, tied_embeddings(module), plan=layouts.check_plan(plan, mesh))
-        if whole is not None:
-            _one_mesh_with_replicas(plan, mesh)
-        walk.contexts = layouts.context_plan(plan)
-        walk.megatron = layouts.megatron_plan(plan)
-        walk.check(module, "")
-        walk.check_region_aliases(module)
-        walk.raise_refused()
-        if _current.get() is None:
-            _rehearse(module, mesh, walk)
-    except (TypeError, ValueError) as err:
-        error = err
-    if _current.get() is None:  # a converter's own parallelize() of a part: the whole was agreed
-        layouts.agree_plan(mesh, plan, error, check, io)
-    if error is not None:
-        raise error
-    # Built on meta: note now how the serial model initialises each tensor (materialize replays it)
-    records = record_init(module) if _current.get() is None and has_meta(module) else None
-    if _current.get() is None:  # a converter's own parallelize() of a part: the whole was checked
-        named = [*module.named_parameters(remove_duplicate=True), *module.named_buffers(remove_duplicate=True)]
-        # blocks of a part converted already differ by rank: only the serial tensors must agree
-        tensors = [(name, t) for name, t in named if getattr(t, "_optimus2d_mesh", None) is None]
-        check_same_tensors(mesh, "parallelize: the serial weights", tensors, check)
+        plan, walk, records = _checked(module, mesh, plan, check, io, whole)
+    except BaseException:
+        aside.put_back()
+        raise
     modes = {path: m.training for path, m in module.named_modules()} if _current.get() is None else None
     token = _current.set(walk)
     try:
@@ -275,6 +246,50 @@ def parallelize(
     if records is not None:
         out._optimus2d_init = records
     return out
+
+
+def _checked(
+    module: nn.Module, mesh: Mesh, plan, check: bool | None, io: str, whole
+) -> tuple[dict, _Walk, dict | None]:
+    """``parallelize``'s checks, before anything changes: (the plan, its walk, the init records of a
+    model on meta). Raises the refusal, the same on every rank."""
+    if isinstance(plan, (str, Auto)) and io_refusal(io) is None:  # "auto": the plan of least predicted cost
+        plan = choose_plan(module, mesh, plan, io=io)[1]  # (collective over the mesh)
+    if isinstance(plan, Mapping):
+        plan = {key: as_mesh(value) if isinstance(value, DeviceMesh) else value for key, value in plan.items()}
+    # Checked on this rank (no communication), then agreed with every rank before anything is sent:
+    # the plan (its keys and meshes) and any refusal, so a plan or a model that differs on one rank
+    # is one error on every rank, not a rank left waiting for the others (layouts.agree_plan)
+    error, walk = None, None
+    try:
+        if (refused := io_refusal(io)) is not None:
+            raise refused
+        walk = _Walk(mesh, {}, tied_embeddings(module), plan=layouts.check_plan(plan, mesh))
+        if whole is not None:
+            _one_mesh_with_replicas(plan, mesh)
+        walk.contexts = layouts.context_plan(plan)
+        walk.megatron = layouts.megatron_plan(plan)
+        walk.check(module, "")
+        if _current.get() is None:  # a forward set on an instance wherever it is, inside converted modules too
+            walk.refused += [r for r in refusals(module) if r not in walk.refused]
+        walk.check_region_aliases(module)
+        walk.raise_refused()
+        if _current.get() is None:
+            _rehearse(module, mesh, walk)
+    except (TypeError, ValueError) as err:
+        error = err
+    if _current.get() is None:  # a converter's own parallelize() of a part: the whole was agreed
+        layouts.agree_plan(mesh, plan, error, check, io)
+    if error is not None:
+        raise error
+    # Built on meta: note now how the serial model initialises each tensor (materialize replays it)
+    records = record_init(module) if _current.get() is None and has_meta(module) else None
+    if _current.get() is None:  # a converter's own parallelize() of a part: the whole was checked
+        named = [*module.named_parameters(remove_duplicate=True), *module.named_buffers(remove_duplicate=True)]
+        # blocks of a part converted already differ by rank: only the serial tensors must agree
+        tensors = [(name, t) for name, t in named if getattr(t, "_optimus2d_mesh", None) is None]
+        check_same_tensors(mesh, "parallelize: the serial weights", tensors, check)
+    return plan, walk, records
 
 
 def _one_mesh_with_replicas(plan, mesh: Mesh) -> None:
@@ -568,7 +583,7 @@ def _as_is(module: nn.Module, mesh: Mesh) -> nn.Module:
 
 def _plan(module: nn.Module, parent: nn.Module | None, mesh: Mesh) -> Converter | str:
     """How ``module`` converts, or why it cannot (``convert/blockwise.py`` says what is known to be correct)."""
-    if (why := replaced_forward(module)) is not None:
+    if (why := replaced_forward(module)) is not None:  # what runs is not what the class says (and no probe)
         return why
     converter = converter_for(module)
     if converter is None and _load_library_of(module):  # e.g. the first transformers module met
