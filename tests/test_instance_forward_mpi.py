@@ -110,7 +110,7 @@ def test_a_forward_set_on_an_instance_is_refused_by_path(mesh):
     """Wherever it is: a leaf kept as element-wise, a Linear converted, a tied head, a child of a layer
     converted whole, a method of another module; the model and its kernels left as they were."""
     torch.manual_seed(0)
-    emb, layer = nn.Embedding(24, E), nn.TransformerEncoderLayer(E, 2, 2 * E, dropout=0.0, batch_first=True)
+    emb, layer = nn.Embedding(24, E), nn.TransformerEncoderLayer(E, 6, 2 * E, dropout=0.0, batch_first=True)
     head = nn.Linear(E, 24, bias=False)
     head.weight = emb.weight
     model = _kernelize(nn.Sequential(emb, nn.Linear(E, 2 * E), nn.GELU(), nn.Linear(2 * E, E), layer, NewGELU(), head),
@@ -143,6 +143,8 @@ def test_a_converted_model_converts_again_with_optimus2ds_own_forwards(mesh):
     """BERT's converted layers run under optimus2d's wrappers (``functools.wraps`` copies the wrapped
     forward's ``__module__``): converting it again changes nothing."""
     transformers = pytest.importorskip("transformers")
+    if mesh.q > 1:  # a converted BERT keeps this rank's head count: split again, hf_bert refuses it
+        pytest.skip("BERT converted twice: on a mesh whose q is 1 (1, 1×1×4, 1×1×8)")
     torch.manual_seed(0)
     config = transformers.BertConfig(hidden_size=24, num_hidden_layers=1, num_attention_heads=6,
                                      intermediate_size=48, vocab_size=40, hidden_dropout_prob=0.1)  # fmt: skip
