@@ -63,7 +63,8 @@ done
 # 8 ranks: the model families on 2×2×2, the data-parallel replicas (2 × 2×2), redistribute and
 # per-module layouts between 2×2×2 and 1×1×8, pipelines of 2 stages × 2×2 (and × 2 copies of 1×1×2), context
 # parallelism with c = 2 on 2×2 (2×2×2) and c = 8 (1×1×8), torch's own tools on DTensor parameters (2×2×2,
-# and FSDP2 over 2 replicas of 2×2), checkpoints as DCP's on 2×2×2, a module in 1D beside 2×2×2 and 1×1×8 (torch.nn's attention split by heads too)
+# and FSDP2 over 2 replicas of 2×2), checkpoints as DCP's on 2×2×2, a module in 1D beside 2×2×2 and 1×1×8 (torch.nn's attention split by heads too),
+# the planner's picks and forwards set on an instance (2×2×2, 1×1×8)
 # (their families' tests ran in the session before: not again).
 # The other tests also pass there (`mpiexec -n 8 python -m pytest -q --only-mpi`, about 15 minutes on 2
 # cores), left out of this command to keep CI within its time
@@ -75,7 +76,7 @@ mpiexec -n 8 python -m pytest -q --only-mpi -p no:cacheprovider -m "not families
   tests/test_pipeline_bubbles_mpi.py tests/test_pipeline_gpt2_mpi.py tests/test_pipeline_layouts_mpi.py \
   tests/test_pipeline_dp_mpi.py tests/test_context_attention_mpi.py tests/test_context_block_mpi.py \
   tests/test_torch_tools_mpi.py tests/test_checkpoint_dcp_mpi.py tests/test_megatron_mpi.py tests/test_megatron_attention_mpi.py \
-  tests/test_auto_mpi.py "$@"
+  tests/test_auto_mpi.py tests/test_instance_forward_mpi.py "$@"
 took "8 ranks"
 for n in 16 18; do  # pipelines of 2 stages × 2×2×2, × 3×3: every schedule, the refusals (the rest runs at 4 and 8)
   echo "== mpiexec -n $n: pipelines of 2 stages, every schedule"
