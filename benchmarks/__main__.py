@@ -22,6 +22,7 @@ from benchmarks import (
     linear,
     long,
     memory,
+    meshes,
     mlp,
     pipeline,
     plan,
@@ -54,6 +55,7 @@ SUBCOMMANDS = {
     "scale": scale,
     "vlm": vlm,
     "long": long,
+    "meshes": meshes,
 }
 RESULTS = Path(__file__).parent / "results"
 

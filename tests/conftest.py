@@ -13,6 +13,12 @@ import sys
 import pytest
 import torch
 
+from optimus2d.launch import yield_when_oversubscribed
+
+# Before MPI starts (pytest_configure below imports mpi4py): with more ranks than cores, MPICH's own
+# blocking calls sleep instead of spinning (optimus2d.init() does the same where it starts MPI)
+yield_when_oversubscribed()
+
 
 def _under_mpi(config) -> bool:
     return bool(config.getoption("--only-mpi", False) or config.getoption("--with-mpi", False))

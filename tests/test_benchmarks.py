@@ -6,6 +6,7 @@ Timings are never asserted (they are noise on shared cores); counts and bytes ar
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -163,6 +164,15 @@ def test_transport_benchmark_times_both_transports(tmp_path):
     assert all(r["work_ms"] > 0 for r in after_work)
     report = _report(tmp_path)
     assert "A 64-byte exchange over mpi after more or less work" in report
+
+
+def test_meshes_benchmark_times_builds_beside_held_groups_and_names_the_yield(tmp_path):
+    out = _bench(tmp_path, 4, "meshes", "--held", "0", "3", "--builds", "2")
+    result = json.loads((tmp_path / "meshes-p4-q2d1.json").read_text())
+    assert [r["held_groups"] for r in result["rows"]] == [0, 3]
+    assert all(0 < r["median_build_s"] <= r["slowest_build_s"] for r in result["rows"])
+    yielding = "1" if len(os.sched_getaffinity(0)) < 4 else "unset"  # init() sets it where ranks outnumber cores
+    assert result["heavy_yield"] == yielding and f"MPIR_CVAR_ENABLE_HEAVY_YIELD={yielding}" in out
 
 
 def test_llama_benchmark_checks_dtensor_1d_under_the_model_plan_then_times_it(tmp_path):

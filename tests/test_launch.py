@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
 
 def _clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(launch._MPI_VARS)}
+    env.pop("MPIR_CVAR_ENABLE_HEAVY_YIELD", None)  # set under mpiexec where ranks outnumber cores
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
 
@@ -78,8 +80,10 @@ def test_torchrun_four_ranks_on_a_2x2_mesh():
 def test_mpiexec_four_ranks_on_a_2x2_mesh():
     out = _run([str(BIN / "mpiexec"), "-n", "4", sys.executable, SCRIPT], _clean_env())
     assert out.returncode == 0, out.stderr[-3000:]
+    yielding = "1" if len(os.sched_getaffinity(0)) < 4 else "unset"  # MPICH sleeps in its waits where oversubscribed
     for r in range(4):
         assert f"ok launcher=mpi rank={r} size=4 local={r} Mesh(q=2, depth=1" in out.stdout
+    assert re.findall(r"heavy_yield=(1|unset)", out.stdout) == [yielding] * 4, out.stdout
 
 
 @pytest.mark.slow
@@ -99,6 +103,22 @@ def test_a_peer_that_never_joins_gives_an_error_not_a_hang():
     assert "raised after" in stdout, stderr[-3000:]
     seconds = float(stdout.split("raised after ")[1].split("s")[0])
     assert 2.5 <= seconds < 20
+
+
+def test_mpich_sleeps_in_its_blocking_waits_only_where_ranks_outnumber_cores(monkeypatch):
+    """Beside a few hundred gloo groups MPICH's spinning blocking calls take seconds on shared cores
+    (``yield_when_oversubscribed``): init() sets MPICH's sleep-yield there, and nowhere else."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)
+    env = {"MPI_LOCALNRANKS": "8"}
+    assert launch.yield_when_oversubscribed(env) and env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] == "1"
+    for kept in ({"MPI_LOCALNRANKS": "2"}, {}, {"MPI_LOCALNRANKS": "x"}):  # a core a rank; not MPICH's launcher
+        assert not launch.yield_when_oversubscribed(kept) and "MPIR_CVAR_ENABLE_HEAVY_YIELD" not in kept
+    users = {"MPI_LOCALNRANKS": "8", "MPIR_CVAR_ENABLE_HEAVY_YIELD": "0"}  # the user's own choice stands
+    assert not launch.yield_when_oversubscribed(users) and users["MPIR_CVAR_ENABLE_HEAVY_YIELD"] == "0"
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", object())  # MPI started: too late to matter, left alone
+    late = {"MPI_LOCALNRANKS": "8"}
+    assert not launch.yield_when_oversubscribed(late) and "MPIR_CVAR_ENABLE_HEAVY_YIELD" not in late
 
 
 def test_detect_launcher(monkeypatch):
