@@ -116,6 +116,24 @@ def mesh(world, mesh_shape):
 
 
 @pytest.fixture
+def shared_dir(world):
+    """A fresh directory every rank sees (rank 0 makes it, and removes it once every rank is done)."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    box = [tempfile.mkdtemp(prefix="optimus2d-test-") if world.rank == 0 else None]
+    if world.size > 1:
+        dist.broadcast_object_list(box, src=0)
+    yield box[0]
+    if world.size > 1:
+        dist.barrier()
+    if world.rank == 0:
+        shutil.rmtree(box[0], ignore_errors=True)
+
+
+@pytest.fixture
 def world_mesh(world):
     """A fresh mesh over the whole world (the squarest shape), or a skip on one rank: for tests in
     which one rank disagrees (a refusal may leave its mesh unusable, so none is shared)."""

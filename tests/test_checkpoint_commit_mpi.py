@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 
 import pytest
 import torch
@@ -41,12 +40,6 @@ def _model(seed: int, mesh):
     return model, opt
 
 
-def _shared_dir() -> str:
-    path = [tempfile.mkdtemp(prefix="optimus2d-commit-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    return path[0]
-
-
 def _sync(mesh) -> None:
     if mesh.size > 1:
         dist.barrier(group=mesh.group("mesh"))
@@ -61,8 +54,8 @@ def _same(saved: dict, state: dict) -> bool:
     return set(saved) == set(state) and all(torch.equal(saved[k], state[k]) for k in state)
 
 
-def test_save_over_a_checkpoint_commits_atomically(world, monkeypatch):
-    mesh, root = _mesh(world), _shared_dir()
+def test_save_over_a_checkpoint_commits_atomically(world, monkeypatch, shared_dir):
+    mesh, root = _mesh(world), shared_dir
     path = os.path.join(root, "ckpt")
     if mesh.coord is not None:
         model_a, opt_a = _model(0, mesh)
@@ -94,8 +87,8 @@ def test_save_over_a_checkpoint_commits_atomically(world, monkeypatch):
     dist.barrier()
 
 
-def test_a_commit_cut_between_its_renames_leaves_the_previous_checkpoint(world):
-    mesh, root = _mesh(world), _shared_dir()
+def test_a_commit_cut_between_its_renames_leaves_the_previous_checkpoint(world, shared_dir):
+    mesh, root = _mesh(world), shared_dir
     path, other = os.path.join(root, "ckpt"), os.path.join(root, "other")
     if mesh.coord is not None:
         model_a, opt_a = _model(0, mesh)
@@ -137,8 +130,8 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
-def test_a_damaged_checkpoint_is_refused_on_every_rank(world, damage):
-    mesh, root = _mesh(world), _shared_dir()
+def test_a_damaged_checkpoint_is_refused_on_every_rank(world, damage, shared_dir):
+    mesh, root = _mesh(world), shared_dir
     path = os.path.join(root, "ckpt")
     if mesh.coord is not None:
         checkpoint.save(path, *_model(0, mesh))
@@ -176,8 +169,8 @@ def test_a_damaged_checkpoint_is_refused_on_every_rank(world, damage):
     dist.barrier()
 
 
-def test_a_stale_temporary_directory_is_refused_then_cleaned(world):
-    mesh, root = _mesh(world), _shared_dir()
+def test_a_stale_temporary_directory_is_refused_then_cleaned(world, shared_dir):
+    mesh, root = _mesh(world), shared_dir
     path = os.path.join(root, "ckpt")
     if mesh.coord is not None:
         if mesh.index("mesh") == 0:  # what a save killed while writing leaves

@@ -46,18 +46,12 @@ def _same(got: dict, want: dict, what: str) -> None:
             assert torch.equal(got[key], value), f"{what}/{key}"
 
 
-def _resave(model, opt, mesh) -> str:
-    import tempfile
-
-    import torch.distributed as dist
-
-    box = [tempfile.mkdtemp(prefix="optimus2d-resave-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    checkpoint.save(os.path.join(box[0], "again"), model, opt)
-    return os.path.join(box[0], "again")
+def _resave(model, opt, root: str) -> str:
+    checkpoint.save(os.path.join(root, "again"), model, opt)
+    return os.path.join(root, "again")
 
 
-def test_a_format_2_checkpoint_loads_on_every_mesh(mesh):
+def test_a_format_2_checkpoint_loads_on_every_mesh(mesh, shared_dir):
     """Written on 2×2 by optimus2d's earlier format (``model/<key>``, fused q/k/v in parts, a
     padded vocabulary), with AdamW's state after two steps; loaded here, the run goes on as it did."""
     want = torch.load(DATA / "checkpoint-format2.expected.pt")
@@ -71,7 +65,7 @@ def test_a_format_2_checkpoint_loads_on_every_mesh(mesh):
         for got, expected in zip(_train(model, opt, mesh, range(2, 4)), want["losses"], strict=True):
             assert abs(got - expected) <= 1e-5 * abs(expected), (got, expected)
     else:
-        resaved = checkpoint.read(_resave(model, opt, mesh))  # the optimizer's state went in whole
+        resaved = checkpoint.read(_resave(model, opt, shared_dir))  # the optimizer's state went in whole
         _same(resaved["optimizer"], want["read"]["optimizer"], "optimizer, saved again")
     read = checkpoint.read(DATA / "checkpoint-format2")
     _same(read["model"], want["read"]["model"], "model")

@@ -66,20 +66,14 @@ def _mesh(world, shape):
     return _meshes[shape]
 
 
-def _shared_dir(world) -> str:
-    path = [tempfile.mkdtemp(prefix="optimus2d-ckpt-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    return path[0]
-
-
 def _pairs(world):
     shapes = [s for s in SHAPES if s[1] * s[0] ** 2 <= world.size]
     return [(a, b) for a, b in itertools.product(shapes, shapes) if a != b] or [(shapes[0], shapes[0])]
 
 
-def test_checkpoint_moves_between_every_pair_of_meshes(world):
+def test_checkpoint_moves_between_every_pair_of_meshes(world, shared_dir):
     meshes = {s: _mesh(world, s) for s in SHAPES if s[1] * s[0] ** 2 <= world.size}
-    root = _shared_dir(world)
+    root = shared_dir
     for n, (a, b) in enumerate(_pairs(world)):
         path = os.path.join(root, f"pair{n}")
         mesh_a, mesh_b = meshes[a], meshes[b]
@@ -120,9 +114,9 @@ def test_checkpoint_moves_between_every_pair_of_meshes(world):
         dist.barrier()
 
 
-def test_serial_read_loads_into_torch_nn(world):
+def test_serial_read_loads_into_torch_nn(world, shared_dir):
     mesh = _mesh(world, (1, 1) if world.size < 4 else (2, 1))
-    root = _shared_dir(world)
+    root = shared_dir
     path = os.path.join(root, "plain")
     if mesh.coord is not None:
         checkpoint.save(path, _parallel(3, mesh))
@@ -138,9 +132,9 @@ def test_serial_read_loads_into_torch_nn(world):
     assert torch.equal(again.block.self_attn.in_proj_weight, want.block.self_attn.in_proj_weight)
 
 
-def test_a_checkpoint_that_does_not_fit_changes_nothing(world):
+def test_a_checkpoint_that_does_not_fit_changes_nothing(world, shared_dir):
     mesh = _mesh(world, (1, 1) if world.size < 4 else (2, 1))
-    root = _shared_dir(world)
+    root = shared_dir
     path = os.path.join(root, "model")
     if mesh.coord is None:
         dist.barrier()
@@ -203,10 +197,10 @@ class TiedShared(nn.Module):
         return optimus2d.cross_entropy(logits, ids, mesh)
 
 
-def test_tied_and_shared_model_with_sgd_momentum_moves_to_one_process(world):
+def test_tied_and_shared_model_with_sgd_momentum_moves_to_one_process(world, shared_dir):
     big = max((s for s in SHAPES if s[1] * s[0] ** 2 <= world.size), key=lambda s: s[1] * s[0] ** 2)
     mesh, single = _mesh(world, big), _mesh(world, (1, 1))
-    path = os.path.join(_shared_dir(world), "tied")
+    path = os.path.join(shared_dir, "tied")
     torch.manual_seed(5)
     ids = torch.randint(0, VOCAB, (12, SEQ))
     if mesh.coord is not None:
@@ -233,9 +227,9 @@ def test_tied_and_shared_model_with_sgd_momentum_moves_to_one_process(world):
     dist.barrier()
 
 
-def test_fp32_checkpoint_loads_into_a_bf16_model_that_can_step(world):
+def test_fp32_checkpoint_loads_into_a_bf16_model_that_can_step(world, shared_dir):
     mesh = _mesh(world, (1, 1) if world.size < 4 else (2, 1))
-    path = os.path.join(_shared_dir(world), "dtype")
+    path = os.path.join(shared_dir, "dtype")
     if mesh.coord is not None:
         model = _parallel(0, mesh)
         opt = torch.optim.AdamW(model.parameters())

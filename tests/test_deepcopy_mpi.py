@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import tempfile
 
 import pytest
 import torch
@@ -86,13 +85,7 @@ def _twins_train_alike(serial, parallel, loss_fn, serial_loss_fn, mesh, tol=1e-5
     return twin
 
 
-def _shared_dir() -> str:
-    path = [tempfile.mkdtemp(prefix="optimus2d-copy-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    return path[0]
-
-
-def test_deepcopy_of_a_converted_encoder_trains_like_the_original(mesh):
+def test_deepcopy_of_a_converted_encoder_trains_like_the_original(mesh, shared_dir):
     torch.manual_seed(0)
     e, heads = (18, 6) if mesh.q == 3 else (16, 4)  # heads and width divisible by q
     layer = nn.TransformerEncoderLayer(e, heads, 2 * e, dropout=0.0, batch_first=True, norm_first=True)
@@ -111,7 +104,7 @@ def test_deepcopy_of_a_converted_encoder_trains_like_the_original(mesh):
 
     twin = _twins_train_alike(serial, parallel, loss_fn, serial_loss_fn, mesh)
     if dist.is_initialized():  # the checkpoint functions read the twin's blocks
-        path = os.path.join(_shared_dir(), "twin")
+        path = os.path.join(shared_dir, "twin")
         checkpoint.save(path, twin)
         fresh = parallelize(copy.deepcopy(serial), mesh)
         checkpoint.load(path, fresh)

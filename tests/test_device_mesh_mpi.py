@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
 
 import pytest
 import torch
@@ -30,12 +29,6 @@ SHAPES = {1: [(1, 1)], 4: [(1, 2), (4, 1)], 8: [(2, 2), (8, 1)], 9: [(1, 3)]}  #
 def _needs(world, *sizes) -> None:
     if world.size not in sizes:
         pytest.skip(f"runs on {' or '.join(map(str, sizes))} ranks")
-
-
-def _shared_dir() -> str:
-    path = [tempfile.mkdtemp(prefix="optimus2d-dm-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    return path[0]
 
 
 def _check_blocks(mesh: Mesh, seed: int) -> None:
@@ -180,7 +173,7 @@ def _parallel_step(model, ids, mesh, optimizer) -> torch.Tensor:
     return loss.detach()
 
 
-def test_ddp_over_replicas_steps_like_serial_and_checkpoints_once(world):
+def test_ddp_over_replicas_steps_like_serial_and_checkpoints_once(world, shared_dir):
     _needs(world, 8)
     dm = init_device_mesh("cpu", (2, 1, 2, 2), mesh_dim_names=("dp", "depth", "row", "col"))
     mesh = Mesh.from_device_mesh(dm["depth", "row", "col"])
@@ -202,7 +195,7 @@ def test_ddp_over_replicas_steps_like_serial_and_checkpoints_once(world):
     for key, value in serial.state_dict().items():
         assert_close(state[key], value, 1e-5, key)
 
-    path = os.path.join(_shared_dir(), "ckpt")
+    path = os.path.join(shared_dir, "ckpt")
     checkpoint.save(path, model, opt)  # every rank calls it; replica 0 writes
     assert sorted(n for n in os.listdir(path) if n.endswith(".distcp")) == [f"__{n}_0.distcp" for n in range(4)]
     plain = checkpoint.load(path)  # in this process alone
@@ -228,12 +221,12 @@ def test_ddp_over_replicas_steps_like_serial_and_checkpoints_once(world):
     assert all(torch.equal(v, state[k]) for k, v in serial_state_dict(model.module).items())
 
 
-def test_pure_data_parallel_replicas_checkpoint_once(world):
+def test_pure_data_parallel_replicas_checkpoint_once(world, shared_dir):
     _needs(world, 8)
     mesh = Mesh(1, ranks=[world.rank])  # 8 replicas of a 1-rank mesh
     torch.manual_seed(0)
     model = parallelize(nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 4)), mesh)
-    path = os.path.join(_shared_dir(), "ckpt")
+    path = os.path.join(shared_dir, "ckpt")
     checkpoint.save(path, model)
     assert sorted(n for n in os.listdir(path) if n.endswith(".distcp")) == ["__0_0.distcp"]
     saved = checkpoint.read(path)["model"]

@@ -5,10 +5,11 @@ life of the process (3 threads on each member; torch frees none a program forget
 hundred, they slow what comes after: MPICH's ``Comm.Split`` beside 100 gloo groups takes 7 ms a
 split, beside 200 it takes 0.5 s, with pauses of up to 13 s (4 ranks on 2 cores, torch 2.13, MPICH 4;
 a program or a test session that builds a mesh per model; where ranks outnumber cores ``init()`` now
-has MPICH sleep in such calls, ``launch.yield_when_oversubscribed``: milliseconds again). So a mesh's groups outlive it here: once a
-mesh is gone (collected) and nothing went wrong on it, a mesh built later whose group has the same
-ranks in the same order takes that group (and its communicator) instead of creating one. Meshes
-alive at the same time never share one: a failure on one leaves the others as they were.
+has MPICH sleep in such calls, ``launch.yield_when_oversubscribed``: milliseconds again). So a
+mesh's groups outlive it here: once a mesh is gone (collected) and nothing went wrong on it, a
+mesh built later whose group has the same ranks in the same order takes that group (and its
+communicator) instead of creating one. Meshes alive at the same time never share one: a failure on
+one leaves the others as they were.
 
 **Every rank decides alike.** A mesh's build (``Taking``) all-reduces (MIN, over the default group)
 one flag per group and communicator this process created for meshes (created in the same order on
