@@ -30,6 +30,7 @@ import re
 import socket
 import sys
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -167,21 +168,44 @@ def _set_device(backend: str, local_rank: int) -> None:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
 
-def yield_when_oversubscribed(env=os.environ) -> bool:
-    """Before MPI starts: where MPICH's launcher puts more ranks on this node than this process may use
-    cores, have MPICH's blocking waits sleep (``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``, unless set) rather than
-    ``sched_yield`` between polls. With sched_yield, a blocking MPI call (``Comm.Split`` for a mesh's
-    communicators, a barrier) beside a few hundred gloo groups takes seconds instead of milliseconds
-    (8 ranks on 2 cores, MPICH 5.0, 200 groups held: a barrier 0.8–1.0 s, a split 1.4–14 s, a 2×2×2
-    mesh built in 45 s; with it 2 ms, 6 ms and 177 ms: ``python -m benchmarks meshes``). Our own waits
-    poll with a sleep already (``comm/watch.py``); this is for MPI's own blocking calls. Open MPI
-    yields by itself when oversubscribed. True where it set the variable."""
+_HEAVY_YIELD = ("MPICH_ENABLE_HEAVY_YIELD", "MPIR_PARAM_ENABLE_HEAVY_YIELD", "MPIR_CVAR_ENABLE_HEAVY_YIELD")
+
+
+def _usable_cores() -> int:
+    """The cores this rank's node may give its ranks: this process's affinity, or its parent's (the
+    launcher's proxy) where the launcher bound each rank to its own cores."""
+    cores = len(os.sched_getaffinity(0))
     try:
-        ranks, cores = int(env.get("MPI_LOCALNRANKS", 0)), len(os.sched_getaffinity(0))
+        return max(cores, len(os.sched_getaffinity(os.getppid())))
+    except OSError:  # the parent is gone, or not ours to ask
+        return cores
+
+
+def yield_when_oversubscribed(env: MutableMapping[str, str] = os.environ) -> bool:
+    """Before MPI starts: where MPICH's launcher (hydra: ``MPI_LOCALNRANKS``) puts more ranks on this
+    node than it has cores for them, have MPICH's blocking waits sleep (``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``)
+    rather than ``sched_yield`` between polls, unless the user chose (under any of MPICH's three names
+    for it). With sched_yield, a blocking MPI call (``Comm.Split`` for a mesh's communicators, a
+    barrier) beside a few hundred gloo groups takes seconds instead of milliseconds (8 ranks on 2
+    cores, MPICH 5.0, mpi4py's thread level "multiple", 200 groups held: a barrier 0.8–1.0 s, a split
+    1.4–14 s, a 2×2×2 mesh built in 45 s; with it 2 ms, 6 ms and 177 ms: ``python -m benchmarks
+    meshes``). Our own waits poll with a sleep already (``comm/watch.py``); this is for MPI's own
+    blocking calls. Other launchers (Open MPI's, srun, torchrun) are left as they are (not measured).
+    True where it set the variable."""
+    try:
+        ranks, cores = int(env.get("MPI_LOCALNRANKS", 0)), _usable_cores()
     except (ValueError, AttributeError):  # not a number; no sched_getaffinity (not Linux)
         return False
-    if ranks <= cores or "MPIR_CVAR_ENABLE_HEAVY_YIELD" in env or "mpi4py.MPI" in sys.modules:
-        return False  # a core a rank; the user's choice; MPI started already (it reads its variables once)
+    if ranks <= cores or any(name in env for name in _HEAVY_YIELD):
+        return False  # a core a rank; the user's choice
+    if "mpi4py.MPI" in sys.modules:  # MPI read its variables when it started: too late
+        logging.getLogger(__name__).info(
+            "optimus2d: %d ranks on %d cores and MPI started before init(): export MPIR_CVAR_ENABLE_HEAVY_YIELD=1 "
+            "before it starts, or MPICH's blocking calls may take seconds (launch.yield_when_oversubscribed)",
+            ranks,
+            cores,
+        )
+        return False
     env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"
     return True
 

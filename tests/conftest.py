@@ -117,7 +117,8 @@ def mesh(world, mesh_shape):
 
 @pytest.fixture
 def shared_dir(world):
-    """A fresh directory every rank sees (rank 0 makes it, and removes it once every rank is done)."""
+    """A fresh directory every rank sees (rank 0 makes it, and removes it once every rank is done:
+    a barrier over the world, so a test using it must end on every rank alike, as tests here do)."""
     import shutil
     import tempfile
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import tempfile
 
 import pytest
 import torch
@@ -251,7 +250,7 @@ def test_fp32_checkpoint_loads_into_a_bf16_model_that_can_step(world, shared_dir
     dist.barrier()
 
 
-def test_extra_state_is_refused(world):
+def test_extra_state_is_refused(world, shared_dir):
     class WithExtra(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -264,4 +263,4 @@ def test_extra_state_is_refused(world):
             pass
 
     with pytest.raises(TypeError, match="extra state"):
-        checkpoint.save(os.path.join(tempfile.mkdtemp(), "x"), WithExtra())
+        checkpoint.save(os.path.join(shared_dir, "x"), WithExtra())

@@ -105,20 +105,29 @@ def test_a_peer_that_never_joins_gives_an_error_not_a_hang():
     assert 2.5 <= seconds < 20
 
 
-def test_mpich_sleeps_in_its_blocking_waits_only_where_ranks_outnumber_cores(monkeypatch):
+def test_mpich_sleeps_in_its_blocking_waits_only_where_ranks_outnumber_cores(monkeypatch, caplog):
     """Beside a few hundred gloo groups MPICH's spinning blocking calls take seconds on shared cores
     (``yield_when_oversubscribed``): init() sets MPICH's sleep-yield there, and nowhere else."""
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    parent = os.getppid()
+    bound = {0: {0, 1}, parent: {0, 1}}  # pid → its cores (0: this process)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: bound[pid])
     monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)
     env = {"MPI_LOCALNRANKS": "8"}
     assert launch.yield_when_oversubscribed(env) and env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] == "1"
     for kept in ({"MPI_LOCALNRANKS": "2"}, {}, {"MPI_LOCALNRANKS": "x"}):  # a core a rank; not MPICH's launcher
         assert not launch.yield_when_oversubscribed(kept) and "MPIR_CVAR_ENABLE_HEAVY_YIELD" not in kept
-    users = {"MPI_LOCALNRANKS": "8", "MPIR_CVAR_ENABLE_HEAVY_YIELD": "0"}  # the user's own choice stands
-    assert not launch.yield_when_oversubscribed(users) and users["MPIR_CVAR_ENABLE_HEAVY_YIELD"] == "0"
-    monkeypatch.setitem(sys.modules, "mpi4py.MPI", object())  # MPI started: too late to matter, left alone
+    for name in ("MPIR_CVAR_ENABLE_HEAVY_YIELD", "MPICH_ENABLE_HEAVY_YIELD", "MPIR_PARAM_ENABLE_HEAVY_YIELD"):
+        users = {"MPI_LOCALNRANKS": "8", name: "0"}  # the user's own choice stands, under any of MPICH's names
+        assert not launch.yield_when_oversubscribed(users) and users == {"MPI_LOCALNRANKS": "8", name: "0"}
+    bound.update({0: {3}, parent: set(range(8))})  # -bind-to core: a core each, the node's 8 for 8 ranks
+    pinned = {"MPI_LOCALNRANKS": "8"}
+    assert not launch.yield_when_oversubscribed(pinned) and "MPIR_CVAR_ENABLE_HEAVY_YIELD" not in pinned
+    bound.update({0: {0, 1}, parent: {0, 1}})
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", object())  # MPI started: too late to matter, said so
     late = {"MPI_LOCALNRANKS": "8"}
-    assert not launch.yield_when_oversubscribed(late) and "MPIR_CVAR_ENABLE_HEAVY_YIELD" not in late
+    with caplog.at_level("INFO", logger="optimus2d.launch"):
+        assert not launch.yield_when_oversubscribed(late) and "MPIR_CVAR_ENABLE_HEAVY_YIELD" not in late
+    assert "8 ranks on 2 cores and MPI started before init()" in caplog.text
 
 
 def test_detect_launcher(monkeypatch):

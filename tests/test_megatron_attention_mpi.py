@@ -10,12 +10,9 @@ between meshes; refusals on every rank before anything changes."""
 from __future__ import annotations
 
 import copy
-import shutil
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import meshes_of
 from helpers import assert_close, check_against_serial, compare_step
 from torch import nn
@@ -169,22 +166,20 @@ def test_eval_without_grad_is_the_serial_forward(world):
         assert_close(gather(parallel(scatter(x, mesh)), mesh), serial(x), 1e-9, "eval output")
 
 
-def test_checkpoint_moves_between_meshes_with_split_attention(world):
+def test_checkpoint_moves_between_meshes_with_split_attention(world, shared_dir):
     """Saved with the encoder in 1D on the first mesh, loaded on the last: the same serial tensors,
     and AdamW goes on stepping exactly; ``load_serial_state_dict`` takes the serial tensors."""
     first, last = meshes_of(world)[0], meshes_of(world)[-1]
-    root = [tempfile.mkdtemp(prefix="optimus2d-mha1d-") if world.rank == 0 else None]
-    dist.broadcast_object_list(root, src=0)
     torch.manual_seed(8)
     x = torch.randn(world.size, 5, 2 * _heads(world), dtype=torch.float64)
     trained = parallelize(_encoder(world, False), first, plan={"encoder": Megatron(first)})
     opt = torch.optim.AdamW(trained.parameters(), lr=1e-2, eps=1e-4)  # the key bias's rounding: no ±lr step
     trained(scatter(x, first)).sum().backward()
     opt.step()
-    optimus2d.checkpoint.save(f"{root[0]}/ckpt", trained, opt)
+    optimus2d.checkpoint.save(f"{shared_dir}/ckpt", trained, opt)
     fresh = parallelize(_encoder(world, False, seed=9), last, plan={"encoder": Megatron(last)})
     opt_fresh = torch.optim.AdamW(fresh.parameters(), lr=1e-2, eps=1e-4)
-    optimus2d.checkpoint.load(f"{root[0]}/ckpt", fresh, opt_fresh)
+    optimus2d.checkpoint.load(f"{shared_dir}/ckpt", fresh, opt_fresh)
     for model, mesh, optimizer in ((trained, first, opt), (fresh, last, opt_fresh)):
         optimizer.zero_grad()
         model(scatter(x, mesh)).sum().backward()
@@ -197,9 +192,6 @@ def test_checkpoint_moves_between_meshes_with_split_attention(world):
     optimus2d.load_serial_state_dict(fresh, doubled)
     for key, value in serial_state_dict(fresh).items():
         assert_close(value, doubled[key], 0, key)
-    dist.barrier()
-    if world.rank == 0:
-        shutil.rmtree(root[0], ignore_errors=True)
 
 
 def test_what_does_not_split_is_refused_on_every_rank(world):

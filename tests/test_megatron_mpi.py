@@ -247,30 +247,23 @@ def test_a_plan_entry_inside_a_region_is_refused(world):
         parallelize(model, mesh, plan={"encoder": Megatron(mesh), "encoder.0": mesh})
 
 
-def test_checkpoint_moves_between_meshes_with_a_region(world):
+def test_checkpoint_moves_between_meshes_with_a_region(world, shared_dir):
     """Saved with the model on the first mesh (the encoder in 1D), loaded with it on the last: the
     same serial tensors, and AdamW's state goes on stepping exactly."""
-    import shutil
-    import tempfile
-
-    import torch.distributed as dist
-
     first, last = meshes_of(world)[0], meshes_of(world)[-1]
-    root = [tempfile.mkdtemp(prefix="optimus2d-megatron-") if world.rank == 0 else None]
-    dist.broadcast_object_list(root, src=0)
     torch.manual_seed(3)
     x = torch.randn(2 * world.size, 3, 6 * world.size, dtype=torch.float64)
     trained = parallelize(_serial(world, False), first, plan={"encoder": Megatron(first)})
     opt = torch.optim.AdamW(trained.parameters(), lr=1e-2)
     trained(optimus2d.scatter(x, first)).sum().backward()
     opt.step()
-    optimus2d.checkpoint.save(f"{root[0]}/ckpt", trained, opt)
+    optimus2d.checkpoint.save(f"{shared_dir}/ckpt", trained, opt)
     torch.manual_seed(7)
     fresh = parallelize(
         EncoderProjector(6 * world.size, 12 * world.size).double(), last, plan={"encoder": Megatron(last)}
     )
     opt_fresh = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    optimus2d.checkpoint.load(f"{root[0]}/ckpt", fresh, opt_fresh)
+    optimus2d.checkpoint.load(f"{shared_dir}/ckpt", fresh, opt_fresh)
     for model, mesh, optimizer in ((trained, first, opt), (fresh, last, opt_fresh)):
         optimizer.zero_grad()
         model(optimus2d.scatter(x, mesh)).sum().backward()
@@ -278,9 +271,6 @@ def test_checkpoint_moves_between_meshes_with_a_region(world):
     want, got = serial_state_dict(trained), serial_state_dict(fresh)
     for key, value in want.items():
         assert_close(got[key], value, 1e-12, key)
-    dist.barrier()
-    if world.rank == 0:
-        shutil.rmtree(root[0], ignore_errors=True)
 
 
 class _Shared(nn.Module):

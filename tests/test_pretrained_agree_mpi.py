@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import struct
-import tempfile
 
 import pytest
 import torch
@@ -39,14 +38,9 @@ def _llama(mesh, seed: int):
 
 
 @pytest.fixture
-def shared(world):
-    """A directory every rank sees (rank 0 makes it), removed after the test."""
-    box = [tempfile.mkdtemp(prefix="optimus2d-agree-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    yield box[0]
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(box[0], ignore_errors=True)
+def shared(shared_dir):
+    """A directory every rank sees (conftest's ``shared_dir``)."""
+    return shared_dir
 
 
 def _on_rank0(fn) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -60,14 +58,9 @@ FAMILIES = pytest.mark.parametrize("family", [_llama, _gpt2], ids=["llama", "gpt
 
 
 @pytest.fixture
-def shared(world):
-    """A directory every rank sees (rank 0 makes it), removed after the test."""
-    box = [tempfile.mkdtemp(prefix="optimus2d-pretrained-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    yield box[0]
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(box[0], ignore_errors=True)
+def shared(shared_dir):
+    """A directory every rank sees (conftest's ``shared_dir``)."""
+    return shared_dir
 
 
 def _on_rank0(fn) -> None:

@@ -4,8 +4,6 @@ line on the mesh's first rank only (logged at INFO when the bar is off, printed 
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -19,13 +17,9 @@ pytestmark = [pytest.mark.mpi, pytest.mark.families]
 
 
 @pytest.fixture
-def shared(world):
-    box = [tempfile.mkdtemp(prefix="optimus2d-progress-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    yield box[0]
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(box[0], ignore_errors=True)
+def shared(shared_dir):
+    """A directory every rank sees (conftest's ``shared_dir``)."""
+    return shared_dir
 
 
 def _gpt2(meta: bool = False):
