@@ -35,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, world: optimus2d.World, mesh: optimus2d.Mesh) -> dict:
+    if args.builds < 1 or min(args.held) < 0:  # the same arguments on every rank: refused before any group
+        raise ValueError(
+            f"benchmarks meshes: --builds must be at least 1 and --held at least 0, got --builds {args.builds} "
+            f"and --held {' '.join(map(str, args.held))} (on {mesh})"
+        )
     held, kept, rows = [], [], []
     for count in sorted(args.held):
         while len(held) < count:  # the world's group, as a pipeline's or a DeviceMesh's would be

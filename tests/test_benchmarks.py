@@ -173,6 +173,14 @@ def test_meshes_benchmark_times_builds_beside_held_groups_and_names_the_yield(tm
     assert all(0 < r["median_build_s"] <= r["slowest_build_s"] for r in result["rows"])
     yielding = "1" if len(os.sched_getaffinity(0)) < 4 else "unset"  # init() sets it where ranks outnumber cores
     assert result["heavy_yield"] == yielding and f"MPIR_CVAR_ENABLE_HEAVY_YIELD={yielding}" in out
+    cmd = [str(BIN / "mpiexec"), "-n", "1", sys.executable, "-m", "benchmarks", "--results", str(tmp_path), "meshes"]
+    for bad, got in (
+        (["--builds", "0"], "--builds 0 and --held 0 100 200"),
+        (["--held", "0", "-1"], "--builds 4 and --held 0 -1"),
+    ):
+        out = subprocess.run([*cmd, *bad], cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "--builds must be at least 1 and --held at least 0" in out.stderr, out.stderr
+        assert f"got {got} (on Mesh(q=1, depth=1" in out.stderr, out.stderr
 
 
 def test_llama_benchmark_checks_dtensor_1d_under_the_model_plan_then_times_it(tmp_path):
