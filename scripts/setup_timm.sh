@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Creates .venv-timm (once): optimus2d with torch 2.14.1 + torchvision 0.29.1 + timm + transformers
-# 5.25.0, to test the timm converters and the high end of the torch range (about 1.5 min and 5.5 GB;
+# Creates .venv-timm (once): optimus2d with torch 2.15.0 + torchvision 0.29.2 + timm + transformers
+# 5.25.0, to test the timm converters and the high end of the torch range (about 1.5 min and 6 GB;
 # see constraints-timm.txt for why a second environment).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv-timm/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv-timm
 fi
-pinned=$(sed -n 's/^transformers==//p' constraints-timm.txt)  # again when the pin changes
-if ! .venv-timm/bin/python -c "import optimus2d, timm, transformers, mpi4py, pytest_mpi, pytest_timeout
-assert transformers.__version__ == '$pinned'" 2>/dev/null \
+pinned=$(sed -n 's/^transformers==//p' constraints-timm.txt)  # again when a pin changes
+torch_pinned=$(sed -n 's/^torch==//p' constraints-timm.txt)
+if ! .venv-timm/bin/python -c "import optimus2d, timm, torch, transformers, mpi4py, pytest_mpi, pytest_timeout
+assert transformers.__version__ == '$pinned' and torch.__version__.split('+')[0] == '$torch_pinned'" 2>/dev/null \
    || [ ! -x .venv-timm/bin/mpiexec ]; then
-  echo "setting up .venv-timm (torch 2.14.1 + torchvision + timm, about 1.5 minutes)..."
-  .venv-timm/bin/pip install -q --disable-pip-version-check --no-cache-dir -c constraints-timm.txt \
-    torch torchvision timm transformers -e '.[test,mpi,families]' 2>&1 \
+  echo "setting up .venv-timm (torch $torch_pinned + torchvision + timm, about 1.5 minutes)..."
+  # PIP_CONFIG_FILE=/dev/null: past a machine-wide pip constraint that caps torch below the pin (these
+  # machines cap it at 2.14.1); every torch, torchvision and transformers release is pinned here.
+  PIP_CONFIG_FILE=/dev/null .venv-timm/bin/pip install -q --disable-pip-version-check --no-cache-dir \
+    -c constraints-timm.txt torch torchvision timm transformers -e '.[test,mpi,families]' 2>&1 \
     | grep -v "is ignored: it is neither a file nor a directory" || true
 fi
-.venv-timm/bin/python -c "import optimus2d, timm"
+.venv-timm/bin/python -c "import optimus2d, timm, torch; assert torch.__version__.split('+')[0] == '$torch_pinned'"

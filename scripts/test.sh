@@ -5,7 +5,7 @@
 #   replicas at 8 (2×2×2), pipelines of 2 stages × 2×2×2 at 16 and × 3×3 at 18;
 # - .venv-torch211 (torch 2.11.0, transformers 5.23.0; the low ends): the core and the families at 4
 #   ranks (2×2, 1×1×4);
-# - .venv-timm (torch 2.14.1, transformers 5.25.0; the high end of torch): timm's ViT, then the core
+# - .venv-timm (torch 2.15.0, transformers 5.25.0; the high end of torch): timm's ViT, then the core
 #   at 4 with gloo carrying the meshes (OPTIMUS2D_TRANSPORT=torch) (without it, for want of disk or
 #   with OPTIMUS2D_SKIP_TIMM=1, the core and families at 4 run on .venv).
 # The two other environments install in the background while the serial tests run. Each section prints
@@ -100,12 +100,12 @@ done
 if [ "$timm" = 1 ]; then
   run=(env PATH="$PWD/.venv-timm/bin:$PATH" .venv-timm/bin/mpiexec -n 4 .venv-timm/bin/python -m pytest -q --only-mpi
     -p no:cacheprovider)
-  echo "== torch 2.14.1 + transformers 5.25.0 + timm: mpiexec -n 4 (timm; core over gloo)"
+  echo "== torch 2.15.0 + transformers 5.25.0 + timm: mpiexec -n 4 (timm; core over gloo)"
   "${run[@]}" tests/test_timm_mpi.py
   "${run[@]:0:2}" OPTIMUS2D_TRANSPORT=torch "${run[@]:2}" -m "not families"
-  took "torch 2.14.1, 4 ranks over gloo"
+  took "torch 2.15.0, 4 ranks over gloo"
 else
-  echo "== timm and torch 2.14.1 tests skipped ($why): mpiexec -n 4 on .venv (torch 2.13.0)"
+  echo "== timm and torch 2.15.0 tests skipped ($why): mpiexec -n 4 on .venv (torch 2.13.0)"
   for marks in "not families" families; do
     mpiexec -n 4 python -m pytest -q --only-mpi -p no:cacheprovider -m "$marks" "$@"
     took "4 ranks, $marks"

@@ -1,7 +1,7 @@
 """timm's VisionTransformer, built from a small random config (no download), on the mesh.
 
 timm imports torchvision, which does not load beside the torch 2.13.0 CPU wheel these machines
-pin; `scripts/test.sh` runs this file in a second environment (torch 2.14.1 with torchvision).
+pin; `scripts/test.sh` runs this file in a second environment (torch 2.15.0 with torchvision).
 """
 
 from __future__ import annotations

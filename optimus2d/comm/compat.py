@@ -10,6 +10,11 @@
   must follow their own order (``Mesh`` reads it once per axis).
 * ``torch.distributed.pipelining`` before 2.13 (``OLD_PIPELINES``) needs two fixes in optimus2d's
   stages (``pipeline/data_parallel.py``: ``LaneStage``).
+* From torch 2.15 on (``SCHEDULE_INITIALIZES``) a schedule opens its pipeline itself, before any
+  stage prepares: one all-reduce over the stages' parent group (``stage._parent_group``, the
+  stage's group), then a first message on each pair of neighbouring ranks; 2.13 and 2.14 asked each
+  stage for a vote (``_warmup_forward_vote``), 2.11 for its first messages
+  (``_get_init_p2p_neighbors_ops``). Stages on rank sets (``pipeline/rank_sets.py``) follow each.
 * Features that need a newer torch than the oldest supported one (``MIN_TORCH``) name it in
   ``NEEDS``; ``missing(feature)`` is the reason it cannot run here (None where it can; tests skip
   with it), and ``require(feature)`` raises it as a ``RuntimeError`` (before any collective, on
@@ -23,6 +28,7 @@ import re
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining import schedules as _schedules
 
 
 def version(text: str) -> tuple[int, int, int]:
@@ -41,6 +47,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters  # else new_group sorts the ranks
 # torch.distributed.pipelining before 2.13: see pipeline/data_parallel.py, LaneStage
 OLD_PIPELINES = TORCH[:2] < (2, 13)
+# torch.distributed.pipelining from 2.15: the schedule, not the stage, opens the pipeline (see above)
+SCHEDULE_INITIALIZES = hasattr(_schedules._PipelineSchedule, "_initialize_pipeline_distributed_state")
 
 # Features that need a newer torch than MIN_TORCH: whether the installed one has what they need, the
 # oldest release that has it, and why.

@@ -307,6 +307,19 @@ class RankSetStage(LaneStage):
     def _warmup_backward_result(self, received_result: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ones(1, dtype=torch.int32, device=self.device)
 
+    if compat.SCHEDULE_INITIALIZES:
+        # torch 2.15's schedule opens the pipeline over the stages' parent group: an all-reduce, then a
+        # first message between neighbouring stages' ranks. A rank of a smaller set is in several lanes
+        # and would join one of them (the others wait for it for ever): here the parent is the bridge,
+        # which every rank joins once, and the handshake goes to every peer as the stage prepares.
+        @property
+        def _parent_group(self) -> dist.ProcessGroup:
+            return self.bridge
+
+        def _prepare_forward_infra(self, *args, **kwargs):
+            self._handshake()
+            return super()._prepare_forward_infra(*args, **kwargs)
+
 
 def _grad(flag: int) -> str:
     return "yes" if flag else "no"
