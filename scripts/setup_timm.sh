@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv-timm (once): optimus2d with torch 2.15.0 + torchvision 0.29.2 + timm + transformers
-# 5.25.0, to test the timm converters and the high end of the torch range (about 1.5 min and 6 GB;
-# see constraints-timm.txt for why a second environment).
+# 5.25.0, to test the timm converters and the high end of the torch range (about 6 GB, downloaded
+# from PyPI: about 1.5 minutes here; see constraints-timm.txt for why a second environment).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv-timm/bin/python ]; then
@@ -13,10 +13,11 @@ if ! .venv-timm/bin/python -c "import optimus2d, timm, torch, transformers, mpi4
 assert transformers.__version__ == '$pinned' and torch.__version__.split('+')[0] == '$torch_pinned'" 2>/dev/null \
    || [ ! -x .venv-timm/bin/mpiexec ]; then
   echo "setting up .venv-timm (torch $torch_pinned + torchvision + timm, about 1.5 minutes)..."
-  # PIP_CONFIG_FILE=/dev/null: past a machine-wide pip constraint that caps torch below the pin (these
-  # machines cap it at 2.14.1); every torch, torchvision and transformers release is pinned here.
-  PIP_CONFIG_FILE=/dev/null .venv-timm/bin/pip install -q --disable-pip-version-check --no-cache-dir \
-    -c constraints-timm.txt torch torchvision timm transformers -e '.[test,mpi,families]' 2>&1 \
+  .venv-timm/bin/pip install -q --disable-pip-version-check --no-cache-dir -c constraints-timm.txt \
+    torch torchvision timm transformers -e '.[test,mpi,families]' 2>&1 \
     | grep -v "is ignored: it is neither a file nor a directory" || true
 fi
-.venv-timm/bin/python -c "import optimus2d, timm, torch; assert torch.__version__.split('+')[0] == '$torch_pinned'"
+# what the install must have given (pip's own errors are filtered above: they show here)
+.venv-timm/bin/python -c "import optimus2d, timm, torch, transformers, mpi4py, pytest_mpi, pytest_timeout
+assert torch.__version__.split('+')[0] == '$torch_pinned', torch.__version__"
+test -x .venv-timm/bin/mpiexec

@@ -94,14 +94,15 @@ for marks in "not families" families; do
   took "torch 2.11, 4 ranks, $marks"
 done
 # 4 ranks at the high end of torch: timm, the core with gloo carrying the meshes (OPTIMUS2D_TRANSPORT=torch;
-# MPI carries them everywhere else). The families of transformers 5.25.0 ran on .venv at 1, 9 and 8 ranks,
-# not again here (`bash scripts/test.sh --newest` runs them on the newest torch). Without that environment,
+# MPI carries them everywhere else), and the two families' files whose pipelines torch 2.15 changed under
+# (stages on rank sets, the LLaVA tower in the bubbles). The other families of transformers 5.25.0 ran on
+# .venv at 1, 9 and 8 ranks, not again here (`bash scripts/test.sh --newest` runs them). Without that environment,
 # the core and families at 4 ranks run here on .venv instead
 if [ "$timm" = 1 ]; then
   run=(env PATH="$PWD/.venv-timm/bin:$PATH" .venv-timm/bin/mpiexec -n 4 .venv-timm/bin/python -m pytest -q --only-mpi
     -p no:cacheprovider)
-  echo "== torch 2.15.0 + transformers 5.25.0 + timm: mpiexec -n 4 (timm; core over gloo)"
-  "${run[@]}" tests/test_timm_mpi.py
+  echo "== torch 2.15.0 + transformers 5.25.0 + timm: mpiexec -n 4 (timm, pipelines of LLaVA; core over gloo)"
+  "${run[@]}" tests/test_timm_mpi.py tests/test_rank_sets_mpi.py tests/test_pipeline_llava_mpi.py  # and the pipelines
   "${run[@]:0:2}" OPTIMUS2D_TRANSPORT=torch "${run[@]:2}" -m "not families"
   took "torch 2.15.0, 4 ranks over gloo"
 else

@@ -12,7 +12,7 @@
   stages (``pipeline/data_parallel.py``: ``LaneStage``).
 * From torch 2.15 on (``SCHEDULE_INITIALIZES``) a schedule opens its pipeline itself, before any
   stage prepares: one all-reduce over the stages' parent group (``stage._parent_group``, the
-  stage's group), then a first message on each pair of neighbouring ranks; 2.13 and 2.14 asked each
+  stage's group), then a first message on each pair of group ranks holding neighbouring stages; 2.13 and 2.14 asked each
   stage for a vote (``_warmup_forward_vote``), 2.11 for its first messages
   (``_get_init_p2p_neighbors_ops``). Stages on rank sets (``pipeline/rank_sets.py``) follow each.
 * Features that need a newer torch than the oldest supported one (``MIN_TORCH``) name it in

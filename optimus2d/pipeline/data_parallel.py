@@ -115,8 +115,9 @@ class LaneStage(PipelineStage):
       stage's ``output_grad`` the next one's ``input_grad``), as on 2.13; stages on rank sets check
       it in their handshake (``pipeline/rank_sets.py``).
 
-    torch 2.13 warms the lane up by a vote per stage and re-prepares the stage on a switch between
-    ``eval`` and ``step``; there the stage is torch's own.
+    torch 2.13 and 2.14 warm the lane up by a vote per stage, 2.15 by an all-reduce over it in the
+    schedule; both re-prepare the stage on a switch between ``eval`` and ``step``; there the stage
+    is torch's own.
 
     On every torch, each step of a schedule starts with an agreement over the pipeline ``pipe`` (the
     ``StageMesh``; ``pipeline/agreement.py``): the same schedule and micro-batch count everywhere,

@@ -237,8 +237,15 @@ class RankSetStage(LaneStage):
     flat input and output; empty at the pipeline's ends."""
 
     def __init__(self, *args, bridge, incoming, outgoing, **kwargs) -> None:
+        if kwargs.get("input_args") is None or kwargs.get("output_args") is None:
+            # torch would infer the shapes by messages over the lanes, which a rank of a smaller set
+            # shares with other ranks (they would wait for ever): both ends are declared here
+            raise ValueError("RankSetStage: give input_args and output_args (rank_set_stage declares both)")
         super().__init__(*args, **kwargs)
         self.bridge, self.incoming, self.outgoing = bridge, incoming, outgoing
+        # torch 2.15 may give each pair of lane ranks a communicator of its own (TorchComms, or
+        # TORCH_DISTRIBUTED_PIPELINE_PER_EDGE_P2P): every op goes over the bridge here instead
+        self.p2p_per_edge = False
 
     def _route(self, ops: list[dist.P2POp], segments: list[tuple[int, int, int]]) -> list[dist.P2POp]:
         routed = []
@@ -309,9 +316,10 @@ class RankSetStage(LaneStage):
 
     if compat.SCHEDULE_INITIALIZES:
         # torch 2.15's schedule opens the pipeline over the stages' parent group: an all-reduce, then a
-        # first message between neighbouring stages' ranks. A rank of a smaller set is in several lanes
-        # and would join one of them (the others wait for it for ever): here the parent is the bridge,
-        # which every rank joins once, and the handshake goes to every peer as the stage prepares.
+        # message between the pairs of group ranks its stage-to-rank map names. A rank of a smaller set
+        # is in several lanes and would join one of them (the others wait for it for ever): here the
+        # parent is the bridge, which every rank joins once (its pairs, bridge ranks 0..stages-1, swap
+        # a word: harmless), and the handshake goes to every real peer as the stage prepares.
         @property
         def _parent_group(self) -> dist.ProcessGroup:
             return self.bridge
