@@ -248,6 +248,17 @@ def test_a_chunk_whose_output_is_not_the_declared_block_is_refused():
         packed(torch.ones(2, 4))
 
 
+def test_a_rank_set_stage_without_its_declared_ends_is_refused():
+    """torch would infer undeclared shapes by messages over the lanes, which ranks of a smaller set
+    share: the stage refuses before it touches a group."""
+    from optimus2d.pipeline.rank_sets import RankSetStage
+
+    meta = torch.empty(2, 8, device="meta")
+    for given in ({"input_args": meta}, {"output_args": meta}, {}):
+        with pytest.raises(ValueError, match="RankSetStage: give input_args and output_args"):
+            RankSetStage(torch.nn.Identity(), 0, 2, "cpu", bridge=None, incoming=[], outgoing=[], **given)
+
+
 def test_a_chain_of_three_rank_sets_matches_serial(world):
     """Sets of 1, 1 and 2 ranks on 4 ranks (1×1, 1×1, 1×1×2) under GPipe."""
     if world.size != 4:
