@@ -12,18 +12,25 @@ collective timeout is 120 s: the error came from the agreement, not a wait runni
 from __future__ import annotations
 
 import copy
+import inspect
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import as_serial, assert_close, raises_fast, stage_pipe, torch_rms_norms
 from torch import nn
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 import optimus2d
 from optimus2d.pipeline import SCHEDULES, mesh_sum, pipeline_stage
 from optimus2d.pipeline.models.llama import causal_lm_loss, causal_lm_targets, llama_stages
 
 pytestmark = pytest.mark.mpi
+takes_split = pytest.mark.skipif(
+    "arg_mbs" not in inspect.signature(_PipelineSchedule.step).parameters,
+    reason="torch's step takes micro-batches the caller split from 2.15 on",
+)
 
 COPIES = {4: (1, 1), 8: (1, 2)}  # world → (q, depth) of each stage mesh of 2 stages × 2 copies
 PLAIN = {4: (1, 2), 8: (2, 1)}  # world → (q, depth) of each of 2 stage meshes, no copies
@@ -51,19 +58,23 @@ def _serial() -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(H, H) for _ in range(LAYERS)]).double()
 
 
-def _step(pipe, name: str, n: int, rows: int, fed: int | None = None):
+def _step(pipe, name: str, n: int, rows: int, fed: int | None = None, split=None):
     """One step of this rank's stage of ``_serial()`` under schedule ``name``: micro-batches of ``rows //
-    n`` samples declared, ``fed`` samples (default ``rows``) of this copy's batch fed; the summed loss."""
+    n`` samples declared, ``fed`` samples (default ``rows``) of this copy's batch fed; the stage's chunk.
+    ``split(x_block, target_block)``: the step's keyword arguments instead (micro-batches the caller split)."""
     cls, _ = SCHEDULES[name]
     chunk = optimus2d.parallelize(copy.deepcopy(_serial()[pipe.stage : pipe.stage + 1]), pipe.mesh)
     stage = pipeline_stage(chunk, pipe, microbatch_shape=(rows // n, S, H))
     schedule = cls(stage, n_microbatches=n, loss_fn=lambda y, t: mesh_sum(y * t, pipe.mesh), scale_grads=False)
     torch.manual_seed(1 + pipe.dp_rank)
     x, probe = torch.randn(fed or rows, S, H, dtype=torch.float64), torch.randn(rows, S, H, dtype=torch.float64)
-    if pipe.stage == 0:
-        schedule.step(optimus2d.scatter(x, pipe.mesh))
+    x, probe = optimus2d.scatter(x, pipe.mesh), optimus2d.scatter(probe, pipe.mesh)
+    if split is not None:
+        schedule.step(**split(x, probe), **({} if pipe.stage == 0 else {"losses": []}))
+    elif pipe.stage == 0:
+        schedule.step(x)
     else:
-        schedule.step(target=optimus2d.scatter(probe, pipe.mesh), losses=[])
+        schedule.step(target=probe, losses=[])
     return chunk
 
 
@@ -124,6 +135,73 @@ def test_a_copy_fed_fewer_samples_than_declared_is_refused(world):
             f"float64[3, {S}, {H}], but 4 micro-batches of the block it declared, float64[1, {S}, {H}] "
             f"(microbatch_shape), make [4, {S}, {H}]"
         ) in message
+
+
+def _as_split(pipe, n: int, change=None):
+    """``split`` for ``_step``: this rank's blocks in ``n`` micro-batches (``arg_mbs`` on the first stage,
+    ``target_mbs`` on the last), passed through ``change(keywords)`` on the ranks it is given for."""
+
+    def split(x, t):
+        kw = (
+            {"arg_mbs": [(c,) for c in x.tensor_split(n)]}
+            if pipe.stage == 0
+            else {"target_mbs": list(t.tensor_split(n))}
+        )
+        return change(kw) if change is not None else kw
+
+    return split
+
+
+@takes_split
+@pytest.mark.parametrize("dp", [1, 2])
+def test_micro_batches_split_by_the_caller_train_as_the_whole_batch(world, dp):
+    """torch ≥ 2.15's ``step(arg_mbs=..., target_mbs=...)``: micro-batches the caller split pass the
+    agreement and give the gradients the whole batch gives (which the other tests hold to serial)."""
+    pipe = _pipe(world, dp)
+    rows = 4 * _unit(pipe)
+    whole = _step(pipe, "1F1B", 4, rows)
+    split = _step(pipe, "1F1B", 4, rows, split=_as_split(pipe, 4))
+    for (name, a), (_, b) in zip(whole.named_parameters(), split.named_parameters(), strict=True):
+        assert_close(b.grad, a.grad, 0, f"grad {name}")
+
+
+SPLIT_REFUSALS = {  # case: (how copy 1's ranks change the split keywords, what the refusal says)
+    "count": (
+        lambda kw: {k: v[:3] for k, v in kw.items()},
+        r"passes 3 micro-batches in (arg|target)_mbs, but the schedule runs 4 \(n_microbatches\)",
+    ),
+    "block": (
+        lambda kw: {k: [(torch.cat([c[0], c[0]]),) for c in v] if k == "arg_mbs" else v for k, v in kw.items()},
+        r"feeds torch stage 0 micro-batch 0 \(arg_mbs\) float64\[2, 3, 8\], but declared float64\[1, 3, 8\]",
+    ),
+    "whole beside": (
+        lambda kw: {**kw, "target": kw["target_mbs"][0]} if "target_mbs" in kw else {**kw, "mask": 1},
+        r"passes (a target|keyword inputs) of the whole batch beside micro-batches split by the caller",
+    ),
+    "not a list": (
+        lambda kw: {k: tuple(v) for k, v in kw.items()},
+        r"passes (arg|target)_mbs as a tuple: give a list",
+    ),
+}
+
+
+@takes_split
+@pytest.mark.parametrize("case", list(SPLIT_REFUSALS))
+def test_micro_batches_split_by_the_caller_that_do_not_fit_are_refused(world, case):
+    """Copy 1's ranks pass split micro-batches that torch refuses only once its step is under way, on
+    those ranks alone, while the rest wait (its first stage's, and its last's for the target), or that
+    are not the block its first stage declared: every rank refuses the step before it sends anything,
+    naming each of those ranks and why."""
+    pipe = _pipe(world, dp=2)
+    change, match = SPLIT_REFUSALS[case]
+    odd = pipe.stage_ranks(0, 1) + (pipe.stage_ranks(1, 1) if case != "block" else ())
+    split = _as_split(pipe, 4, change if world.rank in odd else None)
+    message = raises_fast(
+        (ValueError, TypeError), "pipeline step", lambda: _step(pipe, "1F1B", 4, 4 * _unit(pipe), split=split)
+    )
+    assert re.search(match, message), message
+    for rank in odd:
+        assert f"rank {rank} refused it" in message, message
 
 
 # ---- row b: the loss helpers over data-parallel copies --------------------------------------------

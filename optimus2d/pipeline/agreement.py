@@ -13,7 +13,11 @@ world) takes part in one all-gather of 7 words (``comm/agreement.py``'s signatur
 * what each stage mesh is fed, the same on each rank of that stage mesh in every copy: its torch
   stages with their declared micro-batch blocks, and the step's inputs (the first stage's batch
   block, keyword inputs, the last stage's target block), by dtype and shape. A first stage whose
-  block is not ``n_microbatches`` of its declared ``microbatch_shape`` refuses the step itself.
+  block is not ``n_microbatches`` of its declared ``microbatch_shape`` refuses the step itself;
+  so does a rank that passes micro-batches it split itself (torch ≥ 2.15's ``arg_mbs``,
+  ``kwarg_mbs``, ``target_mbs``) that are not a list of ``n_microbatches`` tuples (dicts), that
+  are not the declared block, or that come beside a whole batch: torch checks these only once its
+  step is under way, on that rank alone, while the others wait.
 
 Otherwise every rank raises the same ``ValueError`` before the step sends anything, naming the
 ranks and what each has (a second all-gather, of each rank's text). The stage (``LaneStage``) runs
@@ -34,6 +38,8 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from optimus2d.comm import agreement
 
 __all__ = ["agree_step", "calling_schedule", "copies_sum"]
+
+_SPLIT = ("arg_mbs", "kwarg_mbs", "target_mbs")  # torch ≥ 2.15: micro-batches the caller split
 
 
 def calling_schedule(stage) -> tuple[_PipelineSchedule | None, dict]:
@@ -67,8 +73,11 @@ def agree_step(stage, pipe) -> None:
         f"over {stage.num_stages} torch stages"
     )
     args, kwargs, target = step.get("args", ()), step.get("kwargs") or {}, step.get("target")
-    fed = _fed(stages, args, kwargs, target)
-    error = _refusal(stages, args, n, schedule)
+    split = {name: step[name] for name in _SPLIT if step.get(name) is not None}
+    if "finalize_gradients" in step:  # torch ≥ 2.15: FSDP stages reduce at the end of this call or not
+        what += f", finalize_gradients={bool(step['finalize_gradients'])}"
+    fed = _fed(stages, args, kwargs, target) + _fed_split(stages, split)
+    error = _split_refusal(stages, split, (args, kwargs, target), n) or _refusal(stages, args, n, schedule)
     extra = (zlib.crc32(str(pipe.stage).encode()), zlib.crc32(fed.encode()))
     words = agreement.signature("pipeline step", what, (), error) + list(extra)
     timeout = pipe.mesh.timeout
@@ -104,6 +113,71 @@ def _fed(stages: list, args, kwargs: dict, target) -> str:
     if stages[-1].is_last:
         fed.append(f"target {agreement.describe(target)}")
     return ", ".join(parts) + (f" fed {'; '.join(fed)}" if fed else "")
+
+
+def _fed_split(stages: list, split: dict) -> str:
+    """What the caller split into micro-batches itself (torch ≥ 2.15's ``arg_mbs``, ``kwarg_mbs``,
+    ``target_mbs``), as ``_fed`` describes a whole batch; "" where nothing was."""
+    if not split:
+        return ""
+    return "; split by the caller: " + "; ".join(f"{name} {_describe_mbs(mbs)}" for name, mbs in split.items())
+
+
+def _describe_mbs(mbs) -> str:
+    if not isinstance(mbs, list):
+        return type(mbs).__name__
+    each = [
+        f"({_describe(m)})" if isinstance(m, tuple)
+        else "{" + agreement.describe_call((), m) + "}" if isinstance(m, dict)
+        else agreement.describe(m)
+        for m in mbs
+    ]  # fmt: skip
+    if each and all(e == each[0] for e in each):
+        return f"{len(each)} micro-batches, each {each[0]}"
+    return f"{len(each)} micro-batches: " + ", ".join(each)
+
+
+def _split_refusal(stages: list, split: dict, whole: tuple, n: int) -> Exception | None:
+    """Why this rank refuses micro-batches the caller split (torch ≥ 2.15's ``step(arg_mbs=...,
+    kwarg_mbs=..., target_mbs=...)``): torch itself checks them only after the step began, on the
+    rank that has them, while its peers go on and wait. None where nothing was split, or it fits."""
+    if not split:
+        return None
+    me = dist.get_rank()
+    args, kwargs, target = whole
+    given = [what for what, v in (("positional inputs", args), ("keyword inputs", kwargs)) if v]
+    given += ["a target"] if target is not None else []
+    if given:
+        return ValueError(
+            f"pipeline step: rank {me} passes {' and '.join(given)} of the whole batch beside micro-batches split "
+            f"by the caller ({', '.join(split)}): pass either the whole batch or its micro-batches"
+        )
+    for name, mbs in split.items():
+        if not isinstance(mbs, list):
+            return TypeError(f"pipeline step: rank {me} passes {name} as a {type(mbs).__name__}: give a list")
+        if len(mbs) != n:
+            return ValueError(
+                f"pipeline step: rank {me} passes {len(mbs)} micro-batches in {name}, but the schedule runs {n} "
+                f"(n_microbatches)"
+            )
+        kind = {"arg_mbs": tuple, "kwarg_mbs": dict}.get(name)
+        bad = next((i for i, m in enumerate(mbs) if kind is not None and not isinstance(m, kind)), None)
+        if bad is not None:
+            return TypeError(
+                f"pipeline step: rank {me} passes {name}[{bad}] as a {type(mbs[bad]).__name__}: give each micro-batch "
+                f"as a {kind.__name__}"
+            )
+    declared = getattr(stages[0], "declared", (None,))[0]
+    if not stages[0].is_first or not isinstance(declared, torch.Tensor):
+        return None
+    for i, mb in enumerate(split.get("arg_mbs", ())):
+        if len(mb) == 1 and isinstance(mb[0], torch.Tensor) and mb[0].shape != declared.shape:
+            return ValueError(
+                f"pipeline step: rank {me} feeds torch stage {stages[0].stage_index} micro-batch {i} (arg_mbs) "
+                f"{agreement.describe(mb[0])}, but declared {agreement.describe(declared)} (microbatch_shape): "
+                f"split each data-parallel copy's share into micro-batches of the declared block"
+            )
+    return None
 
 
 def _describe(args) -> str:
