@@ -204,6 +204,23 @@ def test_micro_batches_split_by_the_caller_that_do_not_fit_are_refused(world, ca
         assert f"rank {rank} refused it" in message, message
 
 
+@takes_split
+def test_a_rank_that_keeps_its_gradients_unfinalized_is_refused(world):
+    """torch ≥ 2.15's ``step(finalize_gradients=False)`` on the last rank alone (an FSDP stage would
+    skip the reduce its peers wait in): the ranks disagree, named with their values."""
+    pipe = _pipe(world, dp=2)
+    last = world.rank == world.size - 1
+    split = _as_split(pipe, 4, (lambda kw: {**kw, "finalize_gradients": False}) if last else None)
+    message = raises_fast(
+        ValueError, "pipeline step: the ranks disagree", lambda: _step(pipe, "1F1B", 4, 4 * _unit(pipe), split=split)
+    )
+    assert (
+        f"rank {world.size - 1}: Schedule1F1B(n_microbatches=4, scale_grads=False) step over 2 torch stages, "
+        "finalize_gradients=False" in message
+    )
+    assert "finalize_gradients=True" in message
+
+
 # ---- row b: the loss helpers over data-parallel copies --------------------------------------------
 V, HL, SEQ, N = 96, 48, 8, 2  # vocabulary, hidden, sequence, micro-batches
 
