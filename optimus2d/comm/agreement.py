@@ -129,6 +129,7 @@ def agree(
     decide(gather, mesh.members(axis), where, f"{what} of {description}", content, error, mesh, ident)
 
 
+@torch.compiler.disable  # its answer steers the caller's Python: a graph break, taken here and not in zlib
 def agree_distinct(mesh, what: str, description: str, error: BaseException | None, t: torch.Tensor | None) -> bool:
     """``agree`` on ``what`` over the mesh, in the same one all-gather also asking whether every rank
     passes a ``t`` that is the same and not constant (then True: the caller refuses a full tensor
