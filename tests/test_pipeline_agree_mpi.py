@@ -58,10 +58,11 @@ def _serial() -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(H, H) for _ in range(LAYERS)]).double()
 
 
-def _step(pipe, name: str, n: int, rows: int, fed: int | None = None, split=None):
+def _step(pipe, name: str, n: int, rows: int, fed: int | None = None, split=None, run: str = "step"):
     """One step of this rank's stage of ``_serial()`` under schedule ``name``: micro-batches of ``rows //
     n`` samples declared, ``fed`` samples (default ``rows``) of this copy's batch fed; the stage's chunk.
-    ``split(x_block, target_block)``: the step's keyword arguments instead (micro-batches the caller split)."""
+    ``split(x_block, target_block)``: the step's keyword arguments instead (micro-batches the caller split);
+    ``run="eval"``: the schedule's ``eval`` (forward only) with them."""
     cls, _ = SCHEDULES[name]
     chunk = optimus2d.parallelize(copy.deepcopy(_serial()[pipe.stage : pipe.stage + 1]), pipe.mesh)
     stage = pipeline_stage(chunk, pipe, microbatch_shape=(rows // n, S, H))
@@ -70,7 +71,7 @@ def _step(pipe, name: str, n: int, rows: int, fed: int | None = None, split=None
     x, probe = torch.randn(fed or rows, S, H, dtype=torch.float64), torch.randn(rows, S, H, dtype=torch.float64)
     x, probe = optimus2d.scatter(x, pipe.mesh), optimus2d.scatter(probe, pipe.mesh)
     if split is not None:
-        schedule.step(**split(x, probe), **({} if pipe.stage == 0 else {"losses": []}))
+        getattr(schedule, run)(**split(x, probe), **({} if pipe.stage == 0 else {"losses": []}))
     elif pipe.stage == 0:
         schedule.step(x)
     else:
@@ -186,18 +187,18 @@ SPLIT_REFUSALS = {  # case: (how copy 1's ranks change the split keywords, what 
 
 
 @takes_split
-@pytest.mark.parametrize("case", list(SPLIT_REFUSALS))
-def test_micro_batches_split_by_the_caller_that_do_not_fit_are_refused(world, case):
+@pytest.mark.parametrize(("case", "run"), [*((case, "step") for case in SPLIT_REFUSALS), ("count", "eval")])
+def test_micro_batches_split_by_the_caller_that_do_not_fit_are_refused(world, case, run):
     """Copy 1's ranks pass split micro-batches that torch refuses only once its step is under way, on
     those ranks alone, while the rest wait (its first stage's, and its last's for the target), or that
-    are not the block its first stage declared: every rank refuses the step before it sends anything,
-    naming each of those ranks and why."""
+    are not the block its first stage declared: every rank refuses the step (and, once, ``eval``) before
+    it sends anything, naming each of those ranks and why."""
     pipe = _pipe(world, dp=2)
     change, match = SPLIT_REFUSALS[case]
     odd = pipe.stage_ranks(0, 1) + (pipe.stage_ranks(1, 1) if case != "block" else ())
     split = _as_split(pipe, 4, change if world.rank in odd else None)
     message = raises_fast(
-        (ValueError, TypeError), "pipeline step", lambda: _step(pipe, "1F1B", 4, 4 * _unit(pipe), split=split)
+        (ValueError, TypeError), "pipeline step", lambda: _step(pipe, "1F1B", 4, 4 * _unit(pipe), split=split, run=run)
     )
     assert re.search(match, message), message
     for rank in odd:

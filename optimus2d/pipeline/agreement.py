@@ -17,7 +17,10 @@ world) takes part in one all-gather of 7 words (``comm/agreement.py``'s signatur
   so does a rank that passes micro-batches it split itself (torch ≥ 2.15's ``arg_mbs``,
   ``kwarg_mbs``, ``target_mbs``) that are not a list of ``n_microbatches`` tuples (dicts), that
   are not the declared block, or that come beside a whole batch: torch checks these only once its
-  step is under way, on that rank alone, while the others wait.
+  step is under way, on that rank alone, while the others wait. (Copies of a stage mesh feed alike:
+  one fed the whole batch beside another fed the same split by the caller is refused too.) On torch
+  ≥ 2.15 the step's ``finalize_gradients`` is part of the step (an FSDP stage without it would skip
+  the reduce its peers wait in).
 
 Otherwise every rank raises the same ``ValueError`` before the step sends anything, naming the
 ranks and what each has (a second all-gather, of each rank's text). The stage (``LaneStage``) runs
@@ -75,8 +78,9 @@ def agree_step(stage, pipe) -> None:
     args, kwargs, target = step.get("args", ()), step.get("kwargs") or {}, step.get("target")
     split = {name: step[name] for name in _SPLIT if step.get(name) is not None}
     if "finalize_gradients" in step:  # torch ≥ 2.15: FSDP stages reduce at the end of this call or not
-        what += f", finalize_gradients={bool(step['finalize_gradients'])}"
-    fed = _fed(stages, args, kwargs, target) + _fed_split(stages, split)
+        final = step["finalize_gradients"]
+        what += f", finalize_gradients={final if isinstance(final, bool) else type(final).__name__}"
+    fed = _fed(stages, args, kwargs, target, split)
     error = _split_refusal(stages, split, (args, kwargs, target), n) or _refusal(stages, args, n, schedule)
     extra = (zlib.crc32(str(pipe.stage).encode()), zlib.crc32(fed.encode()))
     words = agreement.signature("pipeline step", what, (), error) + list(extra)
@@ -99,42 +103,43 @@ def _shared(pipe) -> bool:
     return pipe.stages * pipe.dp > 1 and pipe.mesh.check != "off" and dist.is_initialized()
 
 
-def _fed(stages: list, args, kwargs: dict, target) -> str:
-    """This rank's torch stages with their declared blocks, and what the step feeds them."""
+def _fed(stages: list, args, kwargs: dict, target, split: dict) -> str:
+    """This rank's torch stages with their declared blocks, and what the step feeds them: the whole
+    batch, or the micro-batches the caller split (``split``: torch ≥ 2.15's ``arg_mbs``,
+    ``kwarg_mbs``, ``target_mbs``), each where torch reads it (the first stage's inputs, the last's
+    target, keyword inputs everywhere)."""
     parts = []
     for s in stages:
         declared_in, declared_out = (agreement.describe(t) for t in getattr(s, "declared", (None, None)))
         parts.append(f"torch stage {s.stage_index} ({declared_in} → {declared_out} a micro-batch)")
     fed = []
-    if stages[0].is_first:
+    if stages[0].is_first and (args or "arg_mbs" not in split):
         fed.append(f"batch {_describe(args)}")
     if kwargs:
         fed.append(", ".join(f"{k}={agreement.describe(v)}" for k, v in kwargs.items()))
-    if stages[-1].is_last:
+    if stages[-1].is_last and (target is not None or "target_mbs" not in split):
         fed.append(f"target {agreement.describe(target)}")
+    read = {"arg_mbs": stages[0].is_first, "kwarg_mbs": True, "target_mbs": stages[-1].is_last}
+    fed += [f"{name} split by the caller into {_describe_mbs(mbs)}" for name, mbs in split.items() if read[name]]
     return ", ".join(parts) + (f" fed {'; '.join(fed)}" if fed else "")
 
 
-def _fed_split(stages: list, split: dict) -> str:
-    """What the caller split into micro-batches itself (torch ≥ 2.15's ``arg_mbs``, ``kwarg_mbs``,
-    ``target_mbs``), as ``_fed`` describes a whole batch; "" where nothing was."""
-    if not split:
-        return ""
-    return "; split by the caller: " + "; ".join(f"{name} {_describe_mbs(mbs)}" for name, mbs in split.items())
-
-
 def _describe_mbs(mbs) -> str:
+    """``"4 micro-batches, each (float64[1, 3, 8])"``, or each listed where they differ."""
     if not isinstance(mbs, list):
         return type(mbs).__name__
-    each = [
-        f"({_describe(m)})" if isinstance(m, tuple)
-        else "{" + agreement.describe_call((), m) + "}" if isinstance(m, dict)
-        else agreement.describe(m)
-        for m in mbs
-    ]  # fmt: skip
+    each = [_describe_mb(m) for m in mbs]
     if each and all(e == each[0] for e in each):
         return f"{len(each)} micro-batches, each {each[0]}"
     return f"{len(each)} micro-batches: " + ", ".join(each)
+
+
+def _describe_mb(mb) -> str:
+    if isinstance(mb, tuple):
+        return f"({_describe(mb)})"
+    if isinstance(mb, dict):
+        return "{" + agreement.describe_call((), mb) + "}"
+    return agreement.describe(mb)
 
 
 def _split_refusal(stages: list, split: dict, whole: tuple, n: int) -> Exception | None:
