@@ -157,13 +157,23 @@ def _as_split(pipe, n: int, change=None):
 @pytest.mark.parametrize("dp", [1, 2])
 def test_micro_batches_split_by_the_caller_train_as_the_whole_batch(world, dp):
     """torch ≥ 2.15's ``step(arg_mbs=..., target_mbs=...)``: micro-batches the caller split pass the
-    agreement and give the gradients the whole batch gives (which the other tests hold to serial)."""
+    agreement and give the serial ``nn.Sequential``'s gradients (averaged over the copies' batches, as
+    the copies average theirs), the very ones the whole batch gives."""
     pipe = _pipe(world, dp)
     rows = 4 * _unit(pipe)
     whole = _step(pipe, "1F1B", 4, rows)
     split = _step(pipe, "1F1B", 4, rows, split=_as_split(pipe, 4))
     for (name, a), (_, b) in zip(whole.named_parameters(), split.named_parameters(), strict=True):
         assert_close(b.grad, a.grad, 0, f"grad {name}")
+    serial = _serial()
+    for copy_rank in range(pipe.dp):  # each copy's batch and probe, as _step draws them
+        torch.manual_seed(1 + copy_rank)
+        x, probe = torch.randn(rows, S, H, dtype=torch.float64), torch.randn(rows, S, H, dtype=torch.float64)
+        ((serial(x) * probe).sum() / pipe.dp).backward()
+    ref, grads = dict(serial.named_parameters()), as_serial(split)
+    assert grads
+    for key, g in grads.items():
+        assert_close(g, ref[key].grad, 1e-10, f"grad {key}")
 
 
 SPLIT_REFUSALS = {  # case: (how copy 1's ranks change the split keywords, what the refusal says)
