@@ -45,8 +45,11 @@ pick's step time over the best's::
     long-sequence   encoder 2 × 128 frozen, LM 2 × 256, p × 256 tokens (one long sequence a rank)
     pooled-frozen   encoder 12 × 256 frozen, LM 2 × 1024, p images × 144 patches pooled 4:1 (``--pool``,
                     ``SequencePool``: the LM sees 36 tokens an image, a quarter of the encoder's)
+    resampled-frozen  the same modules, 8 images × 144 patches pooled 16:1 (9 tokens an image, a
+                    resampler's compression): the frozen encoder two thirds of the step's flops
 
-    mpiexec -n 4 python -m benchmarks vlm --workloads small-frozen,large-trained,long-sequence,pooled-frozen
+    mpiexec -n 4 python -m benchmarks vlm \
+        --workloads small-frozen,large-trained,long-sequence,pooled-frozen,resampled-frozen
 
 A workload some pairs of which do not fit ``--cap-mib`` (by their measured bytes a rank: 16 a
 trained parameter, 4 a frozen one, and what autograd keeps of a step, the most over the ranks;
@@ -95,6 +98,10 @@ WORKLOADS = {
     "long-sequence": (dict(enc_hidden=128, enc_layers=2, lm_hidden=256, lm_layers=2, batch=None, seq=256), (True,)),
     "pooled-frozen": (
         dict(enc_hidden=256, enc_layers=12, lm_hidden=1024, lm_layers=2, batch=None, seq=144, pool=4),
+        (True,),
+    ),
+    "resampled-frozen": (
+        dict(enc_hidden=256, enc_layers=12, lm_hidden=1024, lm_layers=2, batch=8, seq=144, pool=16),
         (True,),
     ),
 }
