@@ -34,7 +34,8 @@ for n in "${ranks[@]}"; do
   bench "$n" gpt --model llama --heads 16 --rounds "${ROUNDS:-5}"
 done
 for n in ${VLM_RANKS:-4 8}; do
-  bench "$n" vlm --workloads small-frozen,large-trained,long-sequence,pooled-frozen,resampled-frozen --rounds "${ROUNDS:-5}"
+  bench "$n" vlm --workloads small-frozen,large-trained,long-sequence,pooled-frozen,resampled-frozen \
+    --rounds "${ROUNDS:-5}"
 done
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'FAILED: %s\n' "${failed[@]}"
