@@ -43,9 +43,13 @@ def _report(tmp_path: Path) -> str:
     return (tmp_path / "report.md").read_text()
 
 
-def test_mlp_and_block_benchmarks_count_what_the_formulas_say_then_report(tmp_path):
+def test_mlp_and_block_benchmarks_count_what_the_formulas_say_bf16_halves_the_bytes_then_report(tmp_path):
+    """The mlp and block benchmarks, the mlp's peers again in bf16 (each checked against bf16 serial:
+    half the bytes), and the matmul ceiling, in one report."""
     tiny = ["--hidden", "32", "--ffn", "128", "--batch", "2", "--seq", "8", "--rounds", "1"]
     _bench(tmp_path, 4, "mlp", *tiny)
+    _bench(tmp_path, 4, "--name", "mlp-bf16", "mlp", *tiny, "--dtype", "bfloat16")
+    _bench(tmp_path, 1, "ceiling", "--size", "64", "--rounds", "1")
     _bench(tmp_path, 4, "block", "--hidden", "32", "--heads", "4", "--batch", "2", "--seq", "8", "--rounds", "1")
     for name in ("mlp-p4-q2d1", "block-p4-q2d1"):
         rows = json.loads((tmp_path / f"{name}.json").read_text())["rows"]
@@ -77,8 +81,18 @@ def test_mlp_and_block_benchmarks_count_what_the_formulas_say_then_report(tmp_pa
     # the GELU), 1D keeps the replicated input whole
     assert mlp["optimus2d 2D"]["activation_bytes"] * 4 * (32 + 256) == mlp["torch, 1 rank"]["activation_bytes"] * 160
     assert mlp["DTensor 1D"]["activation_bytes"] > mlp["optimus2d 2D"]["activation_bytes"]
+    fp32, bf16 = (json.loads((tmp_path / f"{n}-p4-q2d1.json").read_text())["rows"] for n in ("mlp", "mlp-bf16"))
+    assert [r["peer"] for r in fp32] == [r["peer"] for r in bf16]
+    for a, b in zip(fp32, bf16, strict=True):
+        if a.get("layouts") != b.get("layouts"):  # a timed pick (auto, measured) may differ between the runs
+            continue
+        assert b["activation_bytes"] * 2 == a["activation_bytes"] and b["parameter_bytes"] * 2 == a["parameter_bytes"]
+    assert bf16[0]["elements_measured"] == fp32[0]["elements_measured"] > 0
+    ceiling = json.loads((tmp_path / "ceiling-p1-q1d1.json").read_text())
+    assert [r["dtype"] for r in ceiling["rows"]] == ["float32", "bfloat16"] and ceiling["rows"][0]["tflops"] > 0
     report = _report(tmp_path)
     assert "| optimus2d 2D SUMMA |" in report and "### block-p4-q2d1" in report
+    assert "### Matmul ceiling: 64×64×64 on CPU, 1 thread" in report
 
 
 def test_breakdown_times_compute_and_communication_apart(tmp_path):
@@ -195,23 +209,6 @@ def test_llama_benchmark_checks_dtensor_1d_under_the_model_plan_then_times_it(tm
     assert "model" in rows["optimus2d auto"]["layouts"]  # LLaMA's decoder stack: a region the planner lays out
 
 
-def test_bf16_peers_are_checked_and_save_half_the_bytes_and_the_matmul_ceiling_is_reported(tmp_path):
-    tiny = ["mlp", "--hidden", "32", "--ffn", "128", "--batch", "2", "--seq", "8", "--rounds", "1"]
-    _bench(tmp_path, 4, *tiny)
-    _bench(tmp_path, 4, "--name", "mlp-bf16", *tiny, "--dtype", "bfloat16")  # every peer checked against bf16 serial
-    _bench(tmp_path, 1, "ceiling", "--size", "64", "--rounds", "1")
-    fp32, bf16 = (json.loads((tmp_path / f"{n}-p4-q2d1.json").read_text())["rows"] for n in ("mlp", "mlp-bf16"))
-    assert [r["peer"] for r in fp32] == [r["peer"] for r in bf16]
-    for a, b in zip(fp32, bf16, strict=True):
-        if a.get("layouts") != b.get("layouts"):  # a timed pick (auto, measured) may differ between the runs
-            continue
-        assert b["activation_bytes"] * 2 == a["activation_bytes"] and b["parameter_bytes"] * 2 == a["parameter_bytes"]
-    assert bf16[0]["elements_measured"] == fp32[0]["elements_measured"] > 0
-    ceiling = json.loads((tmp_path / "ceiling-p1-q1d1.json").read_text())
-    assert [r["dtype"] for r in ceiling["rows"]] == ["float32", "bfloat16"] and ceiling["rows"][0]["tflops"] > 0
-    assert "### Matmul ceiling: 64×64×64 on CPU, 1 thread" in _report(tmp_path)
-
-
 def test_checks_benchmark_counts_the_agreement_exchanges_then_reports(tmp_path):
     tiny = ["--hidden", "32", "--ffn", "64", "--batch", "4", "--seq", "8", "--rounds", "1"]
     _bench(tmp_path, 4, "checks", *tiny)
@@ -275,9 +272,9 @@ def test_checkpoint_benchmark_stores_the_serial_bytes_and_times_three_ways(tmp_p
 
 def test_vlm_benchmark_compares_layouts_per_workload_and_the_planners_pick(tmp_path):
     small = ["--enc-hidden", "32", "--enc-layers", "2", "--lm-hidden", "32", "--lm-layers", "2", "--heads", "4"]
-    _bench(tmp_path, 4, "vlm", *small, "--seq", "16", "--workloads", "small-frozen,long-sequence", "--rounds", "1")
-    result = json.loads((tmp_path / "vlm-p4-q2d1.json").read_text())
-    assert [v["workload"] for v in result["summary"]] == ["small-frozen", "long-sequence"]
+    _bench(tmp_path, 4, "vlm", *small, "--seq", "16", "--workloads", "small-frozen", "--rounds", "1")
+    result = json.loads((tmp_path / "vlm-p4-q2d1.json").read_text())  # (a second workload: the pooled test's)
+    assert [v["workload"] for v in result["summary"]] == ["small-frozen"]
     for verdict, rows in zip(result["summary"], result["workloads"].values(), strict=True):
         times = {r["peer"]: r["train_ms"] for r in rows["rows"] if not r["auto"] and not r["apart"]}
         assert len(times) == 9 and sum(r["plan_pick"] for r in rows["rows"]) == 1  # (2 meshes + 1D)² on 4 ranks
