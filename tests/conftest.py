@@ -1,5 +1,5 @@
 """Serial tests run under plain pytest; tests marked ``mpi`` run under
-``mpiexec -n N python -m pytest --only-mpi``, N = 1, 4, 8 or 9, and adapt to N.
+``mpiexec -n N python -m pytest --only-mpi``, N = 1, 4, 8, 9 (or 16, 18: the pipelines), and adapt to N.
 
 Under MPI: one report (rank 0's), and a failure on any rank aborts the whole job at once instead
 of leaving the other ranks waiting in a collective.

@@ -273,7 +273,7 @@ def test_checkpoint_benchmark_stores_the_serial_bytes_and_times_three_ways(tmp_p
 def test_vlm_benchmark_compares_layouts_per_workload_and_the_planners_pick(tmp_path):
     small = ["--enc-hidden", "32", "--enc-layers", "2", "--lm-hidden", "32", "--lm-layers", "2", "--heads", "4"]
     _bench(tmp_path, 4, "vlm", *small, "--seq", "16", "--workloads", "small-frozen", "--rounds", "1")
-    result = json.loads((tmp_path / "vlm-p4-q2d1.json").read_text())  # (a second workload: the pooled test's)
+    result = json.loads((tmp_path / "vlm-p4-q2d1.json").read_text())  # one workload (the pooled test: another)
     assert [v["workload"] for v in result["summary"]] == ["small-frozen"]
     for verdict, rows in zip(result["summary"], result["workloads"].values(), strict=True):
         times = {r["peer"]: r["train_ms"] for r in rows["rows"] if not r["auto"] and not r["apart"]}

@@ -1,7 +1,8 @@
 """Pipelines with data-parallel copies (``stage_meshes(..., dp=2)``): every copy runs torch's schedule
 on its share of the batch, each stage's gradient is averaged over the copies, and the loss, every
 gradient, the clipped norm and one AdamW step equal the serial model's on the whole batch.
-2 stages × dp 2 × one rank on 4 ranks, × 1×1×2 on 8 (both in scripts/test.sh), × 2×2 on 16 (by hand:
+2 stages × dp 2 × one rank on 4 ranks, × 1×1×2 on 8 (both in scripts/test.sh; at 8 three schedules),
+× 2×2 on 16 (by hand:
 ``mpiexec -n 16 python -m pytest --only-mpi tests/test_pipeline_dp_mpi.py``, 12 passed)."""
 
 from __future__ import annotations

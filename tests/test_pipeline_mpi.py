@@ -1,6 +1,7 @@
 """Pipeline stages on sub-meshes under torch's schedules: loss, gradients and one AdamW step equal
 the serial model's. 2 stages of 2×2 on 8 ranks, of 1×1×2 on 4, of one rank on 2, of 2×2×2 on 16 and
-of 3×3 on 18 (scripts/test.sh runs all at 4 and 8; at 18 three schedules and the refusals; 16 by hand)."""
+of 3×3 on 18 (scripts/test.sh runs all at 4; at 8 and 18 1F1B, Interleaved1F1B, ZBVZeroBubble and
+the refusals; 16 by hand)."""
 
 from __future__ import annotations
 

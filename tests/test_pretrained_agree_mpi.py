@@ -1,7 +1,7 @@
 """Ranks that would read or write different things are refused on every rank, fast; data a rank reads
 is what was saved: ``load_pretrained`` agrees on the checkpoint's identity and checks the crc32s
 ``save_pretrained`` puts in each file's header; ``checkpoint.save`` and ``save_pretrained`` agree
-on the path. Run at 4 ranks over MPI and over gloo (``OPTIMUS2D_TRANSPORT=torch``)."""
+on the path. Run at 4 ranks over MPI and over gloo (``OPTIMUS2D_TRANSPORT=torch``; CI: on 2×2)."""
 
 from __future__ import annotations
 
