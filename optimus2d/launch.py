@@ -30,7 +30,7 @@ import re
 import socket
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +75,7 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     if dist.is_initialized():
         rank = dist.get_rank()
         local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        watch.set_shared_cores(_local_ranks(os.environ) > _usable_cores())
         return _world(rank, dist.get_world_size(), local, dist.get_backend(), "existing")
 
     launcher = detect_launcher()
@@ -93,6 +94,7 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         _set_device(backend, local)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     watch.set_collective_timeout(timeout.total_seconds())
+    watch.set_shared_cores(_local_ranks(os.environ) > _usable_cores())
     if not _owned:
         atexit.register(shutdown)
         _note_crashes()
@@ -179,6 +181,17 @@ def _usable_cores() -> int:
         return max(cores, len(os.sched_getaffinity(os.getppid())))
     except OSError:  # the parent is gone, or not ours to ask
         return cores
+
+
+def _local_ranks(env: Mapping[str, str]) -> int:
+    """How many ranks run on this node, as the launcher says: MPICH's (``MPI_LOCALNRANKS``), Open
+    MPI's (``OMPI_COMM_WORLD_LOCAL_SIZE``), torchrun (``LOCAL_WORLD_SIZE``) or srun
+    (``SLURM_TASKS_PER_NODE``, "2(x3),1": the first node's share); 1 where none says."""
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "SLURM_TASKS_PER_NODE"):
+        found = re.match(r"\d+", env.get(name, ""))
+        if found:
+            return int(found[0])
+    return 1
 
 
 def yield_when_oversubscribed(env: MutableMapping[str, str] = os.environ) -> bool:

@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,8 @@ def test_torchrun_four_ranks_on_a_2x2_mesh():
     assert out.returncode == 0, out.stderr[-3000:]
     for r in range(4):
         assert f"ok launcher=torchrun rank={r} size=4 local={r} Mesh(q=2, depth=1" in out.stdout
+    shared = len(os.sched_getaffinity(0)) < 4  # long waits back off where the ranks outnumber the cores
+    assert re.findall(r"shared_cores=(True|False)", out.stdout) == [str(shared)] * 4, out.stdout
 
 
 @pytest.mark.slow
@@ -84,6 +87,7 @@ def test_mpiexec_four_ranks_on_a_2x2_mesh():
     for r in range(4):
         assert f"ok launcher=mpi rank={r} size=4 local={r} Mesh(q=2, depth=1" in out.stdout
     assert re.findall(r"heavy_yield=(1|unset)", out.stdout) == [yielding] * 4, out.stdout
+    assert re.findall(r"shared_cores=(True|False)", out.stdout) == [str(yielding == "1")] * 4, out.stdout
 
 
 @pytest.mark.slow
@@ -128,6 +132,34 @@ def test_mpich_sleeps_in_its_blocking_waits_only_where_ranks_outnumber_cores(mon
     with caplog.at_level("INFO", logger="optimus2d.launch"):
         assert not launch.yield_when_oversubscribed(late) and "MPIR_CVAR_ENABLE_HEAVY_YIELD" not in late
     assert "8 ranks on 2 cores and MPI started before init()" in caplog.text
+
+
+def test_each_launcher_says_how_many_ranks_share_the_node():
+    for env, ranks in [
+        ({"MPI_LOCALNRANKS": "8"}, 8),  # MPICH
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "6"}, 6),  # Open MPI
+        ({"LOCAL_WORLD_SIZE": "4"}, 4),  # torchrun
+        ({"SLURM_TASKS_PER_NODE": "3(x2),1"}, 3),  # srun: the first node's share
+        ({"SLURM_TASKS_PER_NODE": ""}, 1),
+        ({}, 1),
+    ]:
+        assert launch._local_ranks(env) == ranks, env
+
+
+def test_a_long_wait_on_shared_cores_tests_its_operation_less_often(monkeypatch):
+    """On shared cores a wait that has lasted t tests every t/16 (at most every 1 ms): 0.2 s of
+    waiting takes about 250 tests, not thousands; it still ends at its operation's completion."""
+    from optimus2d.comm import watch
+
+    def tests_in(seconds: float, shared: bool) -> int:
+        monkeypatch.setattr(watch, "_shared_cores", shared)
+        calls, end = [], time.monotonic() + seconds
+        watch.wait(lambda: calls.append(1) or time.monotonic() > end, None, "a test wait", 60.0)
+        assert time.monotonic() - end < 0.05  # ended with the operation, not a long sleep after it
+        return len(calls)
+
+    assert tests_in(0.2, shared=True) < 400
+    assert tests_in(0.2, shared=True) * 3 < tests_in(0.2, shared=False)
 
 
 def test_detect_launcher(monkeypatch):

@@ -46,5 +46,7 @@ err = ((y - serial(x)).abs().max() / serial(x).abs().max()).item()
 assert err < 1e-5, err
 yielding = os.environ.get("MPIR_CVAR_ENABLE_HEAVY_YIELD", "unset")  # set by init() where ranks outnumber cores
 line = f"ok launcher={world.launcher} rank={world.rank} size={world.size} local={world.local_rank} {mesh}"
-sys.stdout.write(f"{line} heavy_yield={yielding}\n")  # one write: mpiexec interleaves the ranks' writes
+shared = optimus2d.comm.watch._shared_cores  # set by init(): more ranks on this node than cores
+# one write: mpiexec interleaves the ranks' writes
+sys.stdout.write(f"{line} heavy_yield={yielding} shared_cores={shared}\n")
 sys.stdout.flush()
