@@ -75,26 +75,27 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     if dist.is_initialized():
         rank = dist.get_rank()
         local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
-        watch.set_shared_cores(_local_ranks(os.environ) > _usable_cores())
+        watch.set_shared_cores(_shares_cores(_node_ranks_said(os.environ)))
         return _world(rank, dist.get_world_size(), local, dist.get_backend(), "existing")
 
     launcher = detect_launcher()
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if launcher == "torchrun":
         rank, size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+        node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         _set_device(backend, local)
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout)
     else:
         if launcher == "mpi":
-            rank, size, local, store = _mpi_store(timeout)
+            rank, size, local, node_ranks, store = _mpi_store(timeout)
         elif launcher == "slurm":
-            rank, size, local, store = _slurm_store(timeout)
+            rank, size, local, node_ranks, store = _slurm_store(timeout)
         else:
-            rank, size, local, store = 0, 1, 0, dist.HashStore()
+            rank, size, local, node_ranks, store = 0, 1, 0, 1, dist.HashStore()
         _set_device(backend, local)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     watch.set_collective_timeout(timeout.total_seconds())
-    watch.set_shared_cores(_local_ranks(os.environ) > _usable_cores())
+    watch.set_shared_cores(_shares_cores(node_ranks))
     if not _owned:
         atexit.register(shutdown)
         _note_crashes()
@@ -183,15 +184,37 @@ def _usable_cores() -> int:
         return cores
 
 
-def _local_ranks(env: Mapping[str, str]) -> int:
-    """How many ranks run on this node, as the launcher says: MPICH's (``MPI_LOCALNRANKS``), Open
-    MPI's (``OMPI_COMM_WORLD_LOCAL_SIZE``), torchrun (``LOCAL_WORLD_SIZE``) or srun
-    (``SLURM_TASKS_PER_NODE``, "2(x3),1": the first node's share); 1 where none says."""
-    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "SLURM_TASKS_PER_NODE"):
-        found = re.match(r"\d+", env.get(name, ""))
-        if found:
-            return int(found[0])
+def _shares_cores(node_ranks: int) -> bool:
+    """Whether this node runs more ranks than the cores they may use (``watch.set_shared_cores``:
+    long waits back off); False where the cores cannot be read (no ``sched_getaffinity``)."""
+    try:
+        return node_ranks > 1 and node_ranks > _usable_cores()
+    except (AttributeError, OSError):
+        return False
+
+
+def _node_ranks_said(env: Mapping[str, str]) -> int:
+    """How many ranks run on this node, for a process group made by the caller: as torchrun
+    (``LOCAL_WORLD_SIZE``), MPICH's hydra (``MPI_LOCALNRANKS``) or Open MPI (``OMPI_COMM_WORLD_LOCAL_SIZE``)
+    says, in that order; 1 where none does."""
+    for name in ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if env.get(name, "").isdigit():
+            return int(env[name])
     return 1
+
+
+def _slurm_node_ranks(env: Mapping[str, str]) -> int:
+    """This node's tasks in the step: ``SLURM_STEP_TASKS_PER_NODE`` (else the job's
+    ``SLURM_TASKS_PER_NODE``), "2(x3),1" meaning 2, 2, 2 and 1, at ``SLURM_NODEID``; 1 if unsaid."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    counts = []
+    for part in filter(None, spec.split(",")):
+        found = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if found is None:
+            return 1
+        counts += [int(found[1])] * int(found[2] or 1)
+    node = int(env["SLURM_NODEID"]) if env.get("SLURM_NODEID", "").isdigit() else 0
+    return counts[node] if node < len(counts) else 1
 
 
 def yield_when_oversubscribed(env: MutableMapping[str, str] = os.environ) -> bool:
@@ -230,7 +253,7 @@ def _mpi_store(timeout: datetime.timedelta):
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    local, local_size = node.Get_rank(), node.Get_size()
+    local, local_size = node.Get_rank(), node.Get_size()  # the node's ranks, under any MPI
     node.Free()
     buf = bytearray(512)
     store = None
@@ -249,7 +272,7 @@ def _mpi_store(timeout: datetime.timedelta):
     host, port = bytes(buf).rstrip(b"\0").decode().rsplit(":", 1)
     if store is None:
         store = dist.TCPStore(host, int(port), size, is_master=False, timeout=timeout)
-    return rank, size, local, store
+    return rank, size, local, local_size, store
 
 
 def _slurm_store(timeout: datetime.timedelta):
@@ -259,7 +282,7 @@ def _slurm_store(timeout: datetime.timedelta):
     host = env.get("MASTER_ADDR") or first_host(nodes)
     port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
     store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
-    return rank, size, local, store
+    return rank, size, local, _slurm_node_ranks(env), store
 
 
 def first_host(nodelist: str) -> str:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,8 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
 def _clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(launch._MPI_VARS)}
     env.pop("MPIR_CVAR_ENABLE_HEAVY_YIELD", None)  # set under mpiexec where ranks outnumber cores
+    for name in ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        env.pop(name, None)  # how many ranks share the node: each launch says its own
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
 
@@ -46,6 +48,7 @@ def _slurm(n: int, *args: str) -> list[subprocess.Popen]:
                 SLURM_NTASKS=str(n),
                 SLURM_LOCALID=str(r),
                 SLURM_JOB_NODELIST="127.0.0.1",
+                SLURM_STEP_TASKS_PER_NODE=str(n),
                 MASTER_PORT=port,
             ),
             stdout=subprocess.PIPE,
@@ -65,7 +68,7 @@ def test_single_process_is_a_world_of_one():
 def test_adopts_an_existing_process_group():
     out = _run([sys.executable, SCRIPT, "existing"], _clean_env())
     assert out.returncode == 0, out.stderr
-    assert "ok launcher=existing" in out.stdout
+    assert "ok launcher=existing" in out.stdout and "shared_cores=False" in out.stdout  # one process
 
 
 @pytest.mark.slow
@@ -97,6 +100,7 @@ def test_slurm_two_tasks_on_a_depth_two_mesh():
     for r, (p, (stdout, stderr)) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, stderr[-3000:]
         assert f"ok launcher=slurm rank={r} size=2 local={r} Mesh(q=1, depth=2" in stdout
+        assert f"shared_cores={len(os.sched_getaffinity(0)) < 2}" in stdout
 
 
 @pytest.mark.slow
@@ -134,32 +138,61 @@ def test_mpich_sleeps_in_its_blocking_waits_only_where_ranks_outnumber_cores(mon
     assert "8 ranks on 2 cores and MPI started before init()" in caplog.text
 
 
-def test_each_launcher_says_how_many_ranks_share_the_node():
-    for env, ranks in [
-        ({"MPI_LOCALNRANKS": "8"}, 8),  # MPICH
-        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "6"}, 6),  # Open MPI
-        ({"LOCAL_WORLD_SIZE": "4"}, 4),  # torchrun
-        ({"SLURM_TASKS_PER_NODE": "3(x2),1"}, 3),  # srun: the first node's share
-        ({"SLURM_TASKS_PER_NODE": ""}, 1),
-        ({}, 1),
-    ]:
-        assert launch._local_ranks(env) == ranks, env
+def test_each_launcher_says_how_many_ranks_share_the_node(monkeypatch):
+    said = launch._node_ranks_said  # a process group made by the caller: the launcher's variables
+    assert said({"LOCAL_WORLD_SIZE": "4", "MPI_LOCALNRANKS": "1"}) == 4  # torchrun under mpiexec: torchrun's
+    assert said({"MPI_LOCALNRANKS": "8"}) == 8 and said({"OMPI_COMM_WORLD_LOCAL_SIZE": "6"}) == 6
+    assert said({}) == 1 and said({"LOCAL_WORLD_SIZE": "x"}) == 1
+    slurm = launch._slurm_node_ranks  # srun: the step's tasks on this node
+    assert slurm({"SLURM_STEP_TASKS_PER_NODE": "3(x2),1", "SLURM_NODEID": "1"}) == 3
+    assert slurm({"SLURM_STEP_TASKS_PER_NODE": "3(x2),1", "SLURM_NODEID": "2"}) == 1
+    assert slurm({"SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_TASKS_PER_NODE": "8"}) == 2  # the step's, not the job's
+    assert slurm({"SLURM_TASKS_PER_NODE": "4,1", "SLURM_NODEID": "1"}) == 1
+    assert slurm({}) == 1 and slurm({"SLURM_STEP_TASKS_PER_NODE": "4(y2)"}) == 1
+    monkeypatch.setattr(launch, "_usable_cores", lambda: 2)
+    assert launch._shares_cores(3) and not launch._shares_cores(2) and not launch._shares_cores(1)
+    monkeypatch.undo()
+    monkeypatch.delattr(os, "sched_getaffinity")  # not Linux: the cores cannot be read, no backoff
+    assert not launch._shares_cores(64)
 
 
 def test_a_long_wait_on_shared_cores_tests_its_operation_less_often(monkeypatch):
-    """On shared cores a wait that has lasted t tests every t/16 (at most every 1 ms): 0.2 s of
-    waiting takes about 250 tests, not thousands; it still ends at its operation's completion."""
+    """On shared cores a wait that has lasted t sleeps t/16 between tests of its operation, from
+    50 µs up to 1 ms; with a core a rank, or for an operation that advances only while tested (an
+    MPI collective's schedule), always 50 µs (a clock of its own: the sleeps asked for)."""
     from optimus2d.comm import watch
 
-    def tests_in(seconds: float, shared: bool) -> int:
-        monkeypatch.setattr(watch, "_shared_cores", shared)
-        calls, end = [], time.monotonic() + seconds
-        watch.wait(lambda: calls.append(1) or time.monotonic() > end, None, "a test wait", 60.0)
-        assert time.monotonic() - end < 0.05  # ended with the operation, not a long sleep after it
-        return len(calls)
+    class Clock:
+        def __init__(self) -> None:
+            self.now, self.sleeps = 0.0, []
 
-    assert tests_in(0.2, shared=True) < 400
-    assert tests_in(0.2, shared=True) * 3 < tests_in(0.2, shared=False)
+        def monotonic(self) -> float:
+            return self.now
+
+        def sleep(self, seconds: float) -> None:
+            self.sleeps.append(seconds)
+            self.now += seconds
+
+    def sleeps(seconds: float, shared: bool, backoff: bool = True) -> list[float]:
+        clock = Clock()
+        monkeypatch.setattr(watch, "time", clock)
+        monkeypatch.setattr(watch, "_shared_cores", shared)
+        watch.wait(lambda: clock.now >= seconds, None, "a test wait", 60.0, backoff=backoff)
+        assert seconds <= clock.now <= seconds + max(5e-5, min(1e-3, seconds / 16))  # ends with its operation
+        return clock.sleeps
+
+    unshared = sleeps(0.2, shared=False)
+    assert set(unshared) == {5e-5} and 3999 <= len(unshared) <= 4001  # 0.2 s in steps of 50 µs
+    assert sleeps(0.2, shared=True, backoff=False) == unshared  # an MPI collective's schedule: tested as often
+    shared = sleeps(0.2, shared=True)
+    assert shared[:16] == [5e-5] * 16 and shared[-1] == 1e-3 and max(shared) == 1e-3
+    waited = itertools.accumulate([0.0, *shared[:-1]])  # how long the wait had lasted at each sleep
+    assert all(s == max(5e-5, min(1e-3, t / 16)) for s, t in zip(shared, waited, strict=True))
+    assert len(shared) <= 260  # about 250 tests, not 4000
+    monkeypatch.setattr(watch, "_shared_cores", True)
+    monkeypatch.setattr(watch, "_failed", [])  # the timeout reports itself: not this process's record
+    with pytest.raises(TimeoutError, match="did not complete within 2 s"):  # the deadline holds, ≤ 1 ms late
+        watch.wait(lambda: False, None, "a test wait", 2.0)
 
 
 def test_detect_launcher(monkeypatch):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from optimus2d.comm import shared_groups
 
 _POLL_S = 5e-5  # between tests of an operation: short, and frees the core for a rank sharing it
-_POLL_MAX_S = 1e-3  # on shared cores, a wait of t seconds tests every t/16, at most every 1 ms
+_POLL_MAX_S = 1e-3  # on shared cores a wait that has lasted t sleeps t/16, from _POLL_S up to this
 _shared_cores = False  # more ranks on this node than cores (optimus2d.init): long waits back off
 _LISTEN_S = 0.2  # between reads of the failure channel (a round trip to the store)
 _meshes: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # uid → Mesh, built on this rank
@@ -50,10 +50,10 @@ def set_collective_timeout(seconds: float) -> None:
 
 def set_shared_cores(shared: bool) -> None:
     """Called by ``optimus2d.init()``: whether this node runs more ranks than it has cores. Then a
-    long wait tests its operation less often (every t/16 once it has lasted t, at most every
-    ``_POLL_MAX_S``), leaving the cores to the ranks that compute; it ends at most t/16 late. With a
-    core a rank every wait tests every ``_POLL_S``. Measured, 8 ranks on 2 cores: the families'
-    decoder tests 0.89× the wall time, DCP's 0.95×, GPT-2's pipelines 1.01× (farm-bench, medians of 3)."""
+    wait that has lasted t sleeps t/16 between tests of its operation (``_POLL_S`` to
+    ``_POLL_MAX_S``): the waiting ranks leave the cores to those that compute, and a wait ends at
+    most max(50 µs, t/16) ≤ 1 ms after its operation. With a core a rank it sleeps ``_POLL_S``.
+    Measured in benchmarks/RESULTS.md (2026-12-06, thirty-seventh session)."""
     global _shared_cores
     _shared_cores = bool(shared)
 
@@ -128,18 +128,20 @@ def failed_here() -> bool:
     return bool(_failed)
 
 
-def wait(done, mesh, what: str, timeout: float) -> None:
+def wait(done, mesh, what: str, timeout: float, *, backoff: bool = True) -> None:
     """Poll ``done()`` until it is true; raise ``PeerFailedError`` or ``TimeoutError`` instead of hanging.
     A wait that raises leaves its operation abandoned: the mesh's groups are never handed on to a
-    later mesh (``shared_groups.spoil``)."""
+    later mesh (``shared_groups.spoil``). ``backoff=False`` for an operation that advances only
+    while it is tested (an MPI collective's schedule): it is tested every ``_POLL_S`` even on
+    shared cores."""
     try:
-        _wait(done, mesh, what, timeout)
+        _wait(done, mesh, what, timeout, backoff and _shared_cores)
     except BaseException:
         shared_groups.spoil(mesh)
         raise
 
 
-def _wait(done, mesh, what: str, timeout: float) -> None:
+def _wait(done, mesh, what: str, timeout: float, backoff: bool) -> None:
     if done():
         return
     start = time.monotonic()
@@ -158,7 +160,7 @@ def _wait(done, mesh, what: str, timeout: float) -> None:
             err = TimeoutError(f"{what} on {mesh} did not complete within {timeout:g} s: is a peer lost?")
             report(err, [mesh] if mesh is not None else [])
             raise err
-        time.sleep(min(_POLL_MAX_S, max(_POLL_S, (now - start) / 16)) if _shared_cores else _POLL_S)
+        time.sleep(min(_POLL_MAX_S, max(_POLL_S, (now - start) / 16)) if backoff else _POLL_S)
 
 
 class Watched:
