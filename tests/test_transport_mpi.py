@@ -148,3 +148,21 @@ def test_a_lost_peer_is_a_timeout_not_a_hang(mesh):
     finally:
         mesh.mpi.timeout = timeout
     dist.barrier()
+
+
+def test_only_point_to_point_waits_may_back_off(mesh, monkeypatch):
+    """On shared cores a wait backs off (``watch``), but not an MPI collective's: its schedule
+    advances only while it is tested. Broadcasts in groups of up to 3 are the root's sends."""
+    from optimus2d.comm import watch
+
+    mesh = _over(mesh, "mpi")
+    if mesh.mpi is None:
+        pytest.skip("a 1-rank mesh has no MPI transport")
+    asked = []
+    real = watch.wait
+    monkeypatch.setattr(watch, "wait", lambda *a, backoff=True, **k: asked.append((a[2], backoff)) or real(*a, **k))
+    mesh.mpi.all_reduce(torch.ones(3), "mesh", dist.ReduceOp.SUM).wait()
+    axis = "row" if mesh.axis_size("row") > 1 else "mesh"
+    mesh.mpi.broadcast(torch.ones(3), axis, 0).wait()
+    direct = mesh.axis_size(axis) <= mpi.DIRECT_MEMBERS
+    assert asked == [("MPI all-reduce over mesh", False), (f"MPI broadcast over {axis}", direct)], asked
