@@ -14,7 +14,7 @@ from torch import nn
 
 import optimus2d
 from optimus2d import parallelize
-from optimus2d.convert.parallelizer import _CONVERTERS
+from optimus2d.convert.registry import _CONVERTERS
 
 pytestmark = pytest.mark.mpi
 E, FF = 12, 24

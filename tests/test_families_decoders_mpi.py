@@ -186,7 +186,7 @@ def test_a_refused_family_taught_in_one_line_converts_exactly(mesh):
     exact."""
     from transformers.models.ministral3.modeling_ministral3 import Ministral3Attention
 
-    from optimus2d.convert.parallelizer import _CONVERTERS
+    from optimus2d.convert.registry import _CONVERTERS
 
     heads, kv_heads = _heads(mesh)
     config = transformers.Ministral3Config(

@@ -11,7 +11,7 @@ from torch import nn
 
 import optimus2d
 from optimus2d import gather, parallelize, scatter, serial_state_dict
-from optimus2d.convert.parallelizer import _CONVERTERS
+from optimus2d.convert.registry import _CONVERTERS
 
 pytestmark = pytest.mark.mpi
 

@@ -1,8 +1,9 @@
 """A serial model → the same model on the mesh: ``parallelize`` and what it is built from.
 
-``parallelizer.py`` walks the model and replaces each module through the converter registry
-(``register_converter``, ``register_recogniser``, ``register_library`` for a library's converters
-registered when its first module is met); ``blockwise.py``, ``forward_reader.py`` and
+``parallelizer.py`` checks the model and the plan over the mesh, and ``walk.py`` replaces each
+module through the converter registry of ``registry.py`` (``register_converter``,
+``register_recogniser``, ``register_library`` for a library's converters registered when its first
+module is met); ``blockwise.py``, ``forward_reader.py`` and
 ``forward_values.py`` judge which forwards are correct on blocks as they are; ``positions.py``
 converts a learned position table that computes its ids from a mask; ``tied.py`` keeps
 shared embedding tables shared; ``layouts.py`` moves tensors between per-module meshes

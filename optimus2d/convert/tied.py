@@ -2,7 +2,7 @@
 
 Kept: an embedding table shared by ``nn.Embedding`` modules and output heads (plain ``nn.Linear``
 layers, as their ``weight``), and such a head's bias shared with holders that are neither Linear
-nor Embedding. ``convert/parallelizer.py`` converts the holders onto one block of the table.
+nor Embedding. ``convert/walk.py`` converts the holders onto one block of the table.
 """
 
 from __future__ import annotations
