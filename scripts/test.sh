@@ -7,11 +7,12 @@
 #   ranks (2×2, 1×1×4), right after the serial tests;
 # - .venv-timm (torch 2.15.0, transformers 5.25.0; the high end of torch): timm's ViT, then the core
 #   at 4 on 2×2 with gloo carrying the meshes (OPTIMUS2D_TRANSPORT=torch), last.
-# The two other environments install in the background while the serial tests run, when the disk holds
-# both. When it holds one at a time, .venv-torch211 goes once its tests have run and .venv-timm installs
-# while the .venv sections run. An environment the disk cannot hold is not installed, and one whose
-# install fails is removed: the run says which and why, and the 4-rank sections it would have run go
-# on .venv instead (as they do with OPTIMUS2D_SKIP_TIMM=1). Each section prints its time.
+# The two other environments install in the background while the serial tests run (scripts/envs.sh),
+# when the disk holds both. When it holds one at a time, .venv-torch211 goes once its tests have run,
+# .venv-timm installs while the .venv sections run and goes after its own tests. An environment the disk
+# cannot hold at all is not installed: the run says so and why, and its 4-rank sections run on .venv
+# instead (as they do with OPTIMUS2D_SKIP_TIMM=1). An install that fails for another reason fails the
+# run. Each section prints its time.
 # Extra arguments go to every pytest of the .venv runs.
 #
 #   bash scripts/test.sh --newest   # the newest torch and transformers pip finds, in .venv-newest:
@@ -30,52 +31,34 @@ export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} --durations=8"
 start=$SECONDS
 lap=$SECONDS
 took() { echo "   ($1: $((SECONDS - lap)) s; whole suite so far $((SECONDS - start)) s)"; lap=$SECONDS; }
-# timm needs torchvision, which needs another torch: a second environment, when the disk allows it.
-# GB of free disk each environment needs while pip installs it (its wheels beside their unpacked files,
-# with 1 GB to spare; measured with pip 23: torch 2.11.0 peaks at 6.2 GiB and keeps 4.6, torch 2.15.0
-# peaks at 7.7 and keeps 5.3)
-free_gb() { df -Pk . | awk 'NR==2 {print int($4 / 1048576)}'; }
-declare -A needs=([.venv-torch211]=8 [.venv-timm]=9)
-declare -A setups=([.venv-torch211]=scripts/setup_torch211.sh [.venv-timm]=scripts/setup_timm.sh)
-set_up() {  # an environment, installed or brought up to date where the disk allows; removed if that fails
-  if [ ! -x "$1/bin/python" ] && [ "$(free_gb)" -lt "${needs[$1]}" ]; then
-    echo "$1 not installed: $(free_gb) GB free, its install needs about ${needs[$1]}"
-    return 1
-  fi
-  if bash "${setups[$1]}" > ".ci-logs/$1.log" 2>&1; then
-    cat ".ci-logs/$1.log"
-    return 0
-  fi
-  cat ".ci-logs/$1.log"
-  local free
-  free=$(free_gb)
-  rm -rf "$1"
-  if grep -q "No space left on device" ".ci-logs/$1.log" || [ "$free" -lt 1 ]; then
-    echo "$1 did not fit on the disk ($free GB free when it failed): removed"
-  else  # not for want of disk: the run fails
-    echo "$1 failed to install: removed" | tee -a .ci-logs/broken
-  fi
-  return 1
-}
+# timm needs torchvision, which needs another torch: a second environment, when the disk allows it
+source scripts/envs.sh
 timm=1
 if [ "${OPTIMUS2D_SKIP_TIMM:-0}" = "1" ]; then
   timm=0 why="OPTIMUS2D_SKIP_TIMM=1"
 fi
-echo "disk: $(free_gb) GB free beside .venv"
-# The other environments install while the serial tests run (pip waits on the disk, the tests on the CPU)
+echo "disk: $(gib "$(free_kib)") GiB free beside .venv"
+# The other environments install one after the other while the serial tests run (pip waits on the disk,
+# the tests on the CPU); this run waits for torch 2.11's after the serial tests, for torch 2.15's after
+# torch 2.11's tests
 mkdir -p .ci-logs
-rm -f .ci-logs/broken
-(set_up .venv-torch211 || true; if [ "$timm" = 1 ]; then set_up .venv-timm || true; fi) > .ci-logs/setup.log 2>&1 &
-setting_up=$!
+rm -f .ci-logs/broken .ci-logs/ready.* .ci-logs/nospace.*
+(set_up .venv-torch211 || true) > .ci-logs/setup.log 2>&1 &
+low=$!
+high=""
+if [ "$timm" = 1 ]; then
+  (while kill -0 "$low" 2>/dev/null; do sleep 0.5; done; set_up .venv-timm || true) > .ci-logs/setup-timm.log 2>&1 &
+  high=$!
+fi
 python -m pytest -q "$@"
 took "serial"
-wait "$setting_up" || true
+wait "$low" || true
 cat .ci-logs/setup.log
 if [ -e .ci-logs/broken ]; then exit 1; fi
 on_venv_at_4=()  # why the 4-rank sections of an environment that is missing run on .venv
 # 4 ranks at the low ends of both ranges: torch 2.11.0 with transformers 5.23.0 (what needs a newer torch is
 # skipped there, and a test proves it is refused with the version it needs)
-if [ -x .venv-torch211/bin/python ]; then
+if ready .venv-torch211; then
   echo "== torch 2.11.0 + transformers 5.23.0: mpiexec -n 4 (core, then model families)"
   for marks in "not families" families; do
     env PATH="$PWD/.venv-torch211/bin:$PATH" .venv-torch211/bin/mpiexec -n 4 .venv-torch211/bin/python -m pytest -q \
@@ -85,19 +68,22 @@ if [ -x .venv-torch211/bin/python ]; then
 else
   on_venv_at_4+=("no .venv-torch211")
 fi
-# A disk that held one environment at a time: the low end's, its tests run, makes room for the high end's,
-# which installs while the .venv sections run
-if [ "$timm" = 1 ] && [ ! -x .venv-timm/bin/python ]; then
-  free=$(free_gb)
-  if [ -x .venv-torch211/bin/python ] && [ "$free" -lt "${needs[.venv-timm]}" ] \
-     && [ $((free + 4)) -ge "${needs[.venv-timm]}" ]; then  # it keeps 4.6 GiB
-    echo "removing .venv-torch211 ($free GB free) to make room for .venv-timm"
+# A disk that holds one environment at a time: once torch 2.11's tests have run, its environment makes
+# room for torch 2.15's, which installs while the .venv sections run, and goes after its own tests (the
+# next run starts as this one did, and tests both ends again)
+one_at_a_time=0
+if [ -n "$high" ]; then  # its first try, long over by now where the disk held both
+  wait "$high" || true
+  cat .ci-logs/setup-timm.log
+  if [ -e .ci-logs/broken ]; then exit 1; fi
+  high=""
+  if [ -e .ci-logs/nospace.venv-timm ] && room_by_removing .venv-timm .venv-torch211; then
+    echo "removing .venv-torch211 ($(gib "$(free_kib)") GiB free) to make room for .venv-timm"
     rm -rf .venv-torch211
+    one_at_a_time=1
+    (set_up .venv-timm || true) > .ci-logs/setup-timm.log 2>&1 &
+    high=$!
   fi
-  (set_up .venv-timm || true) > .ci-logs/setup-timm.log 2>&1 &
-  setting_up=$!
-else
-  setting_up=""
 fi
 # 4 ranks (2×2, 1×1×4; over gloo 2×2) run at the two ends below; here 1 and 9 ranks, each in two sessions
 # (a session's meshes and their groups add up). At 9 ranks (3×3) what the mesh adds, the blocks'
@@ -174,12 +160,12 @@ took "18 ranks"
 # 2.13), but for the transport's and context parallelism's own (a depth group of 4, the ring's sends);
 # the tests that build their meshes themselves as they do. Gloo's waits are CI's slowest minutes.
 # Without that environment, the core and families at 4 ranks run here on .venv instead
-if [ -n "$setting_up" ]; then
-  wait "$setting_up" || true
+if [ -n "$high" ]; then
+  wait "$high" || true
   cat .ci-logs/setup-timm.log
   if [ -e .ci-logs/broken ]; then exit 1; fi
 fi
-if [ "$timm" = 1 ] && [ -x .venv-timm/bin/python ]; then
+if ready .venv-timm; then
   run=(env PATH="$PWD/.venv-timm/bin:$PATH" .venv-timm/bin/mpiexec -n 4 .venv-timm/bin/python -m pytest -q --only-mpi
     -p no:cacheprovider)
   echo "== torch 2.15.0 + transformers 5.25.0 + timm: mpiexec -n 4 (timm, pipelines of LLaVA; core over gloo)"
@@ -187,6 +173,10 @@ if [ "$timm" = 1 ] && [ -x .venv-timm/bin/python ]; then
   "${run[@]:0:2}" OPTIMUS2D_TRANSPORT=torch "${run[@]:2}" -m "not families" \
     -k "not q1d4 or test_transport_mpi or test_context_attention_mpi or test_context_block_mpi"
   took "torch 2.15.0, 4 ranks over gloo"
+  if [ "$one_at_a_time" = 1 ]; then
+    echo "removing .venv-timm: this disk holds one of the two at a time"
+    rm -rf .venv-timm
+  fi
 else
   on_venv_at_4+=("${why:-no .venv-timm}")
 fi

@@ -1,10 +1,11 @@
 """``scripts/test.sh`` on a disk too small for its environments: what it installs, removes and runs.
 
-The real script runs in a scratch directory where every installer and every Python is a stub, and
-``df`` reports a disk of the test's choosing: BASE GB free, less 5 while ``.venv-torch211`` exists and
-6 while ``.venv-timm`` does (what they keep on the real disk, rounded up). The stubs record what ran.
-A disk that cannot hold an environment must not fail the run, only move its 4-rank sections onto
-``.venv`` and say so; an install that fails for another reason must fail it.
+The real script (and ``scripts/envs.sh``) runs in a scratch directory where every installer and every
+Python is a stub, and ``df`` reports a disk of the test's choosing: BASE KiB free, less what each
+environment there keeps (4.6 GiB for ``.venv-torch211``, 5.3 for ``.venv-timm``, as measured; ``du``
+reports the same). The stubs record what ran. A disk that cannot hold an environment must not fail
+the run, only move its 4-rank sections onto ``.venv`` and say so; an install that fails for another
+reason must fail it, and leave an environment that was there as it was.
 """
 
 from __future__ import annotations
@@ -17,22 +18,27 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+GIB = 1 << 20  # KiB
+KEEPS = {".venv-torch211": int(4.6 * GIB), ".venv-timm": int(5.3 * GIB)}
 
 _DF = """#!/usr/bin/env bash
 free=$(cat "$FAKE_DF_BASE")
-[ -d .venv-torch211 ] && free=$((free - 5))
-[ -d .venv-timm ] && free=$((free - 6))
+for d in .venv-torch211 .venv-timm; do [ -f "$d/kib" ] && free=$((free - $(cat "$d/kib"))); done
 echo "Filesystem 1024-blocks Used Available Capacity Mounted on"
-echo "/dev/fake 1 1 $((free * 1048576)) 1% /"
+echo "/dev/fake 1 1 $free 1% /"
+"""
+_DU = """#!/usr/bin/env bash
+printf '%s\\t%s\\n' "$(cat "$2/kib" 2>/dev/null || echo 4)" "$2"
 """
 # a setup script's stub: installs the environment's stub Python and mpiexec, or fails as FAKE_FAIL says
 _SETUP = """#!/usr/bin/env bash
 d=$1
-case "${FAKE_FAIL:-}" in
-  "$d:nospace") mkdir -p "$d"; echo "ERROR: [Errno 28] No space left on device"; exit 1;;
-  "$d:other") mkdir -p "$d"; echo "ERROR: No matching distribution found"; exit 1;;
+case " ${FAKE_FAIL:-} " in
+  *" $d:nospace "*) mkdir -p "$d"; echo "ERROR: [Errno 28] No space left on device"; exit 1;;
+  *" $d:other "*) mkdir -p "$d"; echo "ERROR: No matching distribution found"; exit 1;;
 esac
 mkdir -p "$d/bin"
+echo "$2" > "$d/kib"
 for tool in python mpiexec; do
   printf '#!/bin/sh\\necho "%s $*" >> "$RAN"\\n' "$d" > "$d/bin/$tool"
   chmod +x "$d/bin/$tool"
@@ -40,74 +46,112 @@ done
 """
 
 
-def run_ci(tmp_path: Path, base_gb: int, fail: str = "") -> tuple[int, str, list[str]]:
-    """test.sh's exit code, output, and the environments whose mpiexec ran, in order."""
+def scratch(tmp_path: Path) -> Path:
+    """A directory holding test.sh, envs.sh, stub installers, a stub .venv, and a bin/ of df and du."""
     (tmp_path / "scripts").mkdir()
-    shutil.copy(ROOT / "scripts" / "test.sh", tmp_path / "scripts" / "test.sh")
+    for name in ("test.sh", "envs.sh"):
+        shutil.copy(ROOT / "scripts" / name, tmp_path / "scripts" / name)
     (tmp_path / "scripts" / "setup.sh").write_text("")
     stub = tmp_path / "stub_setup.sh"
     stub.write_text(_SETUP)
     for env, script in ((".venv-torch211", "setup_torch211.sh"), (".venv-timm", "setup_timm.sh")):
-        (tmp_path / "scripts" / script).write_text(f"bash {stub} {env}\n")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "df").write_text(_DF)
-    (bin_dir / "df").chmod(0o755)
-    subprocess.run(["bash", str(stub), ".venv"], cwd=tmp_path, check=True, env={**os.environ, "FAKE_FAIL": ""})
-    (tmp_path / "base").write_text(str(base_gb))
+        (tmp_path / "scripts" / script).write_text(f"bash {stub} {env} {KEEPS[env]}\n")
+    (tmp_path / "bin").mkdir()
+    for tool, text in (("df", _DF), ("du", _DU)):
+        (tmp_path / "bin" / tool).write_text(text)
+        (tmp_path / "bin" / tool).chmod(0o755)
+    subprocess.run(["bash", str(stub), ".venv", "0"], cwd=tmp_path, check=True, env={**os.environ, "FAKE_FAIL": ""})
+    return tmp_path
+
+
+def run_ci(where: Path, base_kib: int, fail: str = "") -> tuple[int, str, list[str]]:
+    """test.sh's exit code, output, and the environments whose mpiexec ran 4 ranks, in order."""
+    (where / "base").write_text(str(base_kib))
+    (where / "ran").unlink(missing_ok=True)
     env = {
         **os.environ,
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "FAKE_DF_BASE": str(tmp_path / "base"),
+        "PATH": f"{where / 'bin'}:{os.environ['PATH']}",
+        "FAKE_DF_BASE": str(where / "base"),
         "FAKE_FAIL": fail,
-        "RAN": str(tmp_path / "ran"),
+        "RAN": str(where / "ran"),
     }
     env.pop("OPTIMUS2D_SKIP_TIMM", None)
-    proc = subprocess.run(
-        ["bash", "scripts/test.sh"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    ran = (tmp_path / "ran").read_text().splitlines() if (tmp_path / "ran").exists() else []
-    mpiexecs = [line.split()[0] for line in ran if " -n 4 " in f" {line} " and "--only-mpi" in line]
+    proc = subprocess.run(["bash", "scripts/test.sh"], cwd=where, env=env, capture_output=True, text=True, timeout=120)
+    ran = (where / "ran").read_text().splitlines() if (where / "ran").exists() else []
+    mpiexecs = [line.split()[0] for line in ran if " -n 4 " in line and "--only-mpi" in line]
     return proc.returncode, proc.stdout + proc.stderr, mpiexecs
 
 
+BOTH = [".venv-torch211", ".venv-torch211", ".venv-timm", ".venv-timm"]
+LOW_ONLY = [".venv-torch211", ".venv-torch211", ".venv", ".venv"]
+
+
 @pytest.mark.parametrize(
-    "base_gb, expected",
+    "free_gib, expected, swapped",
     [
-        # both fit: installed together while the serial tests run
-        (20, [".venv-torch211", ".venv-torch211", ".venv-timm", ".venv-timm"]),
-        # one at a time: the low end's goes once its tests ran, and the high end's installs
-        (12, [".venv-torch211", ".venv-torch211", ".venv-timm", ".venv-timm"]),
-        # only the low end's: the high end's 4-rank sections run on .venv
-        (8, [".venv-torch211", ".venv-torch211", ".venv", ".venv"]),
-        # neither
-        (5, [".venv", ".venv"]),
+        (20, BOTH, False),  # both fit: installed one after the other while the serial tests run
+        (12, BOTH, True),  # one at a time: the low end's goes once its tests ran, the high end's installs
+        (9.2, BOTH, True),  # 4.6 GiB left, and 4.6 more once .venv-torch211 goes: just enough
+        (8.5, LOW_ONLY, False),  # the high end's never fits: nothing removed for it
+        (5, [".venv", ".venv"], False),  # neither
     ],
 )
-def test_each_environment_the_disk_holds_runs_its_sections(tmp_path: Path, base_gb: int, expected: list[str]) -> None:
-    rc, out, ran = run_ci(tmp_path, base_gb)
+def test_each_environment_the_disk_holds_runs_its_sections(tmp_path, free_gib, expected, swapped) -> None:
+    where = scratch(tmp_path)
+    rc, out, ran = run_ci(where, int(free_gib * GIB))
     assert rc == 0, out
     assert ran == expected, out
-    if base_gb == 12:
-        assert "removing .venv-torch211 (7 GB free) to make room for .venv-timm" in out
-    else:
-        assert "removing" not in out, out  # nothing removed where it makes no room
+    assert ("removing .venv-torch211" in out) == swapped, out
+    assert ("removing .venv-timm" in out) == swapped, out  # the next run starts as this one did
+    assert (where / ".venv-timm").exists() == (expected == BOTH and not swapped)
     if expected[-1] == ".venv":
         assert "== NOT TESTED at that end:" in out and "its install needs about" in out, out
 
 
+def test_a_disk_of_one_at_a_time_tests_both_ends_on_every_run(tmp_path: Path) -> None:
+    """A developer's .venv-torch211 from before, no .venv-timm, 6 GiB free: neither end is lost."""
+    where = scratch(tmp_path)
+    subprocess.run(["bash", "stub_setup.sh", ".venv-torch211", str(KEEPS[".venv-torch211"])], cwd=where, check=True)
+    base = int(6 * GIB) + KEEPS[".venv-torch211"]  # 6 GiB free with it there
+    for _ in range(2):
+        rc, out, ran = run_ci(where, base)
+        assert rc == 0 and ran == BOTH, out
+        assert "removing .venv-torch211" in out and "removing .venv-timm" in out, out
+
+
 def test_an_install_the_disk_cannot_finish_is_removed_and_its_sections_run_on_venv(tmp_path: Path) -> None:
-    rc, out, ran = run_ci(tmp_path, 20, fail=".venv-timm:nospace")
+    where = scratch(tmp_path)
+    rc, out, ran = run_ci(where, 20 * GIB, fail=".venv-timm:nospace")
     assert rc == 0, out
-    assert ran == [".venv-torch211", ".venv-torch211", ".venv", ".venv"], out
-    assert ".venv-timm did not fit on the disk" in out and not (tmp_path / ".venv-timm").exists()
+    assert ran == LOW_ONLY, out
+    # tried again once .venv-torch211 made room, then given up
+    assert out.count(".venv-timm did not fit on the disk") == 2 and "removing .venv-torch211" in out, out
+    assert not (where / ".venv-timm").exists()
 
 
 @pytest.mark.parametrize("env", [".venv-torch211", ".venv-timm"])
 def test_an_install_that_fails_for_another_reason_fails_the_run(tmp_path: Path, env: str) -> None:
-    rc, out, ran = run_ci(tmp_path, 12 if env == ".venv-timm" else 20, fail=f"{env}:other")
+    where = scratch(tmp_path)
+    rc, out, ran = run_ci(where, (12 if env == ".venv-timm" else 20) * GIB, fail=f"{env}:other")
     assert rc == 1, out
-    assert f"{env} failed to install: removed" in out and "No matching distribution" in out
+    assert f"{env} failed to install (not for want of disk)" in out and "No matching distribution" in out
     assert "== torch 2.15.0" not in out and "NOT TESTED" not in out
-    # it stops at the first wait for the environment: torch 2.11's sections ran only where it installed
+    # it stops at its first wait for the environment: torch 2.11's sections ran only where it installed
     assert ran == ([] if env == ".venv-torch211" else [".venv-torch211"] * 2), out
+
+
+def test_an_environment_that_fails_to_update_is_left_as_it_was(tmp_path: Path) -> None:
+    where = scratch(tmp_path)
+    subprocess.run(["bash", "stub_setup.sh", ".venv-torch211", "7"], cwd=where, check=True)
+    rc, out, ran = run_ci(where, 20 * GIB, fail=".venv-torch211:other")
+    assert rc == 1 and ran == [], out
+    assert (where / ".venv-torch211" / "bin" / "python").exists()  # not removed: a pin or the network
+
+
+def test_a_failure_marked_by_an_earlier_run_does_not_fail_this_one(tmp_path: Path) -> None:
+    where = scratch(tmp_path)
+    (where / ".ci-logs").mkdir()
+    (where / ".ci-logs" / "broken").write_text(".venv-timm failed to install (not for want of disk)\n")
+    (where / ".ci-logs" / "ready.venv-timm").write_text("")  # nor its readiness
+    rc, out, ran = run_ci(where, 20 * GIB, fail=".venv-timm:nospace")
+    assert rc == 0 and ran == LOW_ONLY, out
