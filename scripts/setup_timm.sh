@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv-timm (once): optimus2d with torch 2.15.0 + torchvision 0.29.2 + timm + transformers
-# 5.25.0, to test the timm converters and the high end of the torch range (about 6 GB, downloaded
+# 5.25.0, to test the timm converters and the high end of the torch range (about 5.7 GiB, downloaded
 # from PyPI: about 1.5 minutes here; see constraints-timm.txt for why a second environment).
 set -euo pipefail
 cd "$(dirname "$0")/.."

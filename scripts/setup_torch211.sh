@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv-torch211 (once): optimus2d with torch 2.11.0, the oldest torch it supports, to test the
-# core there (about 1-3 minutes and 4.9 GB: PyPI's torch 2.11.0 is a CUDA build; it runs on CPU).
+# core there (about 1-3 minutes and 4.6 GiB: PyPI's torch 2.11.0 is a CUDA build; it runs on CPU).
 # See constraints-torch211.txt for the pins.
 set -euo pipefail
 cd "$(dirname "$0")/.."

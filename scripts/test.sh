@@ -42,12 +42,21 @@ echo "disk: $(gib "$(free_kib)") GiB free beside .venv"
 # the tests on the CPU); this run waits for torch 2.11's after the serial tests, for torch 2.15's after
 # torch 2.11's tests
 mkdir -p .ci-logs
-rm -f .ci-logs/broken .ci-logs/ready.* .ci-logs/nospace.*
-(set_up .venv-torch211 || true) > .ci-logs/setup.log 2>&1 &
+rm -rf .ci-logs/broken .ci-logs/ready.* .ci-logs/nospace.* .ci-logs/tmp
+# A run on a disk of one at a time that stopped before it removed .venv-timm: it makes room again
+if [ ! -x .venv-torch211/bin/python ] && [ "$(free_kib)" -lt $((needs[.venv-torch211] * 1048576)) ] \
+   && room_by_removing .venv-torch211 .venv-timm; then
+  echo "removing .venv-timm (left by a run that stopped) to make room for .venv-torch211"
+  rm -rf .venv-timm
+fi
+# Each install in a session of its own, stopped with everything it started if this run ends first
+low="" high=""
+trap 'for job in $low $high; do kill -- "-$job" 2>/dev/null || true; done' EXIT
+setsid -w bash -c 'source scripts/envs.sh; set_up .venv-torch211' > .ci-logs/setup.log 2>&1 &
 low=$!
-high=""
 if [ "$timm" = 1 ]; then
-  (while kill -0 "$low" 2>/dev/null; do sleep 0.5; done; set_up .venv-timm || true) > .ci-logs/setup-timm.log 2>&1 &
+  setsid -w bash -c 'source scripts/envs.sh; while kill -0 "$1" 2>/dev/null; do sleep 0.5; done
+    [ -e .ci-logs/broken ] || set_up .venv-timm' _ "$low" > .ci-logs/setup-timm.log 2>&1 &
   high=$!
 fi
 python -m pytest -q "$@"
@@ -77,11 +86,11 @@ if [ -n "$high" ]; then  # its first try, long over by now where the disk held b
   cat .ci-logs/setup-timm.log
   if [ -e .ci-logs/broken ]; then exit 1; fi
   high=""
-  if [ -e .ci-logs/nospace.venv-timm ] && room_by_removing .venv-timm .venv-torch211; then
+  if [ -e .ci-logs/nospace.venv-timm ] && ready .venv-torch211 && room_by_removing .venv-timm .venv-torch211; then
     echo "removing .venv-torch211 ($(gib "$(free_kib)") GiB free) to make room for .venv-timm"
     rm -rf .venv-torch211
     one_at_a_time=1
-    (set_up .venv-timm || true) > .ci-logs/setup-timm.log 2>&1 &
+    setsid -w bash -c 'source scripts/envs.sh; set_up .venv-timm' > .ci-logs/setup-timm.log 2>&1 &
     high=$!
   fi
 fi

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ echo "Filesystem 1024-blocks Used Available Capacity Mounted on"
 echo "/dev/fake 1 1 $free 1% /"
 """
 _DU = """#!/usr/bin/env bash
+[ "$1" = -sk ] || { echo "du: the script must ask for KiB (-sk), not $1" >&2; exit 2; }
 printf '%s\\t%s\\n' "$(cat "$2/kib" 2>/dev/null || echo 4)" "$2"
 """
 # a setup script's stub: installs the environment's stub Python and mpiexec, or fails as FAKE_FAIL says
@@ -40,7 +42,7 @@ esac
 mkdir -p "$d/bin"
 echo "$2" > "$d/kib"
 for tool in python mpiexec; do
-  printf '#!/bin/sh\\necho "%s $*" >> "$RAN"\\n' "$d" > "$d/bin/$tool"
+  printf '#!/bin/sh\\necho "%s $*" >> "$RAN"\\n[ "$FAKE_MPI_FAIL" != "%s" ]\\n' "$d" "$d" > "$d/bin/$tool"
   chmod +x "$d/bin/$tool"
 done
 """
@@ -64,7 +66,9 @@ def scratch(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def run_ci(where: Path, base_kib: int, fail: str = "") -> tuple[int, str, list[str]]:
+def run_ci(
+    where: Path, base_kib: int, fail: str = "", *, mpi_fail: str = "", skip_timm: bool = False
+) -> tuple[int, str, list[str]]:
     """test.sh's exit code, output, and the environments whose mpiexec ran 4 ranks, in order."""
     (where / "base").write_text(str(base_kib))
     (where / "ran").unlink(missing_ok=True)
@@ -73,9 +77,12 @@ def run_ci(where: Path, base_kib: int, fail: str = "") -> tuple[int, str, list[s
         "PATH": f"{where / 'bin'}:{os.environ['PATH']}",
         "FAKE_DF_BASE": str(where / "base"),
         "FAKE_FAIL": fail,
+        "FAKE_MPI_FAIL": mpi_fail,
         "RAN": str(where / "ran"),
     }
     env.pop("OPTIMUS2D_SKIP_TIMM", None)
+    if skip_timm:
+        env["OPTIMUS2D_SKIP_TIMM"] = "1"
     proc = subprocess.run(["bash", "scripts/test.sh"], cwd=where, env=env, capture_output=True, text=True, timeout=120)
     ran = (where / "ran").read_text().splitlines() if (where / "ran").exists() else []
     mpiexecs = [line.split()[0] for line in ran if " -n 4 " in line and "--only-mpi" in line]
@@ -129,15 +136,24 @@ def test_an_install_the_disk_cannot_finish_is_removed_and_its_sections_run_on_ve
     assert not (where / ".venv-timm").exists()
 
 
-@pytest.mark.parametrize("env", [".venv-torch211", ".venv-timm"])
-def test_an_install_that_fails_for_another_reason_fails_the_run(tmp_path: Path, env: str) -> None:
+@pytest.mark.parametrize(
+    "env, free_gib, ran_before",
+    [
+        (".venv-torch211", 20, []),  # at the wait after the serial tests: nothing at 4 ranks ran
+        (".venv-timm", 20, [".venv-torch211"] * 2),  # its first try: at the wait after torch 2.11's tests
+        (".venv-timm", 12, [".venv-torch211"] * 2),  # its second, once torch 2.11's made room: at the end
+    ],
+)
+def test_an_install_that_fails_for_another_reason_fails_the_run(tmp_path, env, free_gib, ran_before) -> None:
     where = scratch(tmp_path)
-    rc, out, ran = run_ci(where, (12 if env == ".venv-timm" else 20) * GIB, fail=f"{env}:other")
+    rc, out, ran = run_ci(where, free_gib * GIB, fail=f"{env}:other")
     assert rc == 1, out
     assert f"{env} failed to install (not for want of disk)" in out and "No matching distribution" in out
     assert "== torch 2.15.0" not in out and "NOT TESTED" not in out
-    # it stops at its first wait for the environment: torch 2.11's sections ran only where it installed
-    assert ran == ([] if env == ".venv-torch211" else [".venv-torch211"] * 2), out
+    assert ran == ran_before, out
+    assert ("== mpiexec -n 18" in out) == (free_gib == 12), out
+    time.sleep(1.5)  # nothing the run started goes on installing after it
+    assert not (where / ".ci-logs" / "ready.venv-timm").exists(), out
 
 
 def test_an_environment_that_fails_to_update_is_left_as_it_was(tmp_path: Path) -> None:
@@ -148,10 +164,24 @@ def test_an_environment_that_fails_to_update_is_left_as_it_was(tmp_path: Path) -
     assert (where / ".venv-torch211" / "bin" / "python").exists()  # not removed: a pin or the network
 
 
-def test_a_failure_marked_by_an_earlier_run_does_not_fail_this_one(tmp_path: Path) -> None:
+def test_what_an_earlier_run_marked_is_not_read_as_this_ones(tmp_path: Path) -> None:
     where = scratch(tmp_path)
     (where / ".ci-logs").mkdir()
     (where / ".ci-logs" / "broken").write_text(".venv-timm failed to install (not for want of disk)\n")
-    (where / ".ci-logs" / "ready.venv-timm").write_text("")  # nor its readiness
-    rc, out, ran = run_ci(where, 20 * GIB, fail=".venv-timm:nospace")
+    (where / ".ci-logs" / "ready.venv-timm").write_text("")
+    subprocess.run(["bash", "stub_setup.sh", ".venv-timm", "7"], cwd=where, check=True)
+    rc, out, ran = run_ci(where, 20 * GIB, skip_timm=True)  # .venv-timm is there, but not for this run
     assert rc == 0 and ran == LOW_ONLY, out
+    assert "NOT TESTED at that end: OPTIMUS2D_SKIP_TIMM=1" in out
+
+
+def test_a_run_that_stopped_after_making_room_leaves_the_next_one_both_ends(tmp_path: Path) -> None:
+    """One at a time, a test at 4 ranks on torch 2.15 fails: .venv-timm stays; the next run removes it."""
+    where = scratch(tmp_path)
+    base = 12 * GIB
+    rc, out, ran = run_ci(where, base, mpi_fail=".venv-timm")
+    assert rc != 0 and ran == [".venv-torch211", ".venv-torch211", ".venv-timm"], out
+    assert (where / ".venv-timm").exists() and not (where / ".venv-torch211").exists()
+    rc, out, ran = run_ci(where, base)
+    assert rc == 0 and ran == BOTH, out
+    assert "removing .venv-timm (left by a run that stopped) to make room for .venv-torch211" in out
