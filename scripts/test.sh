@@ -13,7 +13,8 @@
 # cannot hold at all is not installed: the run says so and why, and its 4-rank sections run on .venv
 # instead (as they do with OPTIMUS2D_SKIP_TIMM=1). An install that fails for another reason fails the
 # run. Each section prints its time.
-# Extra arguments go to every pytest of the .venv runs.
+# Extra arguments go to every pytest of the .venv runs. A -k or -m among them joins each section's own
+# selection (pytest would keep only the last), and a section none of whose tests they select passes.
 #
 #   bash scripts/test.sh --newest   # the newest torch and transformers pip finds, in .venv-newest:
 #                                   # the families and pipeline tests at 4 ranks (run it before
@@ -24,6 +25,39 @@ if [ "${1:-}" = "--newest" ]; then
   shift
   exec bash scripts/test_newest.sh "$@"
 fi
+# pytest keeps the last -k and the last -m it is given: the user's are joined to each section's own
+args=() user_k="" user_m=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -k | -m)
+      if [ $# -lt 2 ]; then echo "scripts/test.sh: $1 needs an expression" >&2; exit 2; fi
+      if [ "$1" = -k ]; then user_k="${user_k:+$user_k and }($2)"; else user_m="${user_m:+$user_m and }($2)"; fi
+      shift 2 ;;
+    -k?*) user_k="${user_k:+$user_k and }(${1#-k})"; shift ;;
+    -m?*) user_m="${user_m:+$user_m and }(${1#-m})"; shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+# pick MARKS KEYWORDS: picked=(-m ... -k ...), a section's own expressions and the user's, joined
+pick() {
+  local m=$1 k=$2
+  if [ -n "$user_m" ]; then m="${m:+($m) and }$user_m"; fi
+  if [ -n "$user_k" ]; then k="${k:+($k) and }$user_k"; fi
+  picked=()
+  if [ -n "$m" ]; then picked+=(-m "$m"); fi
+  if [ -n "$k" ]; then picked+=(-k "$k"); fi
+}
+# selected COMMAND...: runs a section's pytest; with the user's own arguments, a section none of whose
+# tests they select (pytest's exit code 5, "no tests ran") passes
+selected() {
+  local rc=0
+  "$@" || rc=$?
+  if [ "$rc" = 5 ] && [ -n "$user_k$user_m${args[*]}" ]; then
+    echo "   (none of this section's tests is selected)"
+    return 0
+  fi
+  return "$rc"
+}
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1
 # every pytest below names its 8 slowest tests: what to trim when the suite outgrows its time
@@ -59,7 +93,8 @@ if [ "$timm" = 1 ]; then
     [ -e .ci-logs/broken ] || set_up .venv-timm' _ "$low" > .ci-logs/setup-timm.log 2>&1 &
   high=$!
 fi
-python -m pytest -q "$@"
+pick "" ""
+selected python -m pytest -q "${picked[@]}" "${args[@]}"
 took "serial"
 wait "$low" || true
 cat .ci-logs/setup.log
@@ -113,10 +148,12 @@ for n in 1 9; do
   echo "== mpiexec -n $n"
   skip=() only=()
   if [ "$n" = 9 ]; then skip=("${not_at_9[@]}") only=("${families_at_9[@]}"); fi
-  mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider -m "not families" "${skip[@]}" "$@"
+  pick "not families" ""
+  selected mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider "${picked[@]}" "${skip[@]}" "${args[@]}"
   took "$n ranks"
   echo "== mpiexec -n $n, model families"
-  mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider -m families "$@" "${only[@]}"
+  pick families ""
+  selected mpiexec -n "$n" python -m pytest -q --only-mpi -p no:cacheprovider "${picked[@]}" "${args[@]}" "${only[@]}"
   took "$n ranks, families"
 done
 # 8 ranks: the model families on 2×2×2, the data-parallel replicas (2 × 2×2), redistribute and
@@ -136,7 +173,8 @@ done
 # The other tests also pass there (`mpiexec -n 8 python -m pytest -q --only-mpi`, about 15 minutes on 2
 # cores), left out of this command to keep CI within its time
 echo "== mpiexec -n 8: model families (2×2×2), replicas"
-mpiexec -n 8 python -m pytest -q --only-mpi -p no:cacheprovider -m families "$@"
+pick families ""
+selected mpiexec -n 8 python -m pytest -q --only-mpi -p no:cacheprovider "${picked[@]}" "${args[@]}"
 took "8 ranks, families"
 at_8=(tests/test_device_mesh_mpi.py tests/test_redistribute_mpi.py tests/test_layouts_mpi.py tests/test_pipeline_mpi.py
   tests/test_pipeline_llama_mpi.py tests/test_pipeline_bubbles_mpi.py tests/test_pipeline_gpt2_mpi.py
@@ -144,22 +182,24 @@ at_8=(tests/test_device_mesh_mpi.py tests/test_redistribute_mpi.py tests/test_la
   tests/test_context_block_mpi.py tests/test_torch_tools_mpi.py tests/test_checkpoint_dcp_mpi.py tests/test_megatron_mpi.py
   tests/test_megatron_attention_mpi.py tests/test_auto_mpi.py tests/test_instance_forward_mpi.py)
 schedules="GPipe or LoopedBFS or InterleavedZeroBubble or DualPipeV"
-not_at_8=(-k "not ($schedules) or test_pipeline_layouts_mpi or (test_pipeline_bubbles_mpi and GPipe)"
-  --deselect tests/test_torch_tools_mpi.py::test_fused_qkv_and_a_padded_vocabulary_go_through_dcp_as_serial_tensors
+pick "not families" "not ($schedules) or test_pipeline_layouts_mpi or (test_pipeline_bubbles_mpi and GPipe)"
+not_at_8=(--deselect tests/test_torch_tools_mpi.py::test_fused_qkv_and_a_padded_vocabulary_go_through_dcp_as_serial_tensors
   --deselect tests/test_torch_tools_mpi.py::test_gradients_reach_the_parameters_as_torch_would_give_them
   --deselect tests/test_torch_tools_mpi.py::test_dtype_and_device_moves_keep_the_gradient_sums
   --deselect tests/test_checkpoint_dcp_mpi.py::test_async_save_commits_the_state_it_was_called_with
   --deselect tests/test_auto_mpi.py::test_every_layout_of_the_parts_the_planner_offers_is_exact
   --deselect tests/test_auto_mpi.py::test_auto_lays_out_torch_transformer_layers_and_is_exact_on_every_mesh
   --deselect tests/test_auto_mpi.py::test_auto_times_the_best_predicted_on_request_and_picks_the_fastest_measured)
-mpiexec -n 8 python -m pytest -q --only-mpi -p no:cacheprovider -m "not families" "${at_8[@]}" "${not_at_8[@]}" "$@"
+selected mpiexec -n 8 python -m pytest -q --only-mpi -p no:cacheprovider "${picked[@]}" "${at_8[@]}" "${not_at_8[@]}" \
+  "${args[@]}"
 took "8 ranks"
 # 18 ranks: pipelines of 2 stages × 3×3, three schedules (one stage a rank, several, the V of zero
 # bubbles: a schedule sees a stage, not its mesh) and the refusals; all seven run at 4 (stages of 1×1×2),
 # the same three at 8 (2×2); `-n 16` gives stages of 2×2×2, left out of CI for its time
 echo "== mpiexec -n 18: pipelines of 2 stages × 3×3"
-mpiexec -n 18 python -m pytest -q --only-mpi -p no:cacheprovider tests/test_pipeline_mpi.py \
-  -k "refuses or lanes or 1F1B-sum or ZBVZeroBubble-sum" "$@"
+pick "" "refuses or lanes or 1F1B-sum or ZBVZeroBubble-sum"
+selected mpiexec -n 18 python -m pytest -q --only-mpi -p no:cacheprovider tests/test_pipeline_mpi.py "${picked[@]}" \
+  "${args[@]}"
 took "18 ranks"
 # 4 ranks at the high end of torch: timm, the core with gloo carrying the meshes (OPTIMUS2D_TRANSPORT=torch;
 # MPI carries them everywhere else), and the two families' files whose pipelines torch 2.15 changed under
@@ -192,7 +232,8 @@ fi
 if [ ${#on_venv_at_4[@]} -gt 0 ]; then
   echo "== NOT TESTED at that end: ${on_venv_at_4[*]} (above: why); mpiexec -n 4 on .venv (torch 2.13.0) instead"
   for marks in "not families" families; do
-    mpiexec -n 4 python -m pytest -q --only-mpi -p no:cacheprovider -m "$marks" "$@"
+    pick "$marks" ""
+    selected mpiexec -n 4 python -m pytest -q --only-mpi -p no:cacheprovider "${picked[@]}" "${args[@]}"
     took "4 ranks, $marks"
   done
 fi

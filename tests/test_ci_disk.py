@@ -5,7 +5,8 @@ Python is a stub, and ``df`` reports a disk of the test's choosing: BASE KiB fre
 environment there keeps (4.6 GiB for ``.venv-torch211``, 5.3 for ``.venv-timm``, as measured; ``du``
 reports the same). The stubs record what ran. A disk that cannot hold an environment must not fail
 the run, only move its 4-rank sections onto ``.venv`` and say so; an install that fails for another
-reason must fail it, and leave an environment that was there as it was.
+reason must fail it, and leave an environment that was there as it was. And a user's ``-k`` or ``-m``
+narrows each section's own selection.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ esac
 mkdir -p "$d/bin"
 echo "$2" > "$d/kib"
 for tool in python mpiexec; do
-  printf '#!/bin/sh\\necho "%s $*" >> "$RAN"\\n[ "$FAKE_MPI_FAIL" != "%s" ]\\n' "$d" "$d" > "$d/bin/$tool"
+  printf '#!/bin/sh\\necho "%s $*" >> "$RAN"\\n' "$d" > "$d/bin/$tool"
+  printf '[ "$FAKE_MPI_FAIL" != "%s" ] || exit 1\\n[ "$FAKE_NONE_IN" != "%s" ] || exit 5\\n' "$d" "$d" >> "$d/bin/$tool"
   chmod +x "$d/bin/$tool"
 done
 """
@@ -67,9 +69,17 @@ def scratch(tmp_path: Path) -> Path:
 
 
 def run_ci(
-    where: Path, base_kib: int, fail: str = "", *, mpi_fail: str = "", skip_timm: bool = False
+    where: Path,
+    base_kib: int,
+    fail: str = "",
+    *,
+    mpi_fail: str = "",
+    skip_timm: bool = False,
+    args: tuple[str, ...] = (),
+    none_in: str = "",
 ) -> tuple[int, str, list[str]]:
-    """test.sh's exit code, output, and the environments whose mpiexec ran 4 ranks, in order."""
+    """test.sh's exit code, output, and the environments whose mpiexec ran 4 ranks, in order (``args``
+    go to test.sh; the pytests of ``none_in`` say "no tests ran")."""
     (where / "base").write_text(str(base_kib))
     (where / "ran").unlink(missing_ok=True)
     env = {
@@ -79,11 +89,13 @@ def run_ci(
         "FAKE_FAIL": fail,
         "FAKE_MPI_FAIL": mpi_fail,
         "RAN": str(where / "ran"),
+        "FAKE_NONE_IN": none_in,
     }
     env.pop("OPTIMUS2D_SKIP_TIMM", None)
     if skip_timm:
         env["OPTIMUS2D_SKIP_TIMM"] = "1"
-    proc = subprocess.run(["bash", "scripts/test.sh"], cwd=where, env=env, capture_output=True, text=True, timeout=120)
+    command = ["bash", "scripts/test.sh", *args]
+    proc = subprocess.run(command, cwd=where, env=env, capture_output=True, text=True, timeout=120)
     ran = (where / "ran").read_text().splitlines() if (where / "ran").exists() else []
     mpiexecs = [line.split()[0] for line in ran if " -n 4 " in line and "--only-mpi" in line]
     return proc.returncode, proc.stdout + proc.stderr, mpiexecs
@@ -185,3 +197,32 @@ def test_a_run_that_stopped_after_making_room_leaves_the_next_one_both_ends(tmp_
     rc, out, ran = run_ci(where, base)
     assert rc == 0 and ran == BOTH, out
     assert "removing .venv-timm (left by a run that stopped) to make room for .venv-torch211" in out
+
+
+def test_a_users_selection_joins_each_sections_own(tmp_path: Path) -> None:
+    """pytest keeps the last -k and -m it is given: the user's must narrow a section's, not replace it."""
+    where = scratch(tmp_path)
+    rc, out, _ = run_ci(where, 20 * GIB, args=("-k", "linear", "-mnot slow", "-x"))
+    assert rc == 0, out
+    runs = [line for line in (where / "ran").read_text().splitlines() if line.startswith(".venv ")]
+    serial = [line for line in runs if "--only-mpi" not in line]
+    assert serial == [".venv -m pytest -q -m (not slow) -k (linear) -x"], runs
+    at_18 = [line for line in runs if " -n 18 " in line]
+    assert at_18 and "-k (refuses or lanes or 1F1B-sum or ZBVZeroBubble-sum) and (linear)" in at_18[0], runs
+    at_8 = [line for line in runs if " -n 8 " in line and "-m (not families)" in line]
+    assert at_8 and "-k (not (GPipe or" in at_8[0] and "DualPipeV) or test_pipeline_layouts_mpi" in at_8[0], runs
+    assert "and (linear)" in at_8[0] and "--deselect" in at_8[0], runs
+    for line in runs:  # every .venv run: the user's both, after the section's own, and its other argument
+        assert line.endswith("-x") or "-x " in line, line
+        assert ("-m " in line and "and (not slow)" in line) or "-m (not slow)" in line, line
+        assert " and (linear)" in line or "-k (linear)" in line, line
+
+
+@pytest.mark.parametrize("args, rc", [((), 5), (("-k", "linear"), 0)])
+def test_a_section_with_none_of_the_tests_a_user_selects_passes(tmp_path, args, rc) -> None:
+    """pytest's "no tests ran" (exit code 5): with the user's selection, a section that holds none of
+    its tests; without one, a section that selects nothing, a fault of the script."""
+    where = scratch(tmp_path)
+    got, out, _ = run_ci(where, 20 * GIB, args=args, none_in=".venv")
+    assert got == rc, out
+    assert ("none of this section's tests is selected" in out) == (rc == 0), out

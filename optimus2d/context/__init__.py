@@ -1,4 +1,4 @@
-"""Context parallelism: the sequence split over the mesh's depth axis (issue 27; in progress).
+"""Context parallelism: the sequence split over the mesh's depth axis (issue 27).
 
 ``balance``: which sequence blocks each context-parallel rank holds, balanced by the unmasked
 (query, key) pairs of its queries (``assign``: "uniform", "head_tail", "makespan"), and the masks
