@@ -368,9 +368,12 @@ def test_save_is_atomic(mesh, shared, monkeypatch):
 
     real_write = P._write_tensor
     monkeypatch.setattr(P, "_write_tensor", failing_write)
+    opened, real_writer = [], P.integrity.Writer
+    monkeypatch.setattr(P.integrity, "Writer", lambda f, header: opened.append(f) or real_writer(f, header))
     with pytest.raises((RuntimeError, OSError), match="disk full"):
         save_pretrained(second, path, max_shard_size="30KB")
     monkeypatch.undo()
+    assert len(opened) == (mesh.index("mesh") == 0) and all(f.closed for f in opened)  # the shard it failed in
     assert not os.path.exists(path + P.SAVING) and os.path.isfile(os.path.join(path, "tokenizer.json"))
     _assert_same(first, transformers.GPT2LMHeadModel.from_pretrained(path), mesh)
 

@@ -570,8 +570,9 @@ def _stream_shards(
                     error = err
             del full
             bar.update()
-        if f is not None:
-            error = error or _close(f)
+        if f is not None:  # closed after an error too
+            closed = _close(f)
+            error = error or closed
     return error
 
 
