@@ -314,6 +314,43 @@ def test_modules_split_where_they_could_be_wrong_are_refused(world):
         del plans.SPLITS[f"{_WeightedActivation.__module__}.{_WeightedActivation.__qualname__}"]
 
 
+class _Centered(nn.ReLU):
+    """A subclass of an element-wise class whose forward mixes the last dim: not element-wise."""
+
+    def forward(self, x):
+        return x - x.mean(-1, keepdim=True)
+
+
+def test_only_what_acts_element_by_element_runs_on_a_shard(world):
+    """Between the two linears of a split, an activation must act element by element. A subclass of
+    an element-wise class with a forward of its own is not trusted: a Sequential around it runs
+    replicated (exact), torch's layer given it is refused, with the same text on every rank (a
+    function's address is not in it). Functions known to act element by element (F.silu) split."""
+    mesh = meshes_of(world)[0]
+    p = world.size
+    torch.manual_seed(1)
+    x = torch.randn(2 * p, 3, 6 * p, dtype=torch.float64)
+    serial = _serial(world, frozen=False)
+    serial.encoder[1] = _Centered()
+    parallel = parallelize(copy.deepcopy(serial), mesh, plan={"encoder": Megatron(mesh)})
+    assert all(set(t.placements) == {Replicate()} for t in parallel.encoder.parameters())  # replicated
+    check_against_serial(serial, parallel, x, mesh, tol=1e-9, optimizer=torch.optim.AdamW)
+
+    def layer(activation) -> nn.Module:
+        torch.manual_seed(0)
+        made = nn.TransformerEncoderLayer(6 * p, p, 12 * p, dropout=0.0, activation=activation, batch_first=True)
+        return nn.Sequential(made.double())
+
+    for activation, refused in ((_Centered(), "activation _Centered()"), (lambda t: t.relu(), "<lambda> is not known")):
+        with pytest.raises(ValueError, match="1D tensor parallelism") as info:
+            parallelize(layer(activation), mesh, plan={"0": Megatron(mesh)})
+        assert refused in str(info.value) and "disagree" not in str(info.value), str(info.value)
+    serial = layer(torch.nn.functional.silu)
+    parallel = parallelize(copy.deepcopy(serial), mesh, plan={"0": Megatron(mesh)})
+    assert world.size == 1 or isinstance(parallel[0].linear1.weight, DTensor)
+    check_against_serial(serial, parallel, x, mesh, tol=1e-9)  # SGD: the key bias's gradient is rounding alone
+
+
 def test_load_state_dict_takes_the_serial_tensors(world):
     mesh = meshes_of(world)[0]
     serial = _serial(world, frozen=False)

@@ -112,6 +112,41 @@ def test_a_refused_model_is_left_untouched(mesh):
     assert type(model[0]) is nn.Linear  # checked whole before anything changed
 
 
+class _Centered(nn.ReLU):
+    """A subclass of an element-wise class whose forward mixes the hidden dim: not element-wise."""
+
+    def forward(self, x):
+        return x - x.mean(-1, keepdim=True)
+
+
+class _NamedGELU(nn.GELU):
+    """A subclass that keeps its class's forward: still element by element."""
+
+    label = "mine"
+
+
+class _ScaledHead(nn.Linear):
+    """A head tied to an embedding whose forward is its own."""
+
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+def test_a_subclass_is_trusted_only_with_its_classs_forward(mesh):
+    """A subclass of an element-wise class (or of nn.Linear, as a head tied to an embedding) that
+    rewrites the forward is refused by path; one that keeps it converts, exact."""
+    with pytest.raises(TypeError, match=r"1 \(_Centered\): is not known to act element by element"):
+        parallelize(nn.Sequential(nn.Linear(E, E), _Centered(), nn.Linear(E, E)), mesh)
+    head = _ScaledHead(E, 13, bias=False)
+    tied = nn.Sequential(nn.Embedding(13, E), head)
+    head.weight = tied[0].weight
+    with pytest.raises(TypeError, match=r"shared by 0.weight, 1.weight; only an embedding table shared by"):
+        parallelize(tied, mesh)
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(6, E), _NamedGELU(), nn.Linear(E, 6))
+    check_against_serial(serial, parallelize(copy.deepcopy(serial), mesh), _x(mesh, 6), mesh)
+
+
 class Shared(nn.Module):
     """A module used twice, and a head declared before the embedding it is tied to."""
 

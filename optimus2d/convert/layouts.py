@@ -108,6 +108,7 @@ def agree_plan(mesh: Mesh, plan: object, error: BaseException | None, check: boo
         return
     refused = f"; refused: {type(error).__name__}: {error}" if error is not None else ""
     refused = re.sub(r", coord\(k,i,j\)=\([^)]*\)", "", refused)  # a mesh named in it: not this rank's place
+    refused = re.sub(r" at 0x[0-9a-f]+", "", refused)  # an object's address (a function's repr): this process's
     given = "" if io == "blocks" else f", io={io!r}"  # whole tensors in and out (whole_io.py)
     agree(mesh, "parallelize", description=describe_plan(plan) + given + refused)
 

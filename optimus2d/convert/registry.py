@@ -39,6 +39,12 @@ ELEMENTWISE: tuple[type, ...] = (
 )
 
 
+def elementwise(module: nn.Module) -> bool:
+    """``module`` is one of ``ELEMENTWISE`` and runs that class's forward (a subclass that rewrites
+    the forward is not trusted: what it computes is not known)."""
+    return any(isinstance(module, cls) and type(module).forward is cls.forward for cls in ELEMENTWISE)
+
+
 Recogniser = Callable[[nn.Module], "Converter | None"]
 _RECOGNISERS: list[Recogniser] = []
 

@@ -27,10 +27,10 @@ from optimus2d.convert.registry import (
     _CONVERTERS,
     _CONVERTS_CHILDREN,
     _RECOGNISERS,
-    ELEMENTWISE,
     Converter,
     _load_library_of,
     converter_for,
+    elementwise,
 )
 from optimus2d.convert.tied import tied_embeddings
 from optimus2d.layers import (
@@ -385,7 +385,7 @@ def _plan(module: nn.Module, parent: nn.Module | None, mesh: Mesh) -> Converter 
         converter = next((c for r in _RECOGNISERS if (c := r(module)) is not None), None)
     if converter is not None:
         return converter
-    if isinstance(module, ELEMENTWISE):
+    if elementwise(module):
         return _as_is
     norm = blockwise.as_norm(module)
     if norm is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -65,9 +66,10 @@ def _torch_layer_refusals(layer: nn.Module) -> list[str]:
     """torch's encoder and decoder layers apply ``activation`` to linear1's output: on this rank's
     shard of it, so it must act element by element."""
     act = layer.activation
-    if act in (F.relu, F.gelu) or (isinstance(act, _ELEMENTWISE) and not isinstance(act, nn.Dropout)):
+    if act in _ELEMENTWISE_FUNCTIONS or (_elementwise(act) and not isinstance(act, nn.Dropout)):
         return []
-    return [f"activation {act!r} is not known to act element by element (it would run on a shard of linear1's output)"]
+    what = act if isinstance(act, nn.Module) else getattr(act, "__qualname__", type(act).__name__)
+    return [f"activation {what} is not known to act element by element (it would run on a shard of linear1's output)"]
 
 
 _TORCH_LAYER = {"linear1": COLWISE, "linear2": ROWWISE}
@@ -103,6 +105,15 @@ _ELEMENTWISE = (
     nn.ReLU6,
     nn.Dropout,
 )
+# functions torch's layers may be given as ``activation``, each element by element as they call it (one argument)
+_ELEMENTWISE_FUNCTIONS = (F.relu, F.gelu, F.silu, F.mish, F.relu6, F.leaky_relu, F.elu, F.selu, F.celu, F.softplus)
+_ELEMENTWISE_FUNCTIONS += (F.hardswish, F.hardsigmoid, F.hardtanh, F.tanh, F.sigmoid)
+_ELEMENTWISE_FUNCTIONS += (torch.tanh, torch.sigmoid, torch.relu)
+
+
+def _elementwise(module: object) -> bool:
+    """One of ``_ELEMENTWISE`` running that class's forward (a subclass that rewrites it is not trusted)."""
+    return any(isinstance(module, cls) and type(module).forward is cls.forward for cls in _ELEMENTWISE)
 
 
 def register_split(
@@ -131,7 +142,7 @@ def split_of(module: nn.Module) -> Split | None:
     if type(module).forward is nn.Sequential.forward:
         names = list(module._modules)
         children = list(module._modules.values())
-        middle_ok = all(isinstance(c, _ELEMENTWISE) for c in children[1:-1])
+        middle_ok = all(_elementwise(c) for c in children[1:-1])
         if len(children) >= 2 and middle_ok and all(isinstance(c, nn.Linear) for c in (children[0], children[-1])):
             if all(type(c).forward is nn.Linear.forward for c in (children[0], children[-1])):
                 return Split({names[0]: COLWISE, names[-1]: ROWWISE})
