@@ -307,3 +307,72 @@ def test_more_refusals_on_every_rank(world_mesh):
         "parallelize",
         lambda: optimus2d.parallelize(_llama(1), mesh, plan={"model": context.ContextParallel(mesh, memory=memory)}),
     )
+
+
+class _OwnAttention(torch.nn.Module):
+    """A user's attention that calls torch's kernel itself, not transformers' AttentionInterface."""
+
+    def __init__(self, hidden: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim, self.qkv = head_dim, torch.nn.Linear(hidden, 3 * hidden)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        b, s = hidden_states.shape[:2]
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in self.qkv(hidden_states).chunk(3, -1))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2).reshape(b, s, -1), None
+
+
+def test_what_context_parallel_attention_would_not_apply_is_refused_on_every_rank(world_mesh):
+    """Layers whose tokens meet outside the kernel (a user's own attention; BLOOM's ALiBi attention),
+    T5's position bias handed to the kernel, a 4D mask of the model's own, and shapes that differ
+    between ranks (each rank padding its own batch): a ValueError on every rank, none left waiting."""
+    mesh = optimus2d.Mesh(1, world_mesh.size)
+    c = mesh.depth
+    ids, _ = _batch(mesh, 2 * c * 4)
+    local = optimus2d.scatter_batch(ids, mesh)
+    own = _llama(1)
+    for layer in own.model.layers:
+        layer.self_attn = _OwnAttention(32, 8).double()
+    optimus2d.convert.register_converter(_OwnAttention, keep=True)  # right on whole rows (q = 1)
+    try:
+        model = optimus2d.parallelize(own, mesh, plan={"model": context.ContextParallel(mesh)})
+        raises_fast(
+            ValueError, r"\['layers.0', 'layers.1'\] ran no context-parallel attention", lambda: model(input_ids=local)
+        )
+    finally:
+        del optimus2d.convert.registry._CONVERTERS[_OwnAttention]
+    config = transformers.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=4)
+    bloom = optimus2d.parallelize(
+        transformers.BloomForCausalLM(config).double(), mesh, plan={"transformer": context.ContextParallel(mesh)}
+    )
+    raises_fast(ValueError, r"\['h.0', 'h.1'\] ran no context-parallel attention", lambda: bloom(input_ids=local))
+    config = transformers.T5Config(
+        vocab_size=96, d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=4, dropout_rate=0.0
+    )
+    spec = context.ContextParallel(mesh, mask=torch.ones(2 * c * 4, 2 * c * 4, dtype=torch.bool), balance="uniform")
+    t5 = optimus2d.parallelize(transformers.T5EncoderModel(config).double(), mesh, plan={"encoder": spec})
+    raises_fast(ValueError, r"T5Attention gives its attention \['position_bias'\]", lambda: t5(input_ids=local))
+    model = optimus2d.parallelize(_llama(1), mesh, plan={"model": context.ContextParallel(mesh)})
+    whole = torch.ones(ids.shape[0], 1, ids.shape[1], ids.shape[1], dtype=torch.bool)
+    raises_fast(
+        ValueError,
+        r"attention_mask \[2, 1, \d+, \d+\] is not this rank's block \[b, s\]",
+        lambda: model(input_ids=local, attention_mask=optimus2d.scatter_batch(whole, mesh)),
+    )
+    mine = local if mesh.index("depth") else local[:, : 2 * c]  # the first rank's sequence padded otherwise
+    raises_fast(ValueError, r"the ranks disagree(.|\n)*'input_ids': \[2, \d+\]", lambda: model(input_ids=mine))
+
+
+def test_a_mask_set_anew_is_the_one_used(mesh):
+    """``spec.mask`` set to another between two batches of one length: the second runs under it."""
+    serial = _llama(mesh.q)
+    spec = context.ContextParallel(mesh)
+    model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": spec})
+    s = 2 * mesh.depth * 4
+    ids, _ = _batch(mesh, s)
+    for mask in (context.causal_mask(s), context.document_mask([s // 2, s // 2])):
+        spec.mask = mask
+        want = serial(input_ids=ids, attention_mask=mask[None, None].expand(ids.shape[0], 1, s, s)).logits
+        got = optimus2d.gather(model(input_ids=optimus2d.scatter_batch(ids, mesh)).logits.detach(), mesh)
+        assert_close(got, want, 1e-6, "logits")

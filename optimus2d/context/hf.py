@@ -28,6 +28,11 @@ from optimus2d.context.balance import Assignment
 from optimus2d.cost.context import context_attention_method
 
 NAME = "optimus2d_context"
+CALLERS = "callers"  # sequence_parallel yields the ids of the modules whose attention ran the kernel
+# what the kernel may be given beside q, k, v and the mask, and ignore: positions (rotary ones already
+# applied to q and k), and flags. Any other tensor (T5's position_bias, attention sinks, a varlen
+# kernel's cumulative lengths) would change what attention computes: refused.
+_IGNORED_TENSORS = ("position_ids", "cache_position")
 
 
 @contextlib.contextmanager
@@ -39,11 +44,13 @@ def sequence_parallel(
     *,
     attention: str = "auto",
     memory: float | None = None,
-) -> Iterator[None]:
+) -> Iterator[set[int]]:
     """Within the block, every attention module of the (converted) transformers ``model`` computes
     ``context.attention`` over ``mesh``'s depth axis, for the tokens ``assignment`` gives each
     depth slice, under ``mask`` (``[s, s]`` bool, sequence order). Restores the model's attention
-    implementation after. Refused (``TypeError``) for a model with no transformers config.
+    implementation after. Refused (``TypeError``) for a model with no transformers config. Yields
+    the set of ``id``s of the modules that ran the kernel, filled as the block runs (an attention
+    computed another way is not in it: ``ContextParallel`` refuses a layer that ran none).
 
     ``attention``: "all_gather", "ring", or "auto": per layer, what ``cost.context_attention_method``
     picks for its sizes and ``memory`` (bytes a rank can spare for one layer's attention; None:
@@ -60,13 +67,14 @@ def sequence_parallel(
     if not configs:
         raise TypeError(f"sequence_parallel: {type(model).__name__} has no transformers config to route its attention")
     saved = {key: config._attn_implementation for key, config in configs.items()}
-    state = (mesh, assignment, mask, attention, memory, {})  # the dict: the mask rows, made once a call
+    calls: dict = {CALLERS: set()}  # the mask rows, made once a call; the modules that called the kernel
+    state = (mesh, assignment, mask, attention, memory, calls)
     for module in model.modules():
         module._optimus2d_context = state
     try:
         for config in configs.values():
             config._attn_implementation = NAME
-        yield
+        yield calls[CALLERS]
     finally:
         for key, config in configs.items():
             config._attn_implementation = saved[key]
@@ -98,7 +106,14 @@ def _kernel(
         raise ValueError(
             f"sequence_parallel: {type(module).__name__} uses softcapping or a sliding window, not supported"
         )
+    unknown = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _IGNORED_TENSORS)
+    if unknown:
+        raise ValueError(
+            f"sequence_parallel: {type(module).__name__} gives its attention {unknown}, which context-parallel "
+            f"attention does not apply (a position bias, sinks): not supported"
+        )
     mesh, assignment, mask, method, memory, cache = state
+    cache[CALLERS].add(id(module))
     if getattr(module, "is_causal", None) is False and _causal_only(mask, cache):
         raise ValueError(
             f"sequence_parallel: {type(module).__name__} attends both ways (is_causal=False), but the mask given "

@@ -23,8 +23,13 @@ a sequence the balance cannot split (pad it), a padding ``attention_mask`` (not 
 documents are a ``mask=``), a cache (``past_key_values``; ``use_cache`` is turned off), per-head
 ``attentions``, a mask of another size than the sequence, ``position_ids`` of another shape, any
 other tensor argument (it would stay in the batch layout), gradient checkpointing (its recompute
-would run outside the split), outputs other than hidden states, and (``context/hf.py``) an
-attention module that attends both ways (``is_causal=False``) under a causal-only mask.
+would run outside the split), outputs other than hidden states, an ``attention_mask`` other than a
+``[b, s]`` padding mask (a 4D mask of the model's own), shapes that differ between ranks (agreed
+before the all-to-all), a layer (an element of the module's outermost ``ModuleList``s) that ran no
+context-parallel attention (its tokens meet some other way: BLOOM's ALiBi attention, a user's own,
+a recurrence), and (``context/hf.py``) an attention module that attends both ways
+(``is_causal=False``) under a causal-only mask or that gives its attention another tensor (T5's
+``position_bias``, sinks).
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ class ContextParallel:
             raise ValueError(f"ContextParallel: attention {attention!r} is not 'auto' or one of {ATTENTION_METHODS}")
         self.mesh, self.mask, self.balance, self.block = mesh, mask, balance, block
         self.attention, self.memory = attention, memory
-        self._splits: dict[int, tuple[Assignment, torch.Tensor]] = {}
+        self._splits: dict[int, tuple[tuple, Assignment, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         mask = self.mask if isinstance(self.mask, str) else type(self.mask).__name__
@@ -88,8 +93,11 @@ class ContextParallel:
         )
 
     def split(self, s: int) -> tuple[Assignment, torch.Tensor]:
-        """The assignment and the mask of a sequence of ``s`` tokens (``ValueError`` if it does not split)."""
-        if s not in self._splits:
+        """The assignment and the mask of a sequence of ``s`` tokens (``ValueError`` if it does not split);
+        made again when ``mask``, ``balance`` or ``block`` was set to another since."""
+        given = (self.mask, self.balance, self.block)
+        made = self._splits.get(s)
+        if made is None or any(a is not b for a, b in zip(made[0], given, strict=True)):
             if isinstance(self.mask, str):
                 mask = causal_mask(s)
             else:
@@ -99,8 +107,8 @@ class ContextParallel:
                 raise ValueError(
                     f"ContextParallel: the mask for a sequence of {s} tokens must be bool[{s}, {s}], got {got}"
                 )
-            self._splits[s] = (assign(mask, self.mesh.depth, self.balance, block=self.block), mask)
-        return self._splits[s]
+            self._splits[s] = (given, assign(mask, self.mesh.depth, self.balance, block=self.block), mask)
+        return self._splits[s][1:]
 
     def install(self, module: nn.Module, path: str) -> None:
         """Run ``module``'s forward in the sequence layout (called by ``parallelize`` once it is converted)."""
@@ -157,6 +165,12 @@ def _run(spec: ContextParallel, path: str, module: nn.Module, original, kwargs: 
             )
         split = spec.split(x.shape[1])
         padding = kwargs.get("attention_mask")
+        if padding is not None and tuple(padding.shape) != tuple(x.shape[:2]):
+            raise ValueError(
+                f"{where}: attention_mask {list(padding.shape)} is not this rank's block [b, s] "
+                f"{list(x.shape[:2])} of a padding mask (a mask of the model's own, as a 4D one, is not taken): give "
+                f"the mask as ContextParallel(mask=...) and drop attention_mask"
+            )
         if padding is not None and not bool(padding.all()):
             raise ValueError(
                 f"{where}: a padding attention_mask (zeros in this rank's block {list(padding.shape)}) is not "
@@ -164,10 +178,11 @@ def _run(spec: ContextParallel, path: str, module: nn.Module, original, kwargs: 
             )
     except ValueError as err:
         error = err
-    # every other refusal reads what every rank has alike (shapes, keywords); a padding mask is
-    # this rank's samples': agreed, so that one rank's padding does not leave the others waiting
-    if kwargs.get("attention_mask") is not None and mesh.check != "off" and mesh.size > 1:
-        agree(mesh, "context parallel", description="attention_mask", error=error)
+    # a refusal may read what is this rank's own (its samples' padding, a sequence padded here to
+    # another length): agreed with the shapes, so that no rank is left waiting in the all-to-all
+    if mesh.check != "off" and mesh.size > 1:
+        shapes = {k: list(v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        agree(mesh, "context parallel", description=f"shapes {shapes}", error=error)
     elif error is not None:
         raise error
     assignment, mask = split
@@ -184,9 +199,28 @@ def _run(spec: ContextParallel, path: str, module: nn.Module, original, kwargs: 
     kwargs["use_cache"] = False
     if "cache_position" in kwargs:  # the whole sequence's numbering: the model numbers its own slice (no cache)
         kwargs["cache_position"] = None
-    with sequence_parallel(module, mesh, assignment, mask, attention=spec.attention, memory=spec.memory):
+    with sequence_parallel(module, mesh, assignment, mask, attention=spec.attention, memory=spec.memory) as callers:
         out = original(**kwargs)
+    silent = [path for path, layer in _layers(module) if not any(id(m) in callers for m in layer.modules())]
+    if silent:  # the same modules ran on every rank: the same verdict
+        raise ValueError(
+            f"{where}: {silent} ran no context-parallel attention (transformers' AttentionInterface): their "
+            f"tokens meet some other way (an attention of their own, as BLOOM's ALiBi or a user's, a recurrence), "
+            f"which on the split sequence would see this rank's tokens alone. Not supported"
+        )
     return _back(out, mesh, order)
+
+
+def _layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The module's layers: every element holding parameters of its outermost ``nn.ModuleList``s
+    (not of one inside a layer, as a layer's experts)."""
+    layers: list[tuple[str, nn.Module]] = []
+    for path, held in module.named_modules():  # outer modules first
+        if isinstance(held, nn.ModuleList) and not any(path.startswith(f"{outer}.") for outer, _ in layers):
+            for name, layer in held.named_children():
+                if next(layer.parameters(), None) is not None:
+                    layers.append((f"{path}.{name}" if path else name, layer))
+    return layers
 
 
 _HIDDEN = ("last_hidden_state", "hidden_states")
