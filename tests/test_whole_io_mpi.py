@@ -192,6 +192,40 @@ def test_refusals_on_every_rank(world):
     assert sent.records == []
 
 
+class _Weighted(nn.Module):
+    """A weight a token, ``[b, s]`` floats: a value per row of the activation, not an activation."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * weights.unsqueeze(-1)
+
+
+def test_a_float_argument_of_two_dims_is_declared_or_refused(world):
+    """A floating ``[b, s]`` argument whose name says nothing: cut as an activation its s would be
+    split over q (and broadcast, silently wrong, where s = q): refused on every rank, naming it,
+    before anything is sent; declared (``io={"weights": "batch"}``), exact on every mesh."""
+    torch.manual_seed(1)
+    b, s, h = 2 * world.size, 2, 6 * world.size
+    x, weights = torch.randn(b, s, h, dtype=torch.float64), torch.randn(b, s, dtype=torch.float64)
+    for mesh in meshes_of(world):
+        torch.manual_seed(0)
+        serial = _Weighted(h).double()
+        refused = parallelize(copy.deepcopy(serial), mesh, io="whole")
+        with (
+            count_comm() as sent,
+            pytest.raises(ValueError, match=r"weights of shape \(.*\) is a floating tensor of 2"),
+        ):
+            refused(x, weights)
+        assert sent.records == []
+        parallel = parallelize(copy.deepcopy(serial), mesh, io={"weights": "batch"})
+        assert_close(parallel(x, weights).detach(), serial(x, weights).detach(), 1e-9, "output")
+    with pytest.raises(ValueError, match=r"io=\{name: kind\} takes kinds \('batch', 'activation'\)"):
+        parallelize(_Weighted(h), meshes_of(world)[0], io={"weights": "replicated"})
+
+
 def test_plan_auto_with_whole_io_is_exact_and_times_its_copies_with_whole_tensors(world):
     """``plan=Auto(measure=step)`` with ``io="whole"``: the copies it times take what the model will
     (whole tensors: a copy taking blocks would refuse ``step``'s whole input), and the pick is exact."""

@@ -293,7 +293,7 @@ def choose_plan(
     if error is not None:  # a mesh of one rank, or checks off: raised here
         raise error
     here = f"{mesh.q}×{mesh.q}×{mesh.depth}"
-    if io == "whole":
+    if io != "blocks":  # whole, or whole with its arguments declared
         blocks = _edges(model, blocks)
     costs = auto.hardware if auto.hardware is not None else hardware(mesh)
     # on a mesh with replicas (pipeline stages, copies) the model's own mesh only: 1D is refused there,

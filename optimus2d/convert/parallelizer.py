@@ -60,14 +60,16 @@ def parallelize(
     *,
     plan: Mapping[str, Mesh | ContextParallel | Megatron] | str | Auto | None = None,
     check: bool | None = None,
-    io: str = "blocks",
+    io: str | Mapping[str, str] = "blocks",
 ) -> nn.Module:
     """The model on ``mesh``, converted in place from the serial ``module`` and returned.
 
     The result takes ``optimus2d.scatter``-ed activations (and ``scatter_batch``-ed ids) and gives
     this rank's blocks; with ``io="whole"`` it takes every tensor whole, the same on every rank, and
     gives its outputs whole (``convert/whole_io.py``: a model that is one 1D region then sends what
-    torch's ``parallelize_module`` sends). ``serial_state_dict`` of it has ``module``'s keys and
+    torch's ``parallelize_module`` sends); ``io={name: "batch" | "activation"}`` is "whole" with
+    those arguments declared (a floating ``[b, s]`` value a token, say, which its shape cannot tell
+    from an activation ``[b, h]``). ``serial_state_dict`` of it has ``module``'s keys and
     values. A module used twice is converted once; an ``nn.Linear`` sharing an ``nn.Embedding``'s
     weight (a tied head) becomes a ``TiedHead2D`` on the same Parameter. The whole model is checked
     before anything is changed: ``TypeError`` names the first submodule that cannot be converted, or
@@ -114,8 +116,8 @@ def parallelize(
             if register is None and finish is not None:  # a library whose modules were met
                 finish(out, mesh)
         distribute_parameters(out, mesh, whole)  # every parameter a DTensor: torch's tools see serial tensors
-        if io == "whole":  # whole tensors in and out (its 1D regions' boundaries keep their whole outputs)
-            hooks = WholeIO(mesh, [mesh, *walk.plan.values()])
+        if io != "blocks":  # whole tensors in and out (its 1D regions' boundaries keep their whole outputs)
+            hooks = WholeIO(mesh, [mesh, *walk.plan.values()], io if isinstance(io, Mapping) else None)
             hooks.install(out)
             for boundary in walk.boundaries.values():
                 if isinstance(boundary, layouts.WholeBoundary):

@@ -11,10 +11,13 @@ and gives every tensor of its output whole on every rank (as DTensor's 1D layout
   argument fills) says what it is: ``inputs_embeds`` an activation ``[b, s, h]`` (cut as
   ``scatter`` cuts it); ids, labels, images, and every ``*mask*`` a batch tensor ``[b, ...]`` (cut
   as ``scatter_batch`` cuts it); ``cache_position``, ``logits_to_keep`` and ``position_ids`` of one
-  row ``[1, s]`` (the same for every row) given as they are. Any other: a floating tensor of 2 or 3
-  dims an activation, anything else a batch tensor. A planned module that takes such a block
-  unchanged does not move it: a 1D region (``megatron.Megatron``) takes the whole tensor itself,
-  a module on another mesh shape cuts its own block of it; nothing sent either way.
+  row ``[1, s]`` (the same for every row) given as they are. Any other: a floating tensor of 3
+  dims an activation, of 2 refused (an activation ``[b, h]`` or a value a token ``[b, s]``: its name
+  does not say), anything else a batch tensor. ``io={name: "batch" | "activation"}`` (whole, as
+  "whole") declares what an argument is, before any of these rules: ``io={"weights": "batch"}``.
+  A planned module that takes such a block unchanged does not move it: a 1D region
+  (``megatron.Megatron``) takes the whole tensor itself, a module on another mesh shape cuts its
+  own block of it; nothing sent either way.
 * exit: each output tensor, a block of a mesh → the whole tensor (``to_whole``: one all-gather
   forward, nothing backward). A 1D region's whole output, cut into blocks at its boundary
   (``from_whole``) and returned unchanged, is given whole as it was: nothing sent either way. A
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -48,15 +52,22 @@ from optimus2d.convert.layouts import Boundary, _kind, _map, _tensors
 from optimus2d.layers.base import ShardedModule
 
 IO = ("blocks", "whole")
+KINDS = ("batch", "activation")  # what io={name: kind} may declare an argument to be
 _BATCH = ("input_ids", "position_ids", "token_type_ids", "labels", "pixel_values", "image_sizes")
 _AS_IS = ("cache_position", "logits_to_keep")  # positions the same for every row
 
 
 def io_refusal(io: object) -> Exception | None:
     """Why ``parallelize(io=)`` refuses ``io`` (None: it takes it)."""
+    if isinstance(io, Mapping):
+        bad = {k: v for k, v in io.items() if not isinstance(k, str) or not isinstance(v, str) or v not in KINDS}
+        if bad:
+            return ValueError(f"parallelize: io={{name: kind}} takes kinds {KINDS} by argument name, got {bad}")
+        return None
     if not isinstance(io, str) or io not in IO:
         return ValueError(
-            f"parallelize: io= is 'blocks' (the default: blocks of the mesh in and out) or 'whole', got {io!r}"
+            f"parallelize: io= is 'blocks' (the default: blocks of the mesh in and out), 'whole', or "
+            f"{{argument name: 'batch' | 'activation'}} (whole, those arguments declared), got {io!r}"
         )
     return None
 
@@ -68,8 +79,9 @@ class WholeIO(Boundary):
     blocks it cuts, ``keep``); ``kept``: those blocks and the inputs' blocks (weakly), forgotten on
     return; ``paused``: the hooks pass everything as it is (while ``generate`` runs)."""
 
-    def __init__(self, mesh: Mesh, meshes: list[Mesh]) -> None:
+    def __init__(self, mesh: Mesh, meshes: list[Mesh], kinds: Mapping[str, str] | None = None) -> None:
         super().__init__("the model", mesh, mesh, meshes)
+        self.kinds = dict(kinds or {})  # io={name: kind}: what the user declared
         self.active = self.paused = False
         self.kept: list[weakref.ref] = []
 
@@ -126,12 +138,21 @@ class WholeIO(Boundary):
             same = t.view_as(t)
             self.keep(same, t)
             return same
-        if name in _BATCH or "mask" in name:
+        if name in self.kinds:
+            kind = self.kinds[name]
+        elif name in _BATCH or "mask" in name:
             kind = "batch"
         elif name == "inputs_embeds":
             kind = "activation"
+        elif t.is_floating_point() and t.dim() == 2:
+            raise ValueError(
+                f"parallelize(io='whole'): {name or 'a positional argument'} of shape {tuple(t.shape)} is a floating "
+                f"tensor of 2 dims whose name does not say what it is: an activation [b, h] (its hidden dim split "
+                f"over the mesh's q = {self.inner.q}) or a value per token [b, s] (split by batch alone); declare it: "
+                f"io={{{name or 'its name'!r}: 'activation'}} or io={{{name or 'its name'!r}: 'batch'}}"
+            )
         else:
-            kind = "activation" if t.is_floating_point() and t.dim() in (2, 3) else "batch"
+            kind = "activation" if t.is_floating_point() and t.dim() == 3 else "batch"
         block = from_whole(t, self.inner, kind)
         self.keep(block, t)
         return block
