@@ -166,6 +166,8 @@ def main() -> None:
     world = optimus2d.init()
     torch.set_num_threads(1)
     shapes = None  # with auto: the (q, depth) of the tower's mesh and of the LLM's, or ONE_D
+    if args.microbatches < 1:
+        parser.error(f"--microbatches {args.microbatches}: at least 1")
     if args.encoder_ranks == "auto":
         if args.cp > 1 or args.depth > 1 or args.tower not in (None, "own") or args.llm not in (None, "mesh"):
             parser.error("--encoder-ranks auto places the tower and the LLM itself: no --cp, --depth, --tower or --llm")

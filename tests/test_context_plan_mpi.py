@@ -343,17 +343,29 @@ def test_what_context_parallel_attention_would_not_apply_is_refused_on_every_ran
     finally:
         del optimus2d.convert.registry._CONVERTERS[_OwnAttention]
     config = transformers.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=4)
-    bloom = optimus2d.parallelize(
-        transformers.BloomForCausalLM(config).double(), mesh, plan={"transformer": context.ContextParallel(mesh)}
-    )
-    raises_fast(ValueError, r"\['h.0', 'h.1'\] ran no context-parallel attention", lambda: bloom(input_ids=local))
+    bloom = transformers.BloomForCausalLM(config).double()  # ALiBi: positions of its own, no position_ids
+    refused = r"1 module\(s\) cannot run with context parallelism:\n  transformer \(BloomModel\): its forward takes no"
+    raises_fast(ValueError, refused, lambda: optimus2d.parallelize(
+        bloom, mesh, plan={"transformer": context.ContextParallel(mesh)}
+    ))  # fmt: skip
     config = transformers.T5Config(
         vocab_size=96, d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=4, dropout_rate=0.0
     )
     spec = context.ContextParallel(mesh, mask=torch.ones(2 * c * 4, 2 * c * 4, dtype=torch.bool), balance="uniform")
-    t5 = optimus2d.parallelize(transformers.T5EncoderModel(config).double(), mesh, plan={"encoder": spec})
-    raises_fast(ValueError, r"T5Attention gives its attention \['position_bias'\]", lambda: t5(input_ids=local))
+    t5 = transformers.T5EncoderModel(config).double()  # positions of its own (a relative bias), no position_ids
+    raises_fast(ValueError, r"encoder \(T5Stack\): its forward takes no position_ids", lambda: optimus2d.parallelize(
+        t5, mesh, plan={"encoder": spec}
+    ))  # fmt: skip
     model = optimus2d.parallelize(_llama(1), mesh, plan={"model": context.ContextParallel(mesh)})
+    attention = model.model.layers[0].self_attn  # a tensor handed to the kernel that it would not apply
+    q = torch.zeros(1, 4, 2, 8, dtype=torch.float64)
+    mask = context.causal_mask(2 * c)
+    with context.sequence_parallel(model.model, mesh, context.assign(mask, c), mask):
+        kernel = transformers.AttentionInterface()["optimus2d_context"]
+        bias = torch.zeros(1, 4, 2, 2 * c)
+        raises_fast(ValueError, r"gives its attention \['position_bias'\]", lambda: kernel(
+            attention, q, q, q, None, position_bias=bias
+        ))  # fmt: skip
     whole = torch.ones(ids.shape[0], 1, ids.shape[1], ids.shape[1], dtype=torch.bool)
     raises_fast(
         ValueError,

@@ -129,6 +129,8 @@ def test_a_vlm_llava_all_in_1d_trains_beside_its_serial_twin():
     assert "--llm 1d runs the whole model.model in 1D, its tower too: not --tower own" in refused
     refused = _run([str(BIN / "mpiexec"), "-n", "4"], "train_vlm.py", "--llm", "1d", check=False)  # 6 heads
     assert "--tower/--llm 1d split the 6 heads over 4 ranks: give --heads a multiple" in refused
+    refused = _run([str(BIN / "mpiexec"), "-n", "1"], "train_vlm.py", "--microbatches", "0", check=False)
+    assert "--microbatches 0: at least 1" in refused
 
 
 @pytest.mark.parametrize("ranks, towers, llm", [(8, 4, "Mesh(q=2, depth=1)"), (9, 1, "Mesh(q=2, depth=2)")])

@@ -18,9 +18,11 @@ converts the named module on ``mesh`` (as a ``Mesh`` entry does) and runs it in 
 Gradients take the same all-to-alls back. Per rank and boundary crossing it sends (c − 1)/c of its
 block, ``(c − 1)/c · b/(c·q) · s · h/q`` elements, and receives as much; the layout never holds
 more than a block. The module is a Hugging Face base model (``LlamaModel``, ``Qwen2Model``, a
-LLaVA's ``language_model``) called with keywords. Refused, with the same error on every rank:
+LLaVA's ``language_model``) called with keywords, whose forward takes ``position_ids`` (one that
+makes its own positions, as BART's encoder, T5's relative bias or BLOOM's ALiBi, is refused by
+``parallelize``). Refused, with the same error on every rank:
 a sequence the balance cannot split (pad it), a padding ``attention_mask`` (not all ones: packed
-documents are a ``mask=``), a cache (``past_key_values``; ``use_cache`` is turned off), per-head
+documents are a ``mask=``), a cache (``past_key_values`` or ``cache``; ``use_cache`` is turned off), per-head
 ``attentions``, a mask of another size than the sequence, ``position_ids`` of another shape, any
 other tensor argument (it would stay in the batch layout), gradient checkpointing (its recompute
 would run outside the split), outputs other than hidden states, an ``attention_mask`` other than a
@@ -110,11 +112,32 @@ class ContextParallel:
             self._splits[s] = (given, assign(mask, self.mesh.depth, self.balance, block=self.block), mask)
         return self._splits[s][1:]
 
+    @staticmethod
+    def refusal(module: nn.Module) -> str | None:
+        """Why ``module`` cannot run with its sequence split (None: it can), read from its class:
+        its forward must take ``position_ids``, which give each token its own position (a module
+        that makes its positions itself, as BART's encoder, would number this rank's slice)."""
+        try:
+            takes = inspect.signature(type(module).forward).parameters
+        except (TypeError, ValueError):
+            takes = {}
+        if "position_ids" not in takes:
+            return (
+                "its forward takes no position_ids, so the positions it makes (learned or rotary) would be "
+                "this rank's slice's, not the tokens' own"
+            )
+        return None
+
     def install(self, module: nn.Module, path: str) -> None:
         """Run ``module``'s forward in the sequence layout (called by ``parallelize`` once it is converted)."""
         if "_optimus2d_context_parallel" in module.__dict__:
             return
-        func = module.forward.__func__  # the class's forward: a deep copy of the module calls its own
+        func = getattr(module.forward, "__func__", None)  # the class's: a deep copy of the module calls its own
+        if func is None:
+            raise TypeError(
+                f"ContextParallel: {path or type(module).__name__}'s forward is wrapped on the instance "
+                f"({type(module.forward).__name__}): context parallelism cannot wrap it in turn"
+            )
         names = list(inspect.signature(module.forward).parameters)
 
         def forward(self_, *args, **kwargs):
@@ -136,7 +159,7 @@ def _run(spec: ContextParallel, path: str, module: nn.Module, original, kwargs: 
     try:
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             raise ValueError(f"{where}: needs input_ids [b, s] or inputs_embeds [b, s, h] by keyword")
-        if kwargs.get("past_key_values") is not None:
+        if any(kwargs.get(k) is not None for k in ("past_key_values", "cache", "past_key_value")):
             raise ValueError(f"{where}: a cache (past_key_values) is not supported: it holds the whole sequence's keys")
         if kwargs.get("output_attentions"):
             raise ValueError(f"{where}: per-head attentions cannot be returned; do not ask for them")

@@ -208,6 +208,7 @@ class _Walk:
     megatron: dict[str, Megatron] = field(default_factory=dict)  # plan key → its 1D tensor parallelism
     regions: dict[int, tuple[Megatron, str]] = field(default_factory=dict)  # id(module) → (1D spec, path)
     unfit: list[str] = field(default_factory=list)  # "path (Class): why" a 1D region does not fit
+    unsplit: list[str] = field(default_factory=list)  # modules that cannot run with context parallelism
     rehearsing: bool = False  # converting a meta copy first: collect the refusals (_rehearse)
     errors: list[Exception] = field(default_factory=list)  # what they raised, in order
 
@@ -231,6 +232,8 @@ class _Walk:
             self.planned.add(hit[0])
             if hit[0] in self.contexts:
                 self.split[id(module)] = (self.contexts[hit[0]], path)
+                if (why := ContextParallel.refusal(module)) is not None:
+                    self.unsplit.append(f"{path} ({type(module).__name__}): {why}")
         if mesh is not self.mesh:
             self.meshes[id(module)] = mesh
         called = type(module).forward is not nn.Module.forward  # a ModuleList is never called itself
@@ -309,6 +312,11 @@ class _Walk:
             lines = "\n  ".join(self.unfit)
             raise ValueError(
                 f"parallelize: {len(self.unfit)} module(s) cannot run with 1D tensor parallelism:\n  {lines}"
+            )
+        if self.unsplit:
+            lines = "\n  ".join(self.unsplit)
+            raise ValueError(
+                f"parallelize: {len(self.unsplit)} module(s) cannot run with context parallelism:\n  {lines}"
             )
         if self.refused:
             lines = "\n  ".join(self.refused)
