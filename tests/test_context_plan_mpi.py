@@ -293,6 +293,10 @@ def test_more_refusals_on_every_rank(world_mesh):
         ValueError, "gradient checkpointing recomputes", lambda: model(input_ids=optimus2d.scatter_batch(ids, mesh))
     )
     model.gradient_checkpointing_disable()
+    for keyword in ("cache", "past_key_values"):  # transformers 5's name, and the older one
+        raises_fast(ValueError, r"a cache \(past_key_values\) is not supported", lambda k=keyword: model(
+            input_ids=optimus2d.scatter_batch(ids, mesh), **{k: transformers.DynamicCache(config=model.config)}
+        ))  # fmt: skip
     raises_fast(
         ValueError,
         r"\['token_type_ids'\] would stay in the batch layout",
