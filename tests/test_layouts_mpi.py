@@ -79,6 +79,35 @@ def test_plan_refusals(world):
         parallelize(_serial(), mesh, plan={"encoder": (2, 2)})
 
 
+class _Twice(nn.Module):
+    """One Linear at two paths, ``a.0`` and ``b.0``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        shared = nn.Linear(12, 12).double()
+        self.a, self.b = nn.Sequential(shared, nn.GELU()), nn.Sequential(shared, nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_a_module_at_two_paths_on_two_meshes_is_refused_and_on_one_is_exact(world):
+    """Planned onto another mesh at one path and not at the other, a module would be converted for
+    one mesh and handed the other's blocks: refused by ``parallelize``, naming both paths; both paths
+    under one entry (a glob), or on meshes of one layout, it converts once and is exact."""
+    meshes = meshes_of(world)
+    if len(meshes) < 2:
+        pytest.skip("needs two mesh shapes")
+    outer, inner = meshes
+    with pytest.raises(ValueError, match=r"reached on two meshes:\n  b.0 \(Linear\): on .*, and is also a.0, on"):
+        parallelize(_Twice(), outer, plan={"a": inner})
+    for plan in ({"*": inner}, {"a": outer}):
+        serial = _Twice()
+        parallel = parallelize(copy.deepcopy(serial), outer, plan=plan)
+        check_against_serial(serial, parallel, _input(world)[..., :12].contiguous(), outer, tol=1e-9)
+
+
 def test_untagged_input_refused_on_every_rank(world):
     meshes = meshes_of(world)
     if len(meshes) < 2:

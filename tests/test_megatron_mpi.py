@@ -336,6 +336,12 @@ def test_only_what_acts_element_by_element_runs_on_a_shard(world):
     assert all(set(t.placements) == {Replicate()} for t in parallel.encoder.parameters())  # replicated
     check_against_serial(serial, parallel, x, mesh, tol=1e-9, optimizer=torch.optim.AdamW)
 
+    twice = _serial(world, frozen=False)  # one Linear at both ends: not a split (it runs replicated), exact
+    twice.encoder = nn.Sequential(nn.Linear(6 * p, 6 * p), nn.GELU()).double()
+    twice.encoder.append(twice.encoder[0])
+    parallel = parallelize(copy.deepcopy(twice), mesh, plan={"encoder": Megatron(mesh)})
+    check_against_serial(twice, parallel, x, mesh, tol=1e-9, optimizer=torch.optim.AdamW)
+
     def layer(activation) -> nn.Module:
         torch.manual_seed(0)
         made = nn.TransformerEncoderLayer(6 * p, p, 12 * p, dropout=0.0, activation=activation, batch_first=True)

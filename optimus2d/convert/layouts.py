@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -125,6 +125,33 @@ def planned_mesh(plan: dict[str, Mesh], path: str) -> tuple[str, Mesh] | None:
     The model itself (path "") is on the model's mesh: no key names it."""
     hits = [(key, m) for key, m in plan.items() if path and matches(key, path)]
     return max(hits, key=lambda hit: len(hit[0])) if hits else None
+
+
+def mesh_aliases(model: nn.Module, plan: dict[str, Mesh], mesh: Mesh, regions: Collection[str] = ()) -> list[str]:
+    """``"path (Class): ..."`` for each module reached at two paths that the plan puts on meshes of
+    different layouts (``mesh``: the model's): it would be converted for one and handed the other's
+    blocks. A 1D region's keys (``regions``) are checked by the walk itself."""
+    if not plan:
+        return []
+
+    def placed(path: str) -> tuple[str, Mesh] | None:  # the plan entry of the path or of its nearest ancestor
+        parts = path.split(".") if path else []
+        return next((hit for n in range(len(parts), 0, -1) if (hit := planned_mesh(plan, ".".join(parts[:n])))), None)
+
+    first: dict[int, tuple[str, Mesh]] = {}
+    found = []
+    for path, sub in model.named_modules(remove_duplicate=False):
+        hit = placed(path)
+        if hit is not None and hit[0] in regions:
+            continue
+        on = hit[1] if hit is not None else mesh
+        other, there = first.setdefault(id(sub), (path, on))
+        if layout(there) != layout(on):
+            found.append(
+                f"{path} ({type(sub).__name__}): on {_shape(on)}, and is also {other}, on {_shape(there)}: a module "
+                f"runs on one mesh (give both paths one plan entry, or make them two modules)"
+            )
+    return found
 
 
 class Boundary:

@@ -152,6 +152,7 @@ def _checked(
         if _current.get() is None:  # a forward set on an instance wherever it is, inside converted modules too
             walk.refused += [r for r in refusals(module) if r not in walk.refused]
         walk.check_region_aliases(module)
+        walk.aliased = layouts.mesh_aliases(module, walk.plan, mesh, regions=walk.megatron)
         walk.raise_refused()
         if _current.get() is None:
             _rehearse(module, mesh, walk)

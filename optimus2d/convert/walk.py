@@ -209,6 +209,7 @@ class _Walk:
     regions: dict[int, tuple[Megatron, str]] = field(default_factory=dict)  # id(module) → (1D spec, path)
     unfit: list[str] = field(default_factory=list)  # "path (Class): why" a 1D region does not fit
     unsplit: list[str] = field(default_factory=list)  # modules that cannot run with context parallelism
+    aliased: list[str] = field(default_factory=list)  # modules reached at two paths on two meshes
     rehearsing: bool = False  # converting a meta copy first: collect the refusals (_rehearse)
     errors: list[Exception] = field(default_factory=list)  # what they raised, in order
 
@@ -313,6 +314,9 @@ class _Walk:
             raise ValueError(
                 f"parallelize: {len(self.unfit)} module(s) cannot run with 1D tensor parallelism:\n  {lines}"
             )
+        if self.aliased:
+            lines = "\n  ".join(self.aliased)
+            raise ValueError(f"parallelize: {len(self.aliased)} module(s) reached on two meshes:\n  {lines}")
         if self.unsplit:
             lines = "\n  ".join(self.unsplit)
             raise ValueError(

@@ -134,7 +134,7 @@ def _name(cls: type) -> str:
 
 def split_of(module: nn.Module) -> Split | None:
     """The split of ``module``'s class, or of a base class whose forward it keeps; an ``nn.Sequential``
-    of Linear, element-wise activations, Linear; else None (the module runs replicated)."""
+    of Linear, element-wise activations, another Linear; else None (the module runs replicated)."""
     for cls in type(module).__mro__:
         split = SPLITS.get(_name(cls))
         if split is not None and type(module).forward is cls.forward:
@@ -143,7 +143,8 @@ def split_of(module: nn.Module) -> Split | None:
         names = list(module._modules)
         children = list(module._modules.values())
         middle_ok = all(_elementwise(c) for c in children[1:-1])
-        if len(children) >= 2 and middle_ok and all(isinstance(c, nn.Linear) for c in (children[0], children[-1])):
+        ends = (children[0], children[-1]) if children else ()
+        if len(children) >= 2 and middle_ok and ends[0] is not ends[1] and all(isinstance(c, nn.Linear) for c in ends):
             if all(type(c).forward is nn.Linear.forward for c in (children[0], children[-1])):
                 return Split({names[0]: COLWISE, names[-1]: ROWWISE})
     return None
