@@ -147,6 +147,28 @@ def test_a_subclass_is_trusted_only_with_its_classs_forward(mesh):
     check_against_serial(serial, parallelize(copy.deepcopy(serial), mesh), _x(mesh, 6), mesh)
 
 
+class _Instance(nn.Module):
+    """A container whose forward names its instance ``mod``, not ``self``."""
+
+    def __init__(self, reduce: bool) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2, self.reduce = nn.Linear(6, E), nn.GELU(), nn.Linear(E, 6), reduce
+
+    def forward(mod, x):  # noqa: N805
+        h = mod.act(mod.fc1(x))
+        return mod.fc2(h - h.mean(-1, keepdim=True) if mod.reduce else h)
+
+
+def test_a_forward_that_names_its_instance_otherwise_is_read_alike(mesh):
+    """The reader knows the instance by its first parameter, whatever its name: converted and exact,
+    and a reduction over the split dim through that name still refused."""
+    torch.manual_seed(0)
+    serial = _Instance(reduce=False)
+    check_against_serial(serial, parallelize(copy.deepcopy(serial), mesh), _x(mesh, 6), mesh)
+    with pytest.raises(TypeError, match=r"the model itself \(_Instance\)(.|\n)*h.mean\(-1"):
+        parallelize(_Instance(reduce=True), mesh)
+
+
 class Shared(nn.Module):
     """A module used twice, and a head declared before the embedding it is tied to."""
 

@@ -131,7 +131,10 @@ def _forward_drawing_per_shard(self, *args, **kwargs):
 
 
 @functools.cache
-def _parsed(fn) -> tuple[ast.FunctionDef, int]:
+def _parsed(fn, method: bool = True) -> tuple[ast.FunctionDef, int]:
+    """``fn``'s syntax tree without annotations, and its first line. ``method``: its first parameter
+    is the instance, renamed ``self`` where it has another name (``def forward(mod, x)``), as the
+    reader knows the instance by that name (not where ``self`` also names something else)."""
     source = textwrap.dedent(inspect.getsource(fn))
     _, first = inspect.getsourcelines(fn)
     tree = ast.parse(source).body[0]
@@ -140,6 +143,15 @@ def _parsed(fn) -> tuple[ast.FunctionDef, int]:
             node.annotation = ast.Constant(None)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             node.returns = None
+    params = [*tree.args.posonlyargs, *tree.args.args] if isinstance(tree, ast.FunctionDef) else []
+    named = {getattr(n, "id", None) or getattr(n, "arg", None) for n in ast.walk(tree)}
+    if method and params and params[0].arg != "self" and "self" not in named:
+        instance = params[0].arg
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id == instance:
+                node.id = "self"
+            elif isinstance(node, ast.arg) and node.arg == instance:
+                node.arg = "self"
     return tree, first
 
 
@@ -151,8 +163,9 @@ def _read_method(module: nn.Module, name: str, children: set[str], reading: Read
     fn = getattr(cls, name, None)
     wrapped = getattr(fn, "__func__", fn)
     fn = inspect.unwrap(wrapped)  # the code under the decorators, which are judged below
+    method = not isinstance(inspect.getattr_static(cls, name, None), (staticmethod, classmethod))
     try:
-        tree, first = _parsed(fn)
+        tree, first = _parsed(fn, method)
     except (OSError, TypeError):
         reading.problems.append(f"{cls.__name__}.{name}: its source cannot be read")
         return
