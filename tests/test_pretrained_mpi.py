@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 
 import pytest
@@ -305,7 +306,7 @@ def _checkpoint_with(shared: str, state: dict) -> None:
 
 
 @pytest.mark.parametrize("case", ["missing", "unexpected", "shape", "nothing", "damaged"])
-def test_a_checkpoint_that_does_not_fit_is_refused_on_every_rank(mesh, shared, case):
+def test_a_checkpoint_that_does_not_fit_is_refused_on_every_rank(mesh, shared, case, caplog):
     state = {k: v.contiguous() for k, v in _llama(mesh, 0).state_dict().items()}
     if case == "missing":
         del state["model.layers.1.mlp.up_proj.weight"]
@@ -331,8 +332,26 @@ def test_a_checkpoint_that_does_not_fit_is_refused_on_every_rank(mesh, shared, c
     for key, value in serial_state_dict(parallel).items():
         assert torch.equal(value, before[key]), key  # nothing changed
     if case == "missing":
-        load_pretrained(parallel, shared, strict=False)  # the rest is read
+        with caplog.at_level(logging.INFO, logger="optimus2d"):
+            load_pretrained(parallel, shared, strict=False, progress=False)  # the rest is read
         assert torch.equal(serial_state_dict(parallel)["model.norm.weight"], state["model.norm.weight"])
+        said = "1 keys of the model not in the checkpoint (model.layers.1.mlp.up_proj.weight)"
+        assert mesh.index("mesh") != 0 or said in caplog.text, caplog.text  # what was skipped, said
+
+
+def test_a_base_model_reads_the_checkpoint_of_its_lm(mesh, shared, caplog):
+    """``LlamaModel`` from a ``LlamaForCausalLM`` checkpoint (keys under "model."), as transformers'
+    ``from_pretrained`` reads it: every weight, the head's key named as not read."""
+    _on_rank0(lambda: _llama(mesh, 0).save_pretrained(shared))
+    reference = transformers.LlamaModel.from_pretrained(shared)
+    torch.manual_seed(1)
+    parallel = parallelize(transformers.LlamaModel(reference.config), mesh)
+    with caplog.at_level(logging.INFO, logger="optimus2d"):
+        load_pretrained(parallel, shared, progress=False)
+    state, want = serial_state_dict(parallel), reference.state_dict()
+    assert set(state) == set(want) and all(torch.equal(state[k], v) for k, v in want.items())
+    said = "1 keys of a head the model has not (lm_head.weight)"
+    assert mesh.index("mesh") != 0 or said in caplog.text, caplog.text
 
 
 def test_a_rank_failing_to_read_fails_every_rank(mesh, shared, monkeypatch):

@@ -188,16 +188,22 @@ def _ignored(model: nn.Module, which: str) -> re.Pattern | None:
     return re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
 
 
-def _plan_load(model, tensors, mesh, path, strict) -> list[tuple[_Tensor, str, str]]:
-    """[(tensor, checkpoint key, file)]; raises ``ValueError`` if the checkpoint does not fit."""
+def _plan_load(model, tensors, mesh, path, strict) -> tuple[list[tuple[_Tensor, str, str]], str]:
+    """([(tensor, checkpoint key, file)], what was left aside); raises ``ValueError`` if the
+    checkpoint does not fit."""
     files = _checkpoint_files(path)
     headers = _headers(files)
     prefix = getattr(model, "base_model_prefix", "") or ""
     own = {k for t in tensors for k in t.keys}
-    add = None  # a checkpoint of the base model (GPT-2's hub files: "h.0...", not "transformer.h.0...")
-    if prefix and not any(k.startswith(f"{prefix}.") for k in headers) and any(k.startswith(f"{prefix}.") for k in own):
-        add = f"{prefix}."
-    renamed = {(add + k if add else k): k for k in headers}
+    stored, mine = (any(k.startswith(f"{prefix}.") for k in keys) for keys in (headers, own))
+    head = []  # a base model read from a checkpoint of a model with a head: the head's keys, not read
+    if prefix and mine and not stored:  # a checkpoint of the base model (GPT-2's hub files: "h.0...")
+        renamed = {f"{prefix}.{k}": k for k in headers}
+    elif prefix and stored and not mine:  # the base model from its LM's checkpoint ("transformer.h.0...")
+        renamed = {k.removeprefix(f"{prefix}."): k for k in headers if k.startswith(f"{prefix}.")}
+        head = sorted(k for k in headers if not k.startswith(f"{prefix}."))
+    else:
+        renamed = {k: k for k in headers}
     plan, missing, shapes = [], [], []
     for t in tensors:
         key = next((k for k in t.keys if k in renamed), None)
@@ -227,7 +233,11 @@ def _plan_load(model, tensors, mesh, path, strict) -> list[tuple[_Tensor, str, s
                 if keys and (strict or what == "shapes")
             )
         )
-    return plan
+    few = lambda keys: ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")  # noqa: E731
+    aside = [f"{len(missing)} keys of the model not in the checkpoint ({few(missing)})"] if missing else []
+    aside += [f"{len(unexpected)} keys of the checkpoint not in the model ({few(unexpected)})"] * bool(unexpected)
+    aside += [f"{len(head)} keys of a head the model has not ({few(head)})"] * bool(head)
+    return plan, "; ".join(aside)
 
 
 _CHUNK = 16 << 20  # bytes of a file a rank maps at once: safetensors maps every page a slice reads
@@ -300,9 +310,11 @@ def load_pretrained(
     (buffers that are not saved, such as LLaMA's rotary table; with ``strict=False``, missing
     weights) are then initialised as the serial model does (``optimus2d.materialize``, seed 0), so
     the model is whole, as after transformers' ``from_pretrained``. Checkpoints of the base model
-    (keys without ``model.base_model_prefix``) are read too, and transformers' patterns of keys to
-    ignore are honoured. Raises ``ValueError`` on every rank, before anything is read, listing
-    missing and unexpected keys (``strict=False``: those are skipped) and shapes that differ, or
+    (keys without ``model.base_model_prefix``) are read too, and a base model reads the checkpoint
+    of a model with a head (its keys under the prefix; the head's are not read, and the summary
+    names them), and transformers' patterns of keys to ignore are honoured. Raises ``ValueError``
+    on every rank, before anything is read, listing missing and unexpected keys (``strict=False``:
+    those are skipped, and the summary names them) and shapes that differ, or
     naming each rank's directory where the ranks found different checkpoints (their files' names,
     sizes, headers and checksums, or samples of the data where there are none);
     ``RuntimeError`` (or the error itself) on every rank if a rank fails while reading, and
@@ -318,9 +330,9 @@ def load_pretrained(
     start = time.perf_counter()
     tensors = _tensors(model)
     mesh = _model_mesh(tensors)
-    plan, checked, error = [], None, None
+    plan, checked, error, aside = [], None, None, ""
     try:
-        plan = _plan_load(model, tensors, mesh, path, strict)
+        plan, aside = _plan_load(model, tensors, mesh, path, strict)
         checked = integrity.Checked(_checkpoint_files(path).values(), INDEX)  # headers; checksums if any
     except Exception as err:  # a file unreadable or damaged (safetensors' error), on this rank or every one
         error = err if isinstance(err, (ValueError, TypeError)) else ValueError(f"load_pretrained: {path!r}: {err!r}")
@@ -354,7 +366,7 @@ def load_pretrained(
     where = on(mesh)
     bar.summary(
         f"load_pretrained: {len(plan)} tensors, {mib(nbytes)} from {path} in {bar.seconds():.1f} s{where} "
-        f"({len(by_file)} file{'s' if len(by_file) != 1 else ''}{checked.note()})"
+        f"({len(by_file)} file{'s' if len(by_file) != 1 else ''}{checked.note()})" + (f"; {aside}" if aside else "")
     )
 
 
