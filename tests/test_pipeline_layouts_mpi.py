@@ -25,6 +25,7 @@ from optimus2d.pipeline import (
     scatter_microbatches,
     stage_meshes,
 )
+from optimus2d.pipeline.models.llama import causal_lm_targets
 
 pytestmark = pytest.mark.mpi
 
@@ -66,6 +67,14 @@ def test_stage_meshes_of_two_shapes(world, name):
     assert pipe.lane_ranks == (world.rank % p, world.rank % p + p)  # the n-th rank of each stage
     if world.size > 1:
         assert dist.get_process_group_ranks(pipe.lane) == list(pipe.lane_ranks)
+    # the targets of a pipeline of two shapes: its micro-batches re-split at the boundary, so the
+    # schedule's micro-batch count is asked for, from the pipeline or its mesh alike
+    labels = torch.arange(B * S).reshape(B, S)
+    for where in (pipe, pipe.mesh):
+        with pytest.raises(ValueError, match=r"causal_lm_targets: the stages have different shapes .* microbatches=n"):
+            causal_lm_targets(labels, where)
+    block, count = causal_lm_targets(labels, pipe, microbatches=N)
+    assert count == B * (S - 1) and block.numel() == B * S // (pipe.mesh.q * pipe.mesh.depth)
 
 
 def _next_stage(name: str, sid: int, stages: int) -> int | None:

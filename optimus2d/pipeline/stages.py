@@ -152,6 +152,9 @@ def stage_meshes(
     for shape in shapes:  # one mesh per shape, in order, on every rank: replicas over the stages' ranks
         if shape not in built:
             built[shape] = Mesh(*shape, ranks=range(m * p, (m + 1) * p), transport=transport, check=check)
+    if len(built) > 1:  # each boundary re-splits a micro-batch as serial chunk(n)[m]: noted for the targets
+        for made in built.values():
+            made.__dict__["_optimus2d_stage_shapes"] = tuple(shapes)
     return replace(lanes(built[shapes[m // dp]], dp=dp), meshes=tuple(built[shape] for shape in shapes))
 
 

@@ -170,9 +170,17 @@ def causal_lm_targets(
     ``context``: the stages' ``ContextParallel``: the block is the sequence block ``[b/q, s/c]`` of the
     shifted targets (``context.scatter_batch``), shifted in sequence order first. ``microbatches``: n,
     the block ``scatter_microbatches(targets, mesh, n)`` gives, whose micro-batch m is this rank's block
-    of the serial ``targets.chunk(n)[m]`` (stages of different shapes, or on rank sets).
+    of the serial ``targets.chunk(n)[m]`` (stages of different shapes, or on rank sets): refused
+    without it on a pipeline ``stage_meshes`` built of different shapes (given it, or its mesh).
     """
+    shapes = mesh.shapes if isinstance(mesh, StageMesh) else mesh.__dict__.get("_optimus2d_stage_shapes", ())
     mesh = mesh.mesh if isinstance(mesh, StageMesh) else mesh
+    if len(set(shapes)) > 1 and microbatches is None and context is None:
+        raise ValueError(
+            f"causal_lm_targets: the stages have different shapes {list(shapes)}, so each boundary splits a "
+            f"micro-batch as the serial chunk(n)[m]: give microbatches=n (the schedule's), or the targets pair "
+            f"with other samples than the logits"
+        )
     shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     if context is not None:
         block = context_scatter_batch(shifted.contiguous(), mesh, context.split(labels.shape[1])[0])
