@@ -143,6 +143,37 @@ def test_llama_stages_refuses_what_it_cannot_cut(world):
         llama_stages(lm, 2)
 
 
+def test_a_frozen_stage_without_an_optimizer_saves_beside_the_trained_one(world, tmp_path_factory):
+    """A frozen first stage has no optimizer (AdamW refuses an empty list): the checkpoint holds the
+    trained stage's optimizer, which loads back as it was; stages whose optimizers' settings differ
+    (one checkpoint, one optimizer) are refused on every rank, before anything is written."""
+    pipe = _pipe(world)
+    base = shared_tmp(tmp_path_factory, "frozen")
+
+    def stage(lr: float | None):
+        chunk = optimus2d.parallelize(llama_stages(_llama(), 2)[pipe.stage], pipe.mesh)
+        if lr is None:
+            return chunk.requires_grad_(False), None
+        opt = torch.optim.AdamW(chunk.parameters(), lr=lr)
+        for param in chunk.parameters():
+            param.grad = torch.ones_like(param)
+        opt.step()
+        return chunk, opt
+
+    chunk, opt = stage(None if pipe.stage == 0 else 1e-2)
+    save_stages(f"{base}/ckpt", chunk, opt, pipe=pipe)
+    fresh, fresh_opt = stage(None if pipe.stage == 0 else 1e-2)
+    if fresh_opt is not None:
+        fresh_opt.state.clear()
+    load_stages(f"{base}/ckpt", fresh, fresh_opt)
+    if opt is not None:
+        for a, b in zip(opt.param_groups[0]["params"], fresh_opt.param_groups[0]["params"], strict=True):
+            assert torch.equal(opt.state[a]["exp_avg"], fresh_opt.state[b]["exp_avg"])
+    chunk, opt = stage(1e-2 if pipe.stage == 0 else 1e-3)
+    with pytest.raises(ValueError, match=r"save_stages: the stages' optimizers have different parameter groups"):
+        save_stages(f"{base}/lrs", chunk, opt, pipe=pipe)
+
+
 def test_stage_checkpoints_refuse_overlapping_or_missing_stages(world, tmp_path_factory):
     pipe = _pipe(world)
     base = shared_tmp(tmp_path_factory, "refuse")

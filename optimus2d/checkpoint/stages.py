@@ -29,16 +29,26 @@ __all__ = ["load_stages", "save_stages"]
 def _merged(objects: list[dict]) -> dict:
     """Every rank's settings (optimizer class, parameter groups, tied keys) as one: the stages'
     parameter groups joined group by group."""
-    kinds = {o["optimizer"] for o in objects}
+    held = [o for o in objects if o["optimizer"] is not None]  # a frozen stage may have none
+    kinds = {o["optimizer"] for o in held}
     if len(kinds) > 1:
         raise ValueError(f"save_stages: the stages hold different optimizers: {sorted(map(str, kinds))}")
-    groups = [dict(g) for g in objects[0]["param_groups"]]
+    groups = [dict(g) for g in held[0]["param_groups"]] if held else []
+    settings = lambda g: {k: v for k, v in g.items() if k != "params"}  # noqa: E731
+    for o in held:  # one group of the whole model: every stage's n-th, with the same settings
+        theirs = o["param_groups"]
+        if len(theirs) != len(groups) or any(settings(a) != settings(b) for a, b in zip(groups, theirs, strict=False)):
+            raise ValueError(
+                f"save_stages: the stages' optimizers have different parameter groups ({len(groups)} with "
+                f"{[settings(g) for g in groups]}; {len(theirs)} with {[settings(g) for g in theirs]}): one checkpoint "
+                f"holds one optimizer, whose n-th group joins every stage's n-th"
+            )
+        for group, other in zip(groups, theirs, strict=True):
+            group["params"] = group["params"] + [p for p in other["params"] if p not in group["params"]]
     aliases: dict[str, str] = {}
     for o in objects:
         aliases.update(json.loads(o["aliases"]))
-        for group, other in zip(groups, o["param_groups"], strict=True):
-            group["params"] = group["params"] + [p for p in other["params"] if p not in group["params"]]
-    return {"optimizer": objects[0]["optimizer"], "param_groups": groups, "aliases": json.dumps(aliases)}
+    return {"optimizer": held[0]["optimizer"] if held else None, "param_groups": groups, "aliases": json.dumps(aliases)}
 
 
 def save_stages(path: str | os.PathLike, chunks: nn.Module | list[nn.Module], optimizer=None, *, pipe=None) -> None:
@@ -114,9 +124,9 @@ def _save_stages(path, entries, mesh, optimizer, pipe, world: int, dcp_group, co
     if pipe is not None and pipe.dp_rank != 0:  # copy 0 of this stage writes these blocks
         state = {"model": {}, "optim": {"state": {}}}
     state["optimus2d"] = {"format": torch_state.FORMAT, "aliases": merged["aliases"]}
-    if optimizer is not None:
+    if merged["optimizer"] is not None:  # on every rank alike, a frozen stage's without an optimizer too
         state["optimus2d"]["optimizer"] = merged["optimizer"]
-        state["optim"]["param_groups"] = merged["param_groups"]
+        state.setdefault("optim", {"state": {}})["param_groups"] = merged["param_groups"]
     no_dist = world == 1
 
     def write(directory: str) -> int:
