@@ -278,6 +278,28 @@ def test_tied_head_with_padded_vocabulary_and_loss(mesh):
     assert_close(grad_full, serial.weight.grad, what="tied weight grad")
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_padded_vocabulary_columns_take_no_part_whatever_the_model_made_of_them(mesh, smoothing):
+    """A soft cap after the head (Gemma 2's tanh(x/c)·c) makes the padded columns' −inf finite: with
+    ``num_classes`` they are still no class, the loss and the table's gradient the serial ones."""
+    vocab, cap = 13, 3.0
+    torch.manual_seed(0)
+    serial = nn.Embedding(vocab, E)
+    parallel = Embedding2D.from_serial(serial, mesh)
+    x, b = _x(mesh), 2 * mesh.depth * mesh.q
+    target = torch.randint(0, vocab, (b, SEQ))
+    logits = torch.tanh((x @ serial.weight.t()) / cap) * cap
+    ref = F.cross_entropy(logits.view(-1, vocab), target.view(-1), label_smoothing=smoothing)
+    ref.backward()
+    capped = torch.tanh(parallel.attend(scatter(x, mesh)) / cap) * cap
+    loss = cross_entropy(capped, scatter_batch(target, mesh), mesh, label_smoothing=smoothing, num_classes=vocab)
+    loss.backward()
+    from optimus2d.comm import unshard
+
+    assert_close(loss, ref, what="loss")
+    assert_close(unshard(parallel.weight.grad, mesh, parallel.shardings["weight"]), serial.weight.grad, what="grad")
+
+
 def test_cross_entropy_refuses_bad_targets(mesh):
     logits = scatter(torch.zeros(2 * mesh.depth * mesh.q, SEQ, 6 * mesh.q), mesh)
     target = torch.zeros(2 * mesh.depth * mesh.q, SEQ, dtype=torch.long)

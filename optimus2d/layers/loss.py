@@ -28,7 +28,8 @@ def cross_entropy(
     logits_local: ``[b/(d·q), ..., V/q]``, vocabulary block j (this rank's row index), e.g. from a
     ``Linear2D`` head or ``Embedding2D.attend``. Logits of −inf (the padded vocabulary columns of
     ``attend``) take no part: exp(−inf) = 0, and label smoothing averages over the finite logits
-    of each row, so padding is invisible to the loss.
+    of each row, so padding is invisible to the loss. With ``num_classes``, the columns past it are
+    set to −inf here whatever they hold (a soft cap after the head makes −inf finite).
     target_local: ``[b/(d·q), ...]`` class indices (``optimus2d.scatter_batch``).
     num_classes: the real vocabulary ``V`` where the last block is padded (``Embedding2D.attend``,
     ``V`` not divisible by q): a target in ``[V, q·⌈V/q⌉)`` is refused like any other target
@@ -60,6 +61,9 @@ def cross_entropy(
         loss = F.cross_entropy(flat, safe, ignore_index=ignore_index, reduction="none")
         loss = loss.view(target_local.shape).to(compute_dtype(logits_local))
     else:
+        if start + per_rank > vocab:  # this block holds padded columns: no class, whatever the model made of them
+            padded = torch.arange(start, start + per_rank, device=logits_local.device) >= vocab
+            logits_local = logits_local.masked_fill(padded, float("-inf"))
         loss = _split_vocab_loss(logits_local, target_local, valid, start, mesh, label_smoothing)
     return _reduced_loss(torch.where(valid, loss, 0.0), valid, bad, reduction, vocab, mesh).to(logits_local.dtype)
 
