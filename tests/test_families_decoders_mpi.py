@@ -111,6 +111,7 @@ _CONVERTED = {
     "starcoder2",
     "gpt_neox",
     "phi",
+    "phi_qk_layernorm",
     "exaone4",
     "olmo",
     "apertus",
@@ -125,6 +126,7 @@ _UNSEEN = {
     "stablelm": ("StableLmConfig", {}, "StableLmForCausalLM"),  # partial rotary: torch.cat of head slices
     "gpt_neox": ("GPTNeoXConfig", {}, "GPTNeoXForCausalLM"),  # fused qkv chunk(3)
     "phi": ("PhiConfig", {}, "PhiForCausalLM"),
+    "phi_qk_layernorm": ("PhiConfig", {"qk_layernorm": True}, "PhiForCausalLM"),  # nn.LayerNorm of one head
     "exaone4": ("Exaone4Config", {}, "Exaone4ForCausalLM"),
     "olmo": ("OlmoConfig", {}, "OlmoForCausalLM"),  # LayerNorm with no weight (probed: its normalized_shape)
     "apertus": ("ApertusConfig", {}, "ApertusForCausalLM"),  # xIELU: scalar parameters, element by element
@@ -178,6 +180,21 @@ def test_a_sink_per_head_whose_heads_do_not_split_is_refused_before_any_change(m
     assert type(serial.model.layers[0].self_attn.q_proj) is torch.nn.Linear
     for key, value in serial.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_a_fused_qkv_whose_heads_do_not_split_is_refused_before_any_change(mesh):
+    """Phi-3's fused qkv_proj holds whole heads of each part on each rank, or is refused, naming the
+    count and the mesh (it had been converted, and failed in its forward)."""
+    if mesh.q == 1:
+        pytest.skip("every head count splits over q = 1")
+    config = transformers.Phi3Config(
+        **_COMMON, num_attention_heads=2 * mesh.q, num_key_value_heads=1, attn_implementation="eager"
+    )
+    torch.manual_seed(0)
+    serial = transformers.Phi3ForCausalLM(config)
+    with pytest.raises(ValueError, match=rf"fused qkv_proj has num_key_value_heads=1, not divisible by q={mesh.q}"):
+        parallelize(serial, mesh)
+    assert type(serial.model.layers[0].self_attn.qkv_proj) is torch.nn.Linear
 
 
 def test_a_refused_family_taught_in_one_line_converts_exactly(mesh):

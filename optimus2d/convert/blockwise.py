@@ -199,7 +199,9 @@ def _copy_with(module: nn.Module, params: dict, buffers: dict) -> nn.Module:
 def per_head(norm: nn.Module, parent: nn.Module | None) -> bool:
     """Is ``norm`` (a child of ``parent``) over one head's features, as Qwen3's q_norm and k_norm are?
     Its input's last dim is then ``head_dim``, whole on every rank."""
-    return parent is not None and getattr(parent, "head_dim", None) == norm.weight.shape[0]
+    shape = getattr(norm, "normalized_shape", None)  # torch's norms, with or without a weight
+    size = shape[-1] if isinstance(shape, tuple) and len(shape) == 1 else getattr(norm.weight, "shape", (None,))[0]
+    return parent is not None and size is not None and getattr(parent, "head_dim", None) == size
 
 
 def replicated(module: nn.Module, mesh) -> nn.Module:

@@ -390,6 +390,8 @@ def _plan(module: nn.Module, parent: nn.Module | None, mesh: Mesh) -> Converter 
     """How ``module`` converts, or why it cannot (``convert/blockwise.py`` says what is known to be correct)."""
     if (why := replaced_forward(module)) is not None:  # what runs is not what the class says (and no probe)
         return why
+    if type(module) in (nn.LayerNorm, nn.RMSNorm) and blockwise.per_head(module, parent):  # Phi's q_layernorm
+        return blockwise.replicated  # over one head's features, whole on every rank
     converter = converter_for(module)
     if converter is None and _load_library_of(module):  # e.g. the first transformers module met
         converter = converter_for(module)

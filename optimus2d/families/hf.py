@@ -177,6 +177,10 @@ def _fused_qkv_attention(module: nn.Module) -> Converter | None:
         return None
 
     def convert(attn: nn.Module, mesh: Mesh) -> nn.Module:
+        counts = (("num_attention_heads", heads), ("num_key_value_heads", kv_heads))
+        odd = [f"{name}={n}" for name, n in counts if n % mesh.q]
+        if odd:  # each rank's block of the fused projection must hold whole heads of each part
+            raise ValueError(f"its fused qkv_proj has {', '.join(odd)}, not divisible by q={mesh.q} ({mesh})")
         attn.qkv_proj = Linear2D.from_serial(
             attn.qkv_proj, mesh, parts=(heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
         )
