@@ -33,8 +33,8 @@ while [ $# -gt 0 ]; do
       if [ $# -lt 2 ]; then echo "scripts/test.sh: $1 needs an expression" >&2; exit 2; fi
       if [ "$1" = -k ]; then user_k="${user_k:+$user_k and }($2)"; else user_m="${user_m:+$user_m and }($2)"; fi
       shift 2 ;;
-    -k?*) user_k="${user_k:+$user_k and }(${1#-k})"; shift ;;
-    -m?*) user_m="${user_m:+$user_m and }(${1#-m})"; shift ;;
+    -k?*) k=${1#-k}; user_k="${user_k:+$user_k and }(${k#=})"; shift ;;  # -kEXPR, -k=EXPR
+    -m?*) m=${1#-m}; user_m="${user_m:+$user_m and }(${m#=})"; shift ;;
     *) args+=("$1"); shift ;;
   esac
 done

@@ -202,7 +202,7 @@ def test_a_run_that_stopped_after_making_room_leaves_the_next_one_both_ends(tmp_
 def test_a_users_selection_joins_each_sections_own(tmp_path: Path) -> None:
     """pytest keeps the last -k and -m it is given: the user's must narrow a section's, not replace it."""
     where = scratch(tmp_path)
-    rc, out, _ = run_ci(where, 20 * GIB, args=("-k", "linear", "-mnot slow", "-x"))
+    rc, out, _ = run_ci(where, 20 * GIB, args=("-k=linear", "-mnot slow", "-x"))
     assert rc == 0, out
     runs = [line for line in (where / "ran").read_text().splitlines() if line.startswith(".venv ")]
     serial = [line for line in runs if "--only-mpi" not in line]

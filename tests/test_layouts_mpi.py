@@ -85,8 +85,8 @@ class _Twice(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        shared = nn.Linear(12, 12).double()
-        self.a, self.b = nn.Sequential(shared, nn.GELU()), nn.Sequential(shared, nn.Tanh())
+        shared, act = nn.Linear(12, 12).double(), nn.GELU()  # the GELU holds no tensors: on any mesh
+        self.a, self.b = nn.Sequential(shared, act), nn.Sequential(shared, nn.Tanh(), act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(self.a(x))
@@ -100,8 +100,9 @@ def test_a_module_at_two_paths_on_two_meshes_is_refused_and_on_one_is_exact(worl
     if len(meshes) < 2:
         pytest.skip("needs two mesh shapes")
     outer, inner = meshes
-    with pytest.raises(ValueError, match=r"reached on two meshes:\n  b.0 \(Linear\): on .*, and is also a.0, on"):
-        parallelize(_Twice(), outer, plan={"a": inner})
+    for plan in ({"a": inner}, {"a": inner, "b.0": inner}):  # on two meshes; on one, called from two
+        with pytest.raises(ValueError, match=r"reached on two meshes:\n  b.0 \(Linear\): on .*, and is also a.0, on"):
+            parallelize(_Twice(), outer, plan=plan)
     for plan in ({"*": inner}, {"a": outer}):
         serial = _Twice()
         parallel = parallelize(copy.deepcopy(serial), outer, plan=plan)

@@ -11,6 +11,7 @@ input. Refusals on every rank before anything is sent."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -203,6 +204,18 @@ class _Weighted(nn.Module):
         return self.lin(x) * weights.unsqueeze(-1)
 
 
+class _Packed(_Weighted):
+    """The same, its inputs in one dict argument; or (``_Spread``) in ``*args``."""
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.lin(batch["x"]) * batch["weights"].unsqueeze(-1)
+
+
+class _Spread(_Weighted):
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.lin(inputs[0]) * inputs[1].unsqueeze(-1)
+
+
 def test_a_float_argument_of_two_dims_is_declared_or_refused(world):
     """A floating ``[b, s]`` argument whose name says nothing: cut as an activation its s would be
     split over q (and broadcast, silently wrong, where s = q): refused on every rank, naming it,
@@ -222,6 +235,15 @@ def test_a_float_argument_of_two_dims_is_declared_or_refused(world):
         assert sent.records == []
         parallel = parallelize(copy.deepcopy(serial), mesh, io={"weights": "batch"})
         assert_close(parallel(x, weights).detach(), serial(x, weights).detach(), 1e-9, "output")
+        # inside a container, or past the named parameters: each tensor by its own path, declared alike
+        for cls, args, path in ((_Packed, ({"x": x, "weights": weights},), "batch['weights']"),
+                                (_Spread, (x, weights), "argument 1")):  # fmt: skip
+            torch.manual_seed(0)
+            serial = cls(h).double()
+            with pytest.raises(ValueError, match=re.escape(f"declare it: io={{{path!r}: 'activation'}}")):
+                parallelize(copy.deepcopy(serial), mesh, io="whole")(*args)
+            parallel = parallelize(copy.deepcopy(serial), mesh, io={path: "batch"})
+            assert_close(parallel(*args).detach(), serial(*args).detach(), 1e-9, f"{cls.__name__} output")
     with pytest.raises(ValueError, match=r"io=\{name: kind\} takes kinds \('batch', 'activation'\)"):
         parallelize(_Weighted(h), meshes_of(world)[0], io={"weights": "replicated"})
 

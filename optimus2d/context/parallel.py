@@ -123,8 +123,9 @@ class ContextParallel:
             takes = {}
         if "position_ids" not in takes:
             return (
-                "its forward takes no position_ids, so the positions it makes (learned or rotary) would be "
-                "this rank's slice's, not the tokens' own"
+                "its forward takes no position_ids parameter, so the positions it makes (learned, rotary or a "
+                "bias) would be this rank's slice's, not the tokens' own (a wrapper that passes **kwargs on: plan "
+                "the module it wraps)"
             )
         return None
 
@@ -148,6 +149,10 @@ class ContextParallel:
 
         module.forward = types.MethodType(forward, module)
         module.__dict__["_optimus2d_context_parallel"] = self
+        layers = _layers(module)  # each notes that it ran (a deep copy's layers, their own)
+        module.__dict__["_optimus2d_context_layers"] = [where for where, _ in layers]
+        for _, layer in layers:
+            layer.register_forward_pre_hook(_note_ran)
 
 
 def _run(spec: ContextParallel, path: str, module: nn.Module, original, kwargs: dict):
@@ -222,16 +227,28 @@ def _run(spec: ContextParallel, path: str, module: nn.Module, original, kwargs: 
     kwargs["use_cache"] = False
     if "cache_position" in kwargs:  # the whole sequence's numbering: the model numbers its own slice (no cache)
         kwargs["cache_position"] = None
+    layers = [(at, module.get_submodule(at)) for at in module.__dict__.get("_optimus2d_context_layers", ())]
+    for _, layer in layers:
+        layer.__dict__["_optimus2d_context_ran"] = False
     with sequence_parallel(module, mesh, assignment, mask, attention=spec.attention, memory=spec.memory) as callers:
         out = original(**kwargs)
-    silent = [path for path, layer in _layers(module) if not any(id(m) in callers for m in layer.modules())]
+    silent = [
+        at
+        for at, layer in layers
+        if layer.__dict__["_optimus2d_context_ran"] and not any(id(m) in callers for m in layer.modules())
+    ]
     if silent:  # the same modules ran on every rank: the same verdict
         raise ValueError(
-            f"{where}: {silent} ran no context-parallel attention (transformers' AttentionInterface): their "
-            f"tokens meet some other way (an attention of their own, as BLOOM's ALiBi or a user's, a recurrence), "
-            f"which on the split sequence would see this rank's tokens alone. Not supported"
+            f"{where}: {silent} ran, but not through the context-parallel attention (transformers' "
+            f"AttentionInterface): an attention of their own (BLOOM's ALiBi, a user's class) or another mixing of "
+            f"tokens (a recurrence) would see this rank's tokens alone. Refused (this call's output is discarded)"
         )
     return _back(out, mesh, order)
+
+
+def _note_ran(layer: nn.Module, args: tuple) -> None:
+    """A forward pre-hook on each layer of a context-parallel module: it ran in this call."""
+    layer.__dict__["_optimus2d_context_ran"] = True
 
 
 def _layers(module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from torch import nn
@@ -288,7 +288,7 @@ def choose_plan(
     example = getattr(auto, "example", None)  # its shapes, and the rows each block saw (a value read may
     if example is not None and error is None:  # make them differ between ranks of the same shapes)
         asked += f", example={describe(example)}, rows={_rows_seen(blocks)}"
-    asked += "" if io == "blocks" else f", io={io!r}"  # priced at the model's edges alike on every rank
+    asked += "" if io == "blocks" else f", io={sorted(io.items()) if isinstance(io, Mapping) else io!r}"  # alike
     agree(mesh, "parallelize(plan='auto')", description=asked, error=error)
     if error is not None:  # a mesh of one rank, or checks off: raised here
         raise error

@@ -109,7 +109,7 @@ def agree_plan(mesh: Mesh, plan: object, error: BaseException | None, check: boo
     refused = f"; refused: {type(error).__name__}: {error}" if error is not None else ""
     refused = re.sub(r", coord\(k,i,j\)=\([^)]*\)", "", refused)  # a mesh named in it: not this rank's place
     refused = re.sub(r" at 0x[0-9a-f]+", "", refused)  # an object's address (a function's repr): this process's
-    given = "" if io == "blocks" else f", io={io!r}"  # whole tensors in and out (whole_io.py)
+    given = "" if io == "blocks" else f", io={sorted(io.items()) if isinstance(io, Mapping) else io!r}"  # whole_io
     agree(mesh, "parallelize", description=describe_plan(plan) + given + refused)
 
 
@@ -128,9 +128,11 @@ def planned_mesh(plan: dict[str, Mesh], path: str) -> tuple[str, Mesh] | None:
 
 
 def mesh_aliases(model: nn.Module, plan: dict[str, Mesh], mesh: Mesh, regions: Collection[str] = ()) -> list[str]:
-    """``"path (Class): ..."`` for each module reached at two paths that the plan puts on meshes of
-    different layouts (``mesh``: the model's): it would be converted for one and handed the other's
-    blocks. A 1D region's keys (``regions``) are checked by the walk itself."""
+    """``"path (Class): ..."`` for each module holding tensors reached at two paths that the plan puts
+    on meshes of different layouts, or whose callers' meshes differ (``mesh``: the model's): it would
+    be converted for one mesh, and its boundary (the move of its inputs onto its mesh) made for one
+    caller, and be handed the other's blocks. A 1D region's keys (``regions``) are checked by the
+    walk itself."""
     if not plan:
         return []
 
@@ -138,18 +140,21 @@ def mesh_aliases(model: nn.Module, plan: dict[str, Mesh], mesh: Mesh, regions: C
         parts = path.split(".") if path else []
         return next((hit for n in range(len(parts), 0, -1) if (hit := planned_mesh(plan, ".".join(parts[:n])))), None)
 
-    first: dict[int, tuple[str, Mesh]] = {}
+    first: dict[int, tuple[str, Mesh, Mesh]] = {}
     found = []
     for path, sub in model.named_modules(remove_duplicate=False):
         hit = placed(path)
-        if hit is not None and hit[0] in regions:
-            continue
+        held = next(sub.parameters(), None) is not None or next(sub.buffers(), None) is not None
+        if (hit is not None and hit[0] in regions) or not held:
+            continue  # a 1D region's (its own check), or no tensors (a GELU: the same on any mesh's blocks)
         on = hit[1] if hit is not None else mesh
-        other, there = first.setdefault(id(sub), (path, on))
-        if layout(there) != layout(on):
+        caller = (placed(path.rpartition(".")[0]) or (None, mesh))[1] if path else mesh
+        other, there, their_caller = first.setdefault(id(sub), (path, on, caller))
+        if (layout(there), layout(their_caller)) != (layout(on), layout(caller)):
             found.append(
-                f"{path} ({type(sub).__name__}): on {_shape(on)}, and is also {other}, on {_shape(there)}: a module "
-                f"runs on one mesh (give both paths one plan entry, or make them two modules)"
+                f"{path} ({type(sub).__name__}): on {_shape(on)} called from {_shape(caller)}, and is also {other}, "
+                f"on {_shape(there)} called from {_shape(their_caller)}: a module runs on one mesh, called from one "
+                f"(give both paths and their callers one plan entry, or make them two modules)"
             )
     return found
 

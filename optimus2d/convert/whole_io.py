@@ -48,7 +48,7 @@ from torch import nn
 
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.whole import forget_whole, from_whole, keep_whole, take_whole, to_whole
-from optimus2d.convert.layouts import Boundary, _kind, _map, _tensors
+from optimus2d.convert.layouts import Boundary, _kind, _tensors
 from optimus2d.layers.base import ShardedModule
 
 IO = ("blocks", "whole")
@@ -106,9 +106,9 @@ class WholeIO(Boundary):
                     f"tensor, or convert the model with io='blocks'"
                 )
         self.active = True
-        names = _positional_names(module, len(args))
-        args = tuple(_map(a, lambda t, name=name: self._cut(t, name)) for a, name in zip(args, names, strict=True))
-        return args, {key: _map(value, lambda t, key=key: self._cut(t, key)) for key, value in kwargs.items()}
+        names = [name or f"argument {n}" for n, name in enumerate(_positional_names(module, len(args)))]
+        args = tuple(_map_named(a, name, self._cut) for a, name in zip(args, names, strict=True))
+        return args, {key: _map_named(value, key, self._cut) for key, value in kwargs.items()}
 
     def after(self, module: nn.Module, args: tuple, output: object) -> object:
         try:
@@ -130,26 +130,29 @@ class WholeIO(Boundary):
         self.kept.clear()
 
     def _cut(self, t: torch.Tensor, name: str) -> torch.Tensor:
-        """The whole argument ``t`` (keyword ``name``, "" if positional) → this rank's block."""
+        """The whole argument ``t`` → this rank's block. ``name``: its keyword, or its path inside one
+        (``batch['w']``, as ``io={name: kind}`` declares it); the argument's own name (``batch``)
+        applies the rules by name to the tensors inside it."""
         if t.dim() == 0:
             return t
-        if name in _AS_IS or (name == "position_ids" and t.shape[0] == 1):  # the same for every row: whole
+        base = name.split("[", 1)[0]
+        if base in _AS_IS or (base == "position_ids" and t.shape[0] == 1):  # the same for every row: whole
             # wherever it goes (a 1D region takes it as it is)
             same = t.view_as(t)
             self.keep(same, t)
             return same
-        if name in self.kinds:
+        if name in self.kinds:  # declared: this tensor itself (a container's leaves each by its path)
             kind = self.kinds[name]
-        elif name in _BATCH or "mask" in name:
+        elif base in _BATCH or "mask" in name:
             kind = "batch"
-        elif name == "inputs_embeds":
+        elif base == "inputs_embeds":
             kind = "activation"
         elif t.is_floating_point() and t.dim() == 2:
             raise ValueError(
-                f"parallelize(io='whole'): {name or 'a positional argument'} of shape {tuple(t.shape)} is a floating "
+                f"parallelize(io='whole'): {name} of shape {tuple(t.shape)} is a floating "
                 f"tensor of 2 dims whose name does not say what it is: an activation [b, h] (its hidden dim split "
                 f"over the mesh's q = {self.inner.q}) or a value per token [b, s] (split by batch alone); declare it: "
-                f"io={{{name or 'its name'!r}: 'activation'}} or io={{{name or 'its name'!r}: 'batch'}}"
+                f"io={{{name!r}: 'activation'}} or io={{{name!r}: 'batch'}}"
             )
         else:
             kind = "activation" if t.is_floating_point() and t.dim() == 3 else "batch"
@@ -166,6 +169,19 @@ class WholeIO(Boundary):
         given = getattr(t, "_optimus2d_layout", None)
         src = self.meshes.get(given, self.inner) if given is not None else self.inner
         return to_whole(t, src, _kind(t))
+
+
+def _map_named(obj: object, name: str, fn) -> object:
+    """``_map``, ``fn(tensor, name)`` given each tensor's own name: the argument's, or its path inside
+    it (``batch['w']``, ``xs[0]``), as ``io={name: kind}`` declares it and a refusal names it."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj, name)
+    if isinstance(obj, Mapping):
+        return type(obj)({key: _map_named(value, f"{name}[{key!r}]", fn) for key, value in obj.items()})
+    if isinstance(obj, (tuple, list)):
+        items = [_map_named(value, f"{name}[{n}]", fn) for n, value in enumerate(obj)]
+        return type(obj)(*items) if isinstance(obj, tuple) and hasattr(obj, "_fields") else type(obj)(items)
+    return obj
 
 
 def _positional_names(module: nn.Module, count: int) -> list[str]:
