@@ -27,11 +27,11 @@ documents are a ``mask=``), a cache (``past_key_values`` or ``cache``; ``use_cac
 other tensor argument (it would stay in the batch layout), gradient checkpointing (its recompute
 would run outside the split), outputs other than hidden states, an ``attention_mask`` other than a
 ``[b, s]`` padding mask (a 4D mask of the model's own), shapes that differ between ranks (agreed
-before the all-to-all), a layer (an element of the module's outermost ``ModuleList``s) that ran no
-context-parallel attention (its tokens meet some other way: BLOOM's ALiBi attention, a user's own,
-a recurrence), and (``context/hf.py``) an attention module that attends both ways
-(``is_causal=False``) under a causal-only mask or that gives its attention another tensor (T5's
-``position_bias``, sinks).
+before the all-to-all), a layer (an element of the module's outermost ``ModuleList``s) that ran
+but never called the context-parallel attention (its attention is its own, as BLOOM's ALiBi or a
+user's class, or it mixes tokens another way; found after the call, whose output is discarded),
+and (``context/hf.py``) an attention module that attends both ways (``is_causal=False``) under a
+causal-only mask or that gives its attention another tensor (T5's ``position_bias``, sinks).
 """
 
 from __future__ import annotations

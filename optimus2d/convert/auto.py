@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from torch import nn
@@ -44,6 +44,7 @@ from optimus2d.comm import watch
 from optimus2d.comm.agreement import agree
 from optimus2d.comm.mesh import Mesh
 from optimus2d.convert.auto_example import describe, traced_rows
+from optimus2d.convert.layouts import describe_io
 from optimus2d.cost.auto import Block, Choice, choose
 from optimus2d.cost.calibration import hardware, time_step
 from optimus2d.cost.planner import Hardware
@@ -288,7 +289,7 @@ def choose_plan(
     example = getattr(auto, "example", None)  # its shapes, and the rows each block saw (a value read may
     if example is not None and error is None:  # make them differ between ranks of the same shapes)
         asked += f", example={describe(example)}, rows={_rows_seen(blocks)}"
-    asked += "" if io == "blocks" else f", io={sorted(io.items()) if isinstance(io, Mapping) else io!r}"  # alike
+    asked += describe_io(io)  # priced at the model's edges alike on every rank
     agree(mesh, "parallelize(plan='auto')", description=asked, error=error)
     if error is not None:  # a mesh of one rank, or checks off: raised here
         raise error

@@ -109,8 +109,13 @@ def agree_plan(mesh: Mesh, plan: object, error: BaseException | None, check: boo
     refused = f"; refused: {type(error).__name__}: {error}" if error is not None else ""
     refused = re.sub(r", coord\(k,i,j\)=\([^)]*\)", "", refused)  # a mesh named in it: not this rank's place
     refused = re.sub(r" at 0x[0-9a-f]+", "", refused)  # an object's address (a function's repr): this process's
-    given = "" if io == "blocks" else f", io={sorted(io.items()) if isinstance(io, Mapping) else io!r}"  # whole_io
+    given = describe_io(io)  # whole tensors in and out (whole_io.py)
     agree(mesh, "parallelize", description=describe_plan(plan) + given + refused)
+
+
+def describe_io(io: object) -> str:
+    """``parallelize(io=)`` as agreed over the mesh: "" for blocks, a declaration in sorted order."""
+    return "" if io == "blocks" else f", io={sorted(io.items()) if isinstance(io, Mapping) else io!r}"
 
 
 def matches(key: str, path: str) -> bool:

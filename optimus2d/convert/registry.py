@@ -13,6 +13,7 @@ from collections.abc import Callable
 from torch import nn
 
 from optimus2d.comm.mesh import Mesh
+from optimus2d.layers.base import runs_forward_of
 
 Converter = Callable[[nn.Module, Mesh], nn.Module]
 _CONVERTERS: dict[type, Converter] = {}
@@ -42,7 +43,7 @@ ELEMENTWISE: tuple[type, ...] = (
 def elementwise(module: nn.Module) -> bool:
     """``module`` is one of ``ELEMENTWISE`` and runs that class's forward (a subclass that rewrites
     the forward is not trusted: what it computes is not known)."""
-    return any(isinstance(module, cls) and type(module).forward is cls.forward for cls in ELEMENTWISE)
+    return runs_forward_of(module, ELEMENTWISE)
 
 
 Recogniser = Callable[[nn.Module], "Converter | None"]

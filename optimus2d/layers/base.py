@@ -21,6 +21,12 @@ if TYPE_CHECKING:  # a type only: layers/ calls nothing of torch.distributed
     from torch.distributed.device_mesh import DeviceMesh
 
 
+def runs_forward_of(module: object, classes: tuple[type, ...]) -> bool:
+    """``module`` is an instance of one of ``classes`` and runs that class's own forward (a subclass
+    that rewrites the forward is not that class: what it computes is not known)."""
+    return any(isinstance(module, cls) and type(module).forward is cls.forward for cls in classes)
+
+
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype a reduction over ``t`` runs in: fp64 for fp64, else fp32 (bf16 and fp16 too)."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optimus2d.layers.base import runs_forward_of
 from optimus2d.megatron import attention
 
 COLWISE, ROWWISE = "colwise", "rowwise"
@@ -113,7 +114,7 @@ _ELEMENTWISE_FUNCTIONS += (torch.tanh, torch.sigmoid, torch.relu)
 
 def _elementwise(module: object) -> bool:
     """One of ``_ELEMENTWISE`` running that class's forward (a subclass that rewrites it is not trusted)."""
-    return any(isinstance(module, cls) and type(module).forward is cls.forward for cls in _ELEMENTWISE)
+    return runs_forward_of(module, _ELEMENTWISE)
 
 
 def register_split(
