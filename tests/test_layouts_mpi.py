@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 from conftest import meshes_of
-from helpers import check_against_serial
+from helpers import assert_close, assert_state_close, check_against_serial
 from torch import nn
 
 from optimus2d import count_comm, parallelize, scatter, serial_state_dict
@@ -107,6 +107,51 @@ def test_a_module_at_two_paths_on_two_meshes_is_refused_and_on_one_is_exact(worl
         serial = _Twice()
         parallel = parallelize(copy.deepcopy(serial), outer, plan=plan)
         check_against_serial(serial, parallel, _input(world)[..., :12].contiguous(), outer, tol=1e-9)
+
+
+class _TiedTables(nn.Module):
+    """Two embeddings and a head sharing one table (as BART's encoder, decoder and LM head do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        first, second = nn.Embedding(20, 12).double(), nn.Embedding(20, 12).double()
+        second.weight = first.weight
+        self.a = nn.Sequential(first, nn.Linear(12, 12).double())
+        self.b = nn.Sequential(second, nn.Linear(12, 12).double())
+        self.head = nn.Linear(12, 20, bias=False).double()
+        self.head.weight = first.weight
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head(self.a(ids)), self.b(ids)
+
+
+def test_a_tensor_tied_across_two_meshes_is_refused_and_on_one_is_exact(world):
+    """A table shared by modules the plan puts on meshes of different layouts would be split for one
+    and handed, as blocks of the wrong shape, to the other (an id below the block's rows looked up
+    the wrong block): refused, naming each holder; every holder on one mesh, it is exact."""
+    from optimus2d import gather, scatter_batch
+
+    meshes = meshes_of(world)
+    if len(meshes) < 2:
+        pytest.skip("needs two mesh shapes")
+    outer, inner = meshes
+    for plan in ({"a": inner}, {"b": inner}, {"head": inner}):
+        with pytest.raises(ValueError, match=r"reached on two meshes:\n  \S+\.weight \((Embedding|Linear)'s weight\)"):
+            parallelize(_TiedTables(), outer, plan=plan)
+    serial = _TiedTables()
+    parallel = parallelize(copy.deepcopy(serial), outer, plan={"*": inner})
+    ids = torch.randint(0, 10, (4 * outer.size, 8))
+    want = serial(ids)
+    probes = [torch.randn_like(t) for t in want]
+    sum((t * p).sum() for t, p in zip(want, probes, strict=True)).backward()
+    got = parallel(scatter_batch(ids, outer))
+    sum((t * scatter(p, outer)).sum() for t, p in zip(got, probes, strict=True)).backward()
+    for model in (serial, parallel):
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    for t, w in zip(got, want, strict=True):
+        assert_close(gather(t.detach(), outer), w, 1e-9, "output")
+    assert_state_close(serial_state_dict(parallel), serial.state_dict(), 1e-9)
 
 
 def test_untagged_input_refused_on_every_rank(world):

@@ -136,8 +136,9 @@ def mesh_aliases(model: nn.Module, plan: dict[str, Mesh], mesh: Mesh, regions: C
     """``"path (Class): ..."`` for each module holding tensors reached at two paths that the plan puts
     on meshes of different layouts, or whose callers' meshes differ (``mesh``: the model's): it would
     be converted for one mesh, and its boundary (the move of its inputs onto its mesh) made for one
-    caller, and be handed the other's blocks. A 1D region's keys (``regions``) are checked by the
-    walk itself."""
+    caller, and be handed the other's blocks. Likewise a tensor held by two modules on meshes of
+    different layouts (an embedding table tied to another's, or to a head). A 1D region's keys
+    (``regions``) are checked by the walk itself."""
     if not plan:
         return []
 
@@ -146,6 +147,7 @@ def mesh_aliases(model: nn.Module, plan: dict[str, Mesh], mesh: Mesh, regions: C
         return next((hit for n in range(len(parts), 0, -1) if (hit := planned_mesh(plan, ".".join(parts[:n])))), None)
 
     first: dict[int, tuple[str, Mesh, Mesh]] = {}
+    tensors: dict[int, tuple[str, Mesh]] = {}  # a tensor held by two modules (a tied embedding table)
     found = []
     for path, sub in model.named_modules(remove_duplicate=False):
         hit = placed(path)
@@ -161,6 +163,17 @@ def mesh_aliases(model: nn.Module, plan: dict[str, Mesh], mesh: Mesh, regions: C
                 f"on {_shape(there)} called from {_shape(their_caller)}: a module runs on one mesh, called from one "
                 f"(give both paths and their callers one plan entry, or make them two modules)"
             )
+        if other != path:  # the module itself at a second path: said above, or on one mesh
+            continue
+        for name, t in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]:
+            key = f"{path}.{name}" if path else name
+            held_by, held_on = tensors.setdefault(id(t), (key, on))
+            if layout(held_on) != layout(on):
+                found.append(
+                    f"{key} ({type(sub).__name__}'s {name}): on {_shape(on)}, and is also {held_by}, on "
+                    f"{_shape(held_on)}: one tensor is split for one mesh (put its holders under one plan entry, "
+                    f"or untie them)"
+                )
     return found
 
 

@@ -154,7 +154,7 @@ def _rehearse(module: nn.Module, mesh: Mesh, walk: _Walk) -> None:
         raise kind(f"parallelize: {len(errors)} module(s) do not fit the mesh; nothing was changed:\n  {lines}")
 
 
-def _convert_tied(walk: _Walk, module: nn.Module) -> nn.Module:
+def _convert_tied(walk: _Walk, module: nn.Module, mesh: Mesh) -> nn.Module:
     """A module holding a shared embedding table, not its owner: a head → ``TiedHead2D`` on the
     owner's ``Embedding2D`` Parameter (its bias a vocabulary block, shared with the bias's other
     holders); another embedding → converted by its own converter, then given the owner's Parameter."""
@@ -167,7 +167,7 @@ def _convert_tied(walk: _Walk, module: nn.Module) -> nn.Module:
         )
     if isinstance(module, nn.Embedding):  # its own forward (BART's scaled embedding), the owner's table
         converter = converter_for(module)
-        converted = converter(module, walk.mesh) if converter is not None else None
+        converted = converter(module, mesh) if converter is not None else None
         if not isinstance(converted, Embedding2D) or converted.shardings["weight"] != table.shardings["weight"]:
             raise TypeError(
                 f"parallelize: {type(module).__name__} shares the weight of {type(owner).__name__}, but its "
@@ -316,7 +316,8 @@ class _Walk:
             )
         if self.aliased:
             lines = "\n  ".join(self.aliased)
-            raise ValueError(f"parallelize: {len(self.aliased)} module(s) reached on two meshes:\n  {lines}")
+            n = len(self.aliased)
+            raise ValueError(f"parallelize: {n} module(s) or tensor(s) reached on two meshes:\n  {lines}")
         if self.unsplit:
             lines = "\n  ".join(self.unsplit)
             raise ValueError(
@@ -361,7 +362,7 @@ class _Walk:
             return module if self.rehearsing else spec.apply(module, where)
         if isinstance(module, (nn.Linear, nn.Embedding)) and id(module.weight) in self.tied:
             if module is not self.tied[id(module.weight)]:  # the owner itself converts as usual
-                return _convert_tied(self, module)
+                return _convert_tied(self, module, mesh)
         how = self.plans.get(id(module))
         if how is None:  # reached through a converter's convert_children without check()
             how = _plan(module, None, mesh)
