@@ -41,6 +41,18 @@ def test_rmsnorm_matches_torch(mesh):
     check_against_serial(serial, RMSNorm2D.from_serial(serial, mesh), _x(mesh), mesh)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_rmsnorm_default_eps_is_that_of_the_dtype_it_computes_in(mesh, dtype):
+    """``eps=None``: torch takes the eps of the dtype it computes in (float32 for bf16 and fp16), not
+    the input's (7.8e-3 for bf16, which on small inputs moved outputs by 60 %)."""
+    torch.manual_seed(0)
+    serial = nn.RMSNorm(E, dtype=dtype)
+    x = _x(mesh, dtype=torch.float64).mul(0.05).to(dtype)
+    want = serial(x)
+    got = gather(RMSNorm2D.from_serial(serial, mesh)(scatter(x, mesh)), mesh)
+    assert_close(got, want, 1e-12 if dtype == torch.float64 else 1e-2, "output")
+
+
 def test_norm_sends_one_collective_each_way(mesh):
     norm = LayerNorm2D(E, mesh=mesh)
     x = scatter(_x(mesh), mesh).requires_grad_()

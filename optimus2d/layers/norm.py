@@ -171,7 +171,8 @@ class RMSNorm2D(_Norm2DBase):
     """``nn.RMSNorm`` over the last dim, which is split over the row group.
 
     Global: x ``[b, ..., h]``; weight ``[h]``. On rank (k, i, j): x ``[b/(d·q), ..., h/q]``; weight
-    ``[h/q]`` = block j, replicated over col and depth. ``eps=None`` is ``torch.finfo(x.dtype).eps``.
+    ``[h/q]`` = block j, replicated over col and depth. ``eps=None`` is the eps of the dtype it
+    computes in, as torch's kernel takes it: float32's for bf16 and fp16 inputs, float64's for float64.
     """
 
     def __init__(
@@ -187,7 +188,7 @@ class RMSNorm2D(_Norm2DBase):
         super().__init__(normalized_shape, eps, elementwise_affine, False, mesh=mesh, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        eps = self.eps if self.eps is not None else torch.finfo(compute_dtype(x)).eps  # as torch's kernel
         return self._normalise(x, eps, rms=True)
 
     @classmethod
