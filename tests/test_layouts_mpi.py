@@ -154,6 +154,23 @@ def test_a_tensor_tied_across_two_meshes_is_refused_and_on_one_is_exact(world):
     assert_state_close(serial_state_dict(parallel), serial.state_dict(), 1e-9)
 
 
+def test_a_batch_the_planned_mesh_cannot_divide_is_refused_naming_the_module(world):
+    """A batch the model's mesh divides but a planned module's does not: refused on every rank before
+    anything is sent, naming the module; the meshes stay usable."""
+    meshes = meshes_of(world)
+    if len(meshes) < 2:
+        pytest.skip("needs two mesh shapes")
+    outer, inner = sorted(meshes, key=lambda m: m.depth * m.q)
+    b = 2 * outer.depth * outer.q
+    if b % (inner.depth * inner.q) == 0:
+        b = 3 * outer.depth * outer.q
+    parallel = parallelize(_serial(), outer, plan={"encoder": inner})
+    with pytest.raises(ValueError, match=r"parallelize: encoder \(on .*\), its input: redistribute: batch dim 0"):
+        parallel(scatter(_input(world)[:1].expand(b, -1, -1).contiguous(), outer))
+    x = _input(world)
+    assert parallel(scatter(x, outer)).shape[0] == x.shape[0] // (outer.depth * outer.q)
+
+
 def test_untagged_input_refused_on_every_rank(world):
     meshes = meshes_of(world)
     if len(meshes) < 2:

@@ -200,7 +200,10 @@ class Boundary:
                     f"whose layout cannot be known (computed by plain torch, not given by scatter, scatter_batch, "
                     f"redistribute or an optimus2d module): it cannot be moved from the model's mesh to the module's"
                 )
-        return _map((args, kwargs), self._in)
+        try:  # redistribute refuses (on every rank, before sending) what the module's mesh cannot hold
+            return _map((args, kwargs), self._in)
+        except ValueError as err:
+            raise ValueError(f"parallelize: {self.path} (on {_shape(self.inner)}), its input: {err}") from err
 
     def adopt(self, kwargs: dict) -> None:
         """Tensors whose layout their keyword says (none here; ``WholeBoundary`` knows one)."""
@@ -213,7 +216,10 @@ class Boundary:
                         f"parallelize: {self.path} (on {_shape(self.inner)}) returns {key}, per-head tensors that "
                         f"have no activation layout to move to {_shape(self.outer)}: do not ask for them"
                     )
-        return self._fields(output)
+        try:
+            return self._fields(output)
+        except ValueError as err:
+            raise ValueError(f"parallelize: {self.path}'s output, moved to {_shape(self.outer)}: {err}") from err
 
     def _fields(self, output: object) -> object:
         """A ModelOutput's fields moved in place (a nested one's too: LLaVA's ``image_outputs``), a
