@@ -48,6 +48,41 @@ def test_transformer_encoder_stack_matches_serial(mesh, norm_first):
     check_against_serial(serial, parallel, _x(mesh, 6), mesh)
 
 
+@pytest.mark.parametrize("mask_check", [True, False], ids=["mask_check", "no_mask_check"])
+def test_an_encoder_in_eval_takes_torchs_nested_path_where_torch_does(mesh, mask_check):
+    """In eval, without grad, given a padding mask, torch's encoder runs its layers on each sample's
+    first n tokens (n: those the mask keeps) and returns zeros past them, before its norm; the
+    converted stack does too, where torch does: the mask whole or a block, bool or float, positional,
+    padded at the end or (without mask_check, torch reading only n) inside; with grad, it does not."""
+    import warnings
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, HEADS, 2 * E, dropout=0.0, batch_first=True)
+    serial = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(E), mask_check=mask_check).eval()
+    assert serial.use_nested_tensor
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    x = _x(mesh, E)
+    b = x.shape[0]
+    at_end = torch.zeros(b, SEQ, dtype=torch.bool)
+    at_end[1, -2:] = at_end[-1, -1:] = True
+    inside = at_end.clone()
+    inside[0, 1] = True
+    masks = {"at the end": at_end, "inside": inside, "float": torch.zeros(b, SEQ).masked_fill(at_end, float("-inf"))}
+    for grad in (False, True):
+        for name, kpm in masks.items():
+            with torch.set_grad_enabled(grad), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's: nested tensors are a prototype
+                want = serial(x, src_key_padding_mask=kpm)
+                for given in (kpm, optimus2d.scatter_batch(kpm, mesh)):
+                    got = gather(parallel(scatter(x, mesh), src_key_padding_mask=given), mesh)
+                    assert_close(got, want, 1e-5, f"{name}, grad {grad}")
+                got = gather(parallel(scatter(x, mesh), None, kpm), mesh)
+                assert_close(got, want, 1e-5, f"{name}, positional, grad {grad}")
+            nested = not grad and (name != "inside" or not mask_check)  # torch's zeros, then its norm:
+            past_end = want[1, -1].sub(serial.norm(torch.zeros(E))).abs().max()
+            assert (past_end < 1e-6) == nested, (name, grad, past_end)  # the case is the one meant
+
+
 def test_transformer_decoder_layer_matches_serial(mesh):
     torch.manual_seed(0)
     serial = nn.TransformerDecoderLayer(E, HEADS, 2 * E, dropout=0.0, batch_first=True)

@@ -101,6 +101,8 @@ _CONVERTS_CHILDREN.add(_keep)
 
 def _stack(module: nn.Module, mesh: Mesh) -> nn.Module:
     convert_children(module, mesh)
+    if isinstance(module, nn.TransformerEncoder):  # torch's nested-tensor path, taken where torch takes it
+        return TransformerStack2D(module.layers, module.norm, module.use_nested_tensor, module.mask_check)
     return TransformerStack2D(module.layers, module.norm)
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers.attention import MultiheadAttention2D
 from optimus2d.layers.base import fill_from_serial
@@ -191,18 +192,72 @@ class TransformerStack2D(nn.Module):
     """``nn.TransformerEncoder``/``nn.TransformerDecoder`` on the mesh: ``layers`` then ``norm``.
 
     Calls each layer as torch does (``mask``/``src_key_padding_mask``/``is_causal`` for an encoder;
-    the decoder's arguments passed through). torch's nested-tensor fast path does not apply.
+    the decoder's arguments passed through). ``nested``: the serial encoder's ``use_nested_tensor``
+    (``mask_check`` its own): where torch would take its nested-tensor path (in eval, without grad,
+    given a padding mask and no attention mask, ``_nested_padding``), it runs the layers on each
+    sample's first n tokens, n those its mask keeps, and returns zeros past them, before ``norm``;
+    so does this, the layers given "past the first n" as their padding mask.
     """
 
-    def __init__(self, layers: nn.ModuleList, norm: nn.Module | None) -> None:
+    def __init__(self, layers: nn.ModuleList, norm: nn.Module | None, nested: bool = False, mask_check: bool = True):
         super().__init__()
         self.layers, self.norm = layers, norm
+        self.nested, self.mask_check = nested, mask_check
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         kwargs = _encoder_kwargs(kwargs)
+        past = None
+        if self.nested:
+            names = ("src_mask", "src_key_padding_mask", "is_causal")[: len(args)]  # torch's encoder's order
+            kwargs, args = {**dict(zip(names, args, strict=True)), **kwargs}, ()
+            past = self._nested_padding(x, kwargs)
+            if past is not None:
+                kwargs["src_key_padding_mask"] = past
         for layer in self.layers:
             x = layer(x, *args, **kwargs)
+        if past is not None:
+            x = x.masked_fill(self._rows(past, x)[..., None], 0.0)
         return self.norm(x) if self.norm is not None else x
+
+    def _nested_padding(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
+        """``[b, S]`` (or its block) True past each sample's first n tokens where torch's encoder
+        would run on a nested tensor (its own conditions, in its order; the serial parameters are
+        plain tensors), None where it would not."""
+        mask, kpm, first = kwargs.get("src_mask"), kwargs.get("src_key_padding_mask"), self.layers[0]
+        devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
+        grads = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in first.parameters()))
+        if (
+            not torch.backends.mha.get_fastpath_enabled()
+            or first.training
+            or x.dim() != 3
+            or kpm is None
+            or (self.mask_check and torch.compiler.is_compiling())
+            or mask is not None
+            or torch.is_autocast_enabled()
+            or x.device.type not in devices
+            or grads
+        ):
+            return None
+        padded = kpm != 0  # as torch reads it: True where padded (a float mask pads at its non-zeros)
+        n = (~padded).sum(-1, keepdim=True)
+        past = torch.arange(padded.shape[-1], device=padded.device) >= n
+        if self.mask_check:  # torch's check is over the whole batch: every block's, summed
+            apart = (past != padded).any().to(torch.float32).reshape(1)
+            mesh = first.self_attn.mesh
+            if padded.shape[0] == x.shape[0]:  # this rank's block of the batch
+                for axis in ("col", "depth"):
+                    P.all_reduce(apart, mesh, axis)
+            if apart.item():  # not left-aligned: torch runs the layers on the whole tensor
+                return None
+        return past
+
+    def _rows(self, past: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``past``, given whole ``[b, S]`` or as this rank's block."""
+        if past.shape[0] == x.shape[0]:
+            return past
+        mesh = self.layers[0].self_attn.mesh
+        block = mesh.index("depth") * mesh.q + mesh.index("col")
+        return past[block * x.shape[0] : (block + 1) * x.shape[0]]
 
 
 def _encoder_kwargs(kwargs: dict) -> dict:
