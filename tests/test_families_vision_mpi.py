@@ -92,6 +92,9 @@ def test_image_classification(mesh, family):
 
     assert_close(gather(out.logits.detach(), mesh), out_ref.logits, 1e-4, "logits")
     assert_close(out.loss, out_ref.loss, 1e-5, "loss")
+    assert list(out.keys()) == list(out_ref.keys())  # the loss first: out[0], to_tuple() as serial's
+    as_tuple = parallel(pixel_values=scatter_batch(images, mesh), labels=scatter_batch(labels, mesh), return_dict=False)
+    assert as_tuple[0].dim() == 0 and len(as_tuple) == len(out_ref.to_tuple())
     compare_step(serial, parallel, mesh)
 
 

@@ -146,12 +146,13 @@ def _classification_forward(self, pixel_values=None, labels=None, *args, **kwarg
     num_items = kwargs.pop("num_items_in_batch", None)
     kwargs["return_dict"] = True
     out = type(self).__mro__[1].forward(self, pixel_values, None, *args, **kwargs)
-    if labels is not None:
-        if num_items is None:
-            out.loss = cross_entropy(out.logits, labels, mesh)
-        else:  # as transformers' fixed_cross_entropy: a sum over the targets / num_items_in_batch
-            out.loss = cross_entropy(out.logits, labels, mesh, reduction="sum") / num_items
-    return out
+    if labels is None:
+        return out
+    if num_items is None:
+        loss = cross_entropy(out.logits, labels, mesh)
+    else:  # as transformers' fixed_cross_entropy: a sum over the targets / num_items_in_batch
+        loss = cross_entropy(out.logits, labels, mesh, reduction="sum") / num_items
+    return type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})  # first, as serial's
 
 
 def _classification(model: nn.Module, mesh: Mesh) -> nn.Module:
