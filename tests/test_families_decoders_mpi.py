@@ -224,3 +224,36 @@ def test_a_refused_family_taught_in_one_line_converts_exactly(mesh):
     state = serial_state_dict(parallel)
     for key, value in serial.state_dict().items():
         assert_close(state[key], value, 1e-4, f"gpt_neox {key} after AdamW")
+
+
+_FOLLOWING = {  # rotary tables whose frequencies follow max(position_ids): transformers' @dynamic_rope_update
+    "dynamic": ("LlamaConfig", {"rope_type": "dynamic", "factor": 4.0}, "LlamaForCausalLM"),
+    "longrope": ("Phi3Config", {"rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": [4.0] * 6},
+                 "Phi3ForCausalLM"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(_FOLLOWING))
+def test_a_rotary_table_that_follows_positions_reads_the_whole_batchs(mesh, kind):
+    """Dynamic and longrope RoPE choose their frequencies from the batch's largest position (and
+    dynamic keeps what it chose): each call reads the mesh's largest, as serial reads the batch's.
+    Rows of other lengths (a left-padded batch) put a block of only short rows on some ranks."""
+    config_cls, rope, model_cls = _FOLLOWING[kind]
+    heads, kv_heads = _heads(mesh)
+    config = getattr(transformers, config_cls)(
+        **{**_COMMON, "max_position_embeddings": 8}, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=12, attn_implementation="eager", rope_parameters={"rope_theta": 10000.0, **rope},
+        **({"original_max_position_embeddings": 8} if kind == "longrope" else {}),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    serial = getattr(transformers, model_cls)(config).eval()
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    b = 2 * mesh.depth * mesh.q
+    torch.manual_seed(1)
+    ids = torch.randint(1, 96, (b, 10))
+    short = torch.arange(10).expand(b, -1) - torch.tensor([6] * (b // 2) + [0] * (b - b // 2))[:, None]
+    for positions in (short.clamp(min=0), torch.arange(10).expand(b, -1) % 5, short.clamp(min=0)):
+        with torch.no_grad():
+            want = serial(input_ids=ids, position_ids=positions).logits
+            got = parallel(input_ids=scatter_batch(ids, mesh), position_ids=scatter_batch(positions, mesh)).logits
+        assert_close(gather(got, mesh)[..., :96], want, 1e-5, f"{kind} logits")

@@ -21,7 +21,7 @@ from torch import nn
 from optimus2d.comm.calls import layout
 from optimus2d.comm.mesh import Mesh
 from optimus2d.context.parallel import ContextParallel
-from optimus2d.convert import blockwise, forward_reader, layouts
+from optimus2d.convert import blockwise, dynamic_rope, forward_reader, layouts
 from optimus2d.convert.instance_forward import replaced_forward
 from optimus2d.convert.registry import (
     _CONVERTERS,
@@ -411,7 +411,7 @@ def _plan(module: nn.Module, parent: nn.Module | None, mesh: Mesh) -> Converter 
         norm_2d = RMSNorm2D if isinstance(norm, nn.RMSNorm) else LayerNorm2D
         return lambda _module, mesh: norm_2d.from_serial(norm, mesh)
     if not module._modules and blockwise.independent_of_hidden(module):  # a rotary table: replicated
-        return _as_is
+        return dynamic_rope.over_the_mesh if dynamic_rope.follows_positions(module) else _as_is
     if blockwise.acts_elementwise_with_scalars(module):  # xIELU: scalars summed over the mesh in backward
         return blockwise.replicated
     weightless = blockwise.as_weightless_norm(module)
