@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from optimus2d.comm import all_reduce
 from optimus2d.comm import primitives as P
@@ -30,19 +31,41 @@ class StageMesh(Protocol):
 
 
 def _mesh_of(params: list[torch.Tensor]) -> Mesh | None:
+    """The mesh to reduce over: the parameters' own, which may be several meshes over the same ranks
+    (``parallelize(plan=)``: each parameter then counts its replicas on its own mesh)."""
     meshes = {id(m): m for p in params if (m := getattr(p, "_optimus2d_mesh", None)) is not None}
-    if len(meshes) > 1:
+    if len({frozenset(m.ranks) for m in meshes.values()}) > 1:
         raise ValueError(
-            f"clip_grad_norm_: the parameters live on {len(meshes)} meshes ({', '.join(map(repr, meshes.values()))}); "
-            "clip each mesh's parameters, or pass mesh="
+            f"clip_grad_norm_: the parameters live on {len(meshes)} meshes over different ranks "
+            f"({', '.join(map(repr, meshes.values()))}); a pipeline's stages: pass pipe=, this rank's StageMesh"
         )
     return next(iter(meshes.values()), None)
 
 
+def _own_mesh(param: torch.Tensor, mesh: Mesh) -> Mesh:
+    """The mesh on which ``param``'s replicas are counted: its own, which must be over the ranks of
+    ``mesh``; a DTensor over more ranks (FSDP's data-parallel dim too) is refused, as torch's own
+    ``clip_grad_norm_`` reads its placements."""
+    own = getattr(param, "_optimus2d_mesh", None)
+    if own is not None and frozenset(own.ranks) != frozenset(mesh.ranks):
+        raise ValueError(
+            f"clip_grad_norm_: a parameter of shape {tuple(param.shape)} lives on {own}, not over the ranks "
+            f"of mesh={mesh}: pass the parameters of one set of ranks (a pipeline's stages: pipe=)"
+        )
+    mesh = own if own is not None else mesh
+    if isinstance(param, DTensor) and param.device_mesh.size() != mesh.size:
+        raise ValueError(
+            f"clip_grad_norm_: a parameter of shape {tuple(param.shape)} is a DTensor over "
+            f"{param.device_mesh.size()} ranks, not the {mesh.size} of {mesh} (sharded by FSDP over data-parallel "
+            f"replicas too): use torch.nn.utils.clip_grad_norm_, which reads its placements"
+        )
+    return mesh
+
+
 def _replicas(param: torch.Tensor, mesh: Mesh) -> int:
-    """How many ranks hold the same block of ``param``."""
+    """How many ranks of ``mesh`` (``param``'s own, ``_own_mesh``) hold the same block of ``param``."""
     sharding = param_sharding(param)
-    if sharding is None and isinstance(param, DTensor) and param.device_mesh.size() == mesh.size:
+    if sharding is None and isinstance(param, DTensor):
         # torch's own placements (a linear parallelize_module split in 1D): replicated where Replicate
         return math.prod(param.device_mesh.size(d) for d, p in enumerate(param.placements) if p.is_replicate())
     if sharding is None:  # a plain torch parameter, or one replicated: the same on every rank
@@ -70,7 +93,9 @@ def clip_grad_norm_(
     mesh (a max for ``norm_type=inf``). Returns the total norm, the same on every rank.
 
     ``mesh``: found from the parameters when not given (``parallelize`` and every layer mark
-    theirs); parameters of no mesh at all are clipped as torch does. A pipelined model: pass this
+    theirs; the meshes of a ``plan=`` are over the same ranks, and each parameter's replicas are
+    counted on its own); parameters of no mesh at all are clipped as torch does. A ``DeviceMesh``
+    is read as ``Mesh.from_device_mesh``. A pipelined model: pass this
     rank's ``StageMesh`` (as ``mesh`` or ``pipe=``) and the parameters of all its chunks; the norm
     is then the whole serial model's, over every stage (one more all-reduce of one float, over the
     lane). ``copies``: parameters whose gradient other stages hold too, with how many copies the
@@ -79,6 +104,8 @@ def clip_grad_norm_(
     if isinstance(parameters, nn.Module):
         parameters = parameters.parameters()
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if isinstance(mesh, DeviceMesh):
+        mesh = Mesh.from_device_mesh(mesh)
     if pipe is None and mesh is not None and not isinstance(mesh, Mesh):
         pipe, mesh = mesh, None  # a StageMesh given where the mesh goes
     if pipe is not None:
@@ -90,7 +117,8 @@ def clip_grad_norm_(
         if mesh is None and any(isinstance(p, DTensor) for p in params):
             raise ValueError(
                 "clip_grad_norm_: these parameters are DTensors of no optimus2d mesh (a module in 1D, "
-                "megatron.Megatron, split by torch): pass mesh=, the mesh the model was parallelized on"
+                "megatron.Megatron, split by torch): pass mesh=, the mesh the model was parallelized on; "
+                "sharded by FSDP (fully_shard), use torch.nn.utils.clip_grad_norm_"
             )
         if mesh is None:  # plain torch parameters only: nothing is split
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
@@ -110,7 +138,12 @@ def clip_over(
     ``copies``: parameters whose gradient that many ranks of the lane hold alike (a tied table's
     copies on the first and last stages), each counted 1/copies times so the table counts once."""
     copies = {id(p): n for p, n in (copies or {}).items()}
-    grads = [(local(p.grad), _replicas(p, mesh) * copies.get(id(p), 1)) for p in params if p.grad is not None]
+    own = [_own_mesh(p, mesh) for p in params]  # every parameter's checked, with a gradient or not
+    grads = [
+        (local(p.grad), _replicas(p, m) * copies.get(id(p), 1))
+        for p, m in zip(params, own, strict=True)
+        if p.grad is not None
+    ]
     device = grads[0][0].device if grads else torch.device("cpu")
     if norm_type == float("inf"):
         zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -127,7 +160,7 @@ def clip_over(
         P.all_reduce_group(total, mesh, lane, "lane")
         total = total[0] ** (1.0 / norm_type)
     clip = max_norm / (total + 1e-6)  # in float64, rounded once to each gradient's dtype
-    if clip < 1:
+    if not clip >= 1:  # a NaN norm too: every gradient becomes NaN, as torch's clamp and multiply make it
         for g, _ in grads:
             g.detach().mul_(clip.to(g.dtype))
     return total.to(grads[0][0].dtype if grads else torch.float32)  # as torch: the gradients' dtype

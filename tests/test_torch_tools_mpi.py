@@ -290,6 +290,9 @@ def test_fsdp2_over_two_replicas_steps_like_serial(world, tmp_path_factory):
         dist.all_reduce(got, group=dm.get_group("dp"))
         assert_close(got / 2, want, 1e-6, "loss")
         assert_close(_full(norm), want_norm, 1e-6, "clip_grad_norm_")
+    for given in (None, mesh, dm):  # FSDP's shards are of every replica: optimus2d's clip sends to torch's
+        with pytest.raises(ValueError, match=r"FSDP.*use torch\.nn\.utils\.clip_grad_norm_"):
+            optimus2d.clip_grad_norm_(model.parameters(), 1e9, given)
     reference, trained = serial.state_dict(), {k: _full(v) for k, v in model.state_dict().items()}
     for key, value in trained.items():
         assert_close(value, reference[key], 1e-6, key)

@@ -44,7 +44,7 @@ def test_clip_grad_norm_is_the_serial_norm(mesh):
     assert_state_close(state, serial.state_dict())
 
 
-def test_clip_grad_norm_finds_one_mesh_or_refuses(mesh):
+def test_clip_grad_norm_finds_the_meshes_of_its_parameters(mesh):
     plain = nn.Linear(3, 4)
     plain(torch.ones(2, 3)).sum().backward()
     grads = [p.grad.clone() for p in plain.parameters()]
@@ -52,11 +52,17 @@ def test_clip_grad_norm_finds_one_mesh_or_refuses(mesh):
     assert_close(norm, torch.cat([g.flatten() for g in grads]).norm(), what="plain norm")
     from optimus2d import Mesh
 
-    other = Mesh(mesh.q, mesh.depth)
-    params = [*TransformerBlock2D.from_serial(_serial_block(), mesh).parameters()]
-    params += [*TransformerBlock2D.from_serial(_serial_block(), other).parameters()]
-    with pytest.raises(ValueError, match=r"the parameters live on 2 meshes .*pass mesh="):
-        clip_grad_norm_(params, max_norm=1.0)
+    other = Mesh(1, mesh.size)  # over the same ranks: each parameter's replicas counted on its own mesh
+    serial = [_serial_block(), _serial_block()]
+    blocks = [TransformerBlock2D.from_serial(s, m) for s, m in zip(serial, (mesh, other), strict=True)]
+    x = torch.randn(2 * mesh.size, 4, E)
+    for s, block, m in zip(serial, blocks, (mesh, other), strict=True):
+        s(x).square().sum().backward()
+        block(scatter(x, m)).square().sum().backward()
+    want = torch.nn.utils.clip_grad_norm_([p for s in serial for p in s.parameters()], 1e9)
+    for given in (None, mesh, other):
+        got = clip_grad_norm_([p for b in blocks for p in b.parameters()], 1e9, given)
+        assert_close(got, want, 1e-5, f"norm, mesh={given}")
 
 
 def test_dropout_masks_differ_between_shards_and_repeat_for_a_seed(mesh):
