@@ -17,6 +17,7 @@ does to a tensor (``orthogonal_``'s QR, a copy of a computed meta tensor) is ref
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import sys
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from optimus2d.comm.dtensor import local
+from optimus2d.comm.dtensor import DTensor, local
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding, block_slices
 from optimus2d.layers.base import sharding_of, swap_block
@@ -38,6 +39,27 @@ _ELEMENTWISE = ("fill_", "zero_", "mul_", "add_", "sub_", "div_", "clamp_", "erf
 
 def has_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def has_real(module: nn.Module) -> bool:
+    return any(not t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def _meta_twin(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose every tensor is on meta (the same types, shapes and dtypes), made
+    without copying a byte of the real ones: what ``record_init`` may run the initialisation on."""
+    memo: dict[int, object] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) in memo:
+            continue
+        if isinstance(t, DTensor):
+            raise ValueError(
+                "materialize: a model parallelized on real tensors, some then moved to meta, has no record "
+                "of how the serial model initialises them: parallelize the model built on meta"
+            )
+        twin = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(twin, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else twin
+    return copy.deepcopy(model, memo)
 
 
 def record_init(model: nn.Module) -> dict[str, list[tuple]]:
@@ -210,8 +232,8 @@ def materialize(model: nn.Module, *, seed: int, device: torch.device | str | Non
     the global tensors are the same on every mesh. Tensors already allocated are left alone. Raises
     ``ValueError`` naming each tensor whose initialisation cannot be replayed, before allocating."""
     records = getattr(model, "_optimus2d_init", None)
-    if records is None:
-        records = record_init(model)
+    if records is None:  # replayed on a meta twin: the initialisation would overwrite what is loaded
+        records = record_init(model if not has_real(model) else _meta_twin(model))
     owners = {}
     for prefix, sub in model.named_modules(remove_duplicate=False):
         for name, t in [*sub._parameters.items(), *sub._buffers.items()]:
