@@ -7,6 +7,7 @@ import collections
 import json
 import logging
 import os
+import warnings
 
 import pytest
 import torch
@@ -348,11 +349,35 @@ def test_a_checkpoint_that_does_not_fit_is_refused_on_every_rank(mesh, shared, c
     for key, value in serial_state_dict(parallel).items():
         assert torch.equal(value, before[key]), key  # nothing changed
     if case == "missing":
-        with caplog.at_level(logging.INFO, logger="optimus2d"):
+        with caplog.at_level(logging.INFO, logger="optimus2d"), warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
             load_pretrained(parallel, shared, strict=False, progress=False)  # the rest is read
+        said_aloud = [str(w.message) for w in warned if "strict=False" in str(w.message)]
+        assert len(said_aloud) == (mesh.index("mesh") == 0), said_aloud  # a warning, on the first rank
         assert torch.equal(serial_state_dict(parallel)["model.norm.weight"], state["model.norm.weight"])
         said = "1 keys of the model not in the checkpoint (model.layers.1.mlp.up_proj.weight)"
         assert mesh.index("mesh") != 0 or said in caplog.text, caplog.text  # what was skipped, said
+
+
+@pytest.mark.parametrize("head", ["equal", "other"])
+def test_a_tied_table_held_twice_by_the_checkpoint_must_agree(mesh, shared, head):
+    """GPT-2 ties its head to its table; a checkpoint holding ``lm_head.weight`` too, with other values
+    (transformers would then untie them), is refused before anything is read into the model (it
+    was read from the table alone: logits 0.86 off); the same values load."""
+    serial = _gpt2(mesh, 0)
+    state = {k: v.clone().contiguous() for k, v in serial.state_dict().items()}
+    state["lm_head.weight"] = state["transformer.wte.weight"] + (0.1 if head == "other" else 0.0)
+    _checkpoint_with(shared, state)
+    parallel = parallelize(_gpt2(mesh, 1), mesh)
+    before = serial_state_dict(parallel)
+    if head == "equal":
+        load_pretrained(parallel, shared)
+        _assert_same(parallel, serial, mesh)
+        return
+    with pytest.raises(ValueError, match=r"holds transformer\.wte\.weight and lm_head\.weight with different"):
+        load_pretrained(parallel, shared)
+    for key, value in serial_state_dict(parallel).items():
+        assert torch.equal(value, before[key]), key  # nothing changed
 
 
 def test_a_base_model_reads_the_checkpoint_of_its_lm(mesh, shared, caplog):

@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -188,9 +189,10 @@ def _ignored(model: nn.Module, which: str) -> re.Pattern | None:
     return re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
 
 
-def _plan_load(model, tensors, mesh, path, strict) -> tuple[list[tuple[_Tensor, str, str]], str]:
-    """([(tensor, checkpoint key, file)], what was left aside); raises ``ValueError`` if the
-    checkpoint does not fit."""
+def _plan_load(model, tensors, mesh, path, strict) -> tuple[list[tuple[_Tensor, str, str]], str, list]:
+    """([(tensor, checkpoint key, file)], what was left aside, [(tensor, another key of its, file)]:
+    a tied tensor the checkpoint holds under two of its keys, to be compared); raises ``ValueError``
+    if the checkpoint does not fit."""
     files = _checkpoint_files(path)
     headers = _headers(files)
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -204,12 +206,14 @@ def _plan_load(model, tensors, mesh, path, strict) -> tuple[list[tuple[_Tensor, 
         head = sorted(k for k in headers if not k.startswith(f"{prefix}."))
     else:
         renamed = {k: k for k in headers}
-    plan, missing, shapes = [], [], []
+    plan, missing, shapes, twins = [], [], [], []
     for t in tensors:
-        key = next((k for k in t.keys if k in renamed), None)
-        if key is None:
+        held = [k for k in t.keys if k in renamed]
+        if not held:
             missing.append(t.keys[0])
             continue
+        key = held[0]
+        twins += [(t, renamed[other], files[renamed[other]]) for other in held[1:]]
         stored, dtype = headers[renamed[key]]
         if stored != t.serial_shape:
             shapes.append(f"{key}: checkpoint {list(stored)}, model {list(t.serial_shape)}")
@@ -237,7 +241,30 @@ def _plan_load(model, tensors, mesh, path, strict) -> tuple[list[tuple[_Tensor, 
     aside = [f"{len(missing)} keys of the model not in the checkpoint ({few(missing)})"] if missing else []
     aside += [f"{len(unexpected)} keys of the checkpoint not in the model ({few(unexpected)})"] * bool(unexpected)
     aside += [f"{len(head)} keys of a head the model has not ({few(head)})"] * bool(head)
-    return plan, "; ".join(aside)
+    if (missing or unexpected) and (mesh is None or mesh.index("mesh") == 0):  # said aloud, once, as
+        # transformers' load report says it: what is missing is initialised from seed 0
+        warnings.warn(f"load_pretrained(strict=False): {'; '.join(aside)}", stacklevel=3)
+    return plan, "; ".join(aside), twins
+
+
+def _untied(path: str, plan: list, twins: list) -> ValueError | None:
+    """The refusal of a checkpoint holding one tied tensor under two keys with different values (an
+    LM head saved apart from its table: transformers then unties them), compared block by block."""
+    first = {id(t): (key, name) for t, key, name in plan}
+    differ = []
+    for t, other, name in twins:
+        key, file = first[id(t)]
+        a, b = (torch.empty(t.block.shape, dtype=t.block.dtype) for _ in range(2))
+        _read_block(file, key, t, a)
+        _read_block(name, other, t, b)
+        if not torch.equal(a, b):
+            differ.append(f"{key} and {other}")
+    if not differ:
+        return None
+    return ValueError(
+        f"load_pretrained: {path!r} holds {'; '.join(differ)} with different values, which the model ties (one "
+        f"tensor): transformers would untie them; build the model untied (tie_word_embeddings=False)"
+    )
 
 
 _CHUNK = 16 << 20  # bytes of a file a rank maps at once: safetensors maps every page a slice reads
@@ -330,9 +357,9 @@ def load_pretrained(
     start = time.perf_counter()
     tensors = _tensors(model)
     mesh = _model_mesh(tensors)
-    plan, checked, error, aside = [], None, None, ""
+    plan, checked, error, aside, twins = [], None, None, "", []
     try:
-        plan, aside = _plan_load(model, tensors, mesh, path, strict)
+        plan, aside, twins = _plan_load(model, tensors, mesh, path, strict)
         checked = integrity.Checked(_checkpoint_files(path).values(), INDEX)  # headers; checksums if any
     except Exception as err:  # a file unreadable or damaged (safetensors' error), on this rank or every one
         error = err if isinstance(err, (ValueError, TypeError)) else ValueError(f"load_pretrained: {path!r}: {err!r}")
@@ -345,6 +372,8 @@ def load_pretrained(
     bar = Progress("load_pretrained", len(plan), mesh, progress)
     bar.start = start
     try:
+        if (untied := _untied(path, plan, twins)) is not None:  # before the model is written
+            raise untied
         with bar, torch.no_grad():
             for name, items in sorted(by_file.items()):
                 for t, key in items:  # the file opened per run of rows: its pages leave memory at once
