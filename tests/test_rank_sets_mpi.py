@@ -177,6 +177,36 @@ def test_gpipe_on_rank_sets_matches_serial(world):
     _gpipe_matches_serial(pipe, serial, N, [((mb, 3, h), (mb, 3, 2 * h)), ((mb, 3, 2 * h), (mb, 3, h))])
 
 
+@pytest.mark.parametrize("fed", ["input", "target"])
+def test_blocks_not_in_serial_micro_batch_order_are_refused_on_every_rank(world, fed):
+    """Sets of different shapes re-split each micro-batch as the serial ``x.chunk(n)[m]`` at their
+    boundary: an input or target block made by ``scatter``/``scatter_batch`` (micro-batch m the m-th
+    slice of every batch block: other samples; loss 2.6e-3 off, gradients 0.77) is refused before the
+    step sends anything, on every rank; so is ``causal_lm_targets`` without ``microbatches=``."""
+    tower, tower_shape, llm_shape = _cases(world)[0]
+    q, depth = tower_shape if fed == "input" else llm_shape
+    if depth * q == 1:
+        pytest.skip("a set of one batch block holds each micro-batch in order whatever made it")
+    pipe = _pipe(world, tower, (tower_shape, llm_shape))
+    h, mb = 8, 2 * tower_shape[1] * llm_shape[1] * tower_shape[0] * llm_shape[0]
+    torch.manual_seed(0)
+    chunk = optimus2d.parallelize(torch.nn.Linear(h, h), pipe.mesh)
+    stage = pipeline_stage(chunk, pipe, microbatch_shape=(mb, 3, h))
+    loss_fn = lambda out, w: optimus2d.pipeline.mesh_sum(out * w, pipe.mesh)  # noqa: E731
+    schedule = ScheduleGPipe(stage, n_microbatches=N, loss_fn=loss_fn, scale_grads=False)
+    x = torch.randn(N * mb, 3, h)
+    made = {"input": optimus2d.scatter if fed == "input" else scatter_microbatches}
+    made["target"] = optimus2d.scatter if fed == "target" else scatter_microbatches
+    block = lambda how: how(x, pipe.mesh) if how is optimus2d.scatter else how(x, pipe.mesh, N)  # noqa: E731
+    with pytest.raises(ValueError, match=r"not made by scatter_microbatches\(x, mesh, n=2\)"):
+        if pipe.stage == 0:
+            schedule.step(block(made["input"]))
+        else:
+            schedule.step(target=block(made["target"]), losses=[])
+    with pytest.raises(ValueError, match=r"causal_lm_targets: the stages have different shapes"):
+        causal_lm_targets(torch.zeros(N * mb, 3, dtype=torch.long), pipe.mesh)
+
+
 def test_a_shape_a_set_does_not_divide_is_refused_with_its_numbers(world):
     """Before any message: the batch of a micro-batch must split over both meshes of a boundary."""
     tower, tower_shape, llm_shape = _cases(world)[0]

@@ -20,7 +20,10 @@ world) takes part in one all-gather of 7 words (``comm/agreement.py``'s signatur
   step is under way, on that rank alone, while the others wait. (Copies of a stage mesh feed alike:
   one fed the whole batch beside another fed the same split by the caller is refused too.) On torch
   ≥ 2.15 the step's ``finalize_gradients`` is part of the step (an FSDP stage without it would skip
-  the reduce its peers wait in).
+  the reduce its peers wait in). Stage meshes of different shapes (``stage_meshes``, ``rank_sets``)
+  re-split each micro-batch as the serial ``x.chunk(n)[m]``: a first stage's input or a last stage's
+  target not made by ``scatter_microbatches`` (with n) on a mesh of more than one batch block is
+  refused, as it would pair other samples.
 
 Otherwise every rank raises the same ``ValueError`` before the step sends anything, naming the
 ranks and what each has (a second all-gather, of each rank's text). The stage (``LaneStage``) runs
@@ -81,7 +84,11 @@ def agree_step(stage, pipe) -> None:
         final = step["finalize_gradients"]
         what += f", finalize_gradients={final if isinstance(final, bool) else type(final).__name__}"
     fed = _fed(stages, args, kwargs, target, split)
-    error = _split_refusal(stages, split, (args, kwargs, target), n) or _refusal(stages, args, n, schedule)
+    error = (
+        _split_refusal(stages, split, (args, kwargs, target), n)
+        or _refusal(stages, args, n, schedule)
+        or _order_refusal(stages, (args, kwargs, target), n, pipe)
+    )
     extra = (zlib.crc32(str(pipe.stage).encode()), zlib.crc32(fed.encode()))
     words = agreement.signature("pipeline step", what, (), error) + list(extra)
     timeout = pipe.mesh.timeout
@@ -212,6 +219,35 @@ def _refusal(stages: list, args, n: int, schedule) -> ValueError | None:
         f"make {want}: feed each data-parallel copy its equal share of the batch (a batch that does not split "
         f"evenly over the copies and micro-batches is refused), or declare the micro-batch it is fed"
     )
+
+
+def _order_refusal(stages: list, whole: tuple, n: int, pipe) -> ValueError | None:
+    """Why this rank refuses the step: its stage mesh is one of stages of different shapes, whose
+    boundaries re-split each micro-batch as the serial ``x.chunk(n)[m]``, but its first stage's
+    inputs or its last stage's target are not in that order (not made by ``scatter_microbatches``:
+    ``scatter``'s micro-batch m is the m-th slice of every batch block, other samples, silently).
+    A mesh of one batch block (d·q = 1) holds each micro-batch in order whatever made it."""
+    meshes = getattr(pipe, "meshes", ())
+    mesh = pipe.mesh
+    if n == 1 or len({(m.q, m.depth) for m in meshes}) < 2 or mesh.depth * mesh.q == 1:
+        return None
+    args, kwargs, target = whole
+    fed = []
+    if stages[0].is_first:
+        fed += [(f"input {i}", a) for i, a in enumerate(args if isinstance(args, (tuple, list)) else (args,))]
+        fed += [(f"input {k}=", v) for k, v in (kwargs or {}).items()]
+    if stages[-1].is_last and target is not None:
+        fed.append(("target", target))
+    for name, t in fed:
+        if isinstance(t, torch.Tensor) and t.dim() and getattr(t, "_optimus2d_microbatches", None) != n:
+            shapes = [f"Mesh(q={m.q}, depth={m.depth})" for m in meshes]
+            return ValueError(
+                f"pipeline step: rank {dist.get_rank()} feeds its stage ({mesh}) {name} {agreement.describe(t)} "
+                f"not made by scatter_microbatches(x, mesh, n={n}): the stages have different shapes "
+                f"({', '.join(shapes)}), so each boundary re-splits a micro-batch as the serial x.chunk({n})[m], "
+                f"and a block made by scatter or scatter_batch would pair other samples"
+            )
+    return None
 
 
 def _raise_unlike(texts: list[str], table: torch.Tensor, pipe) -> None:

@@ -116,4 +116,6 @@ def scatter_microbatches(x: torch.Tensor, mesh: Mesh, n: int, *, layout: str = "
     rest = tuple(x.shape[1:])
     # [n, d·q, b/(n·d·q), ...] → [d·q, n, b/(n·d·q), ...]: batch block c holds block c of every micro-batch
     ordered = x.reshape(n, blocks, x.shape[0] // (n * blocks), *rest).transpose(0, 1).reshape(x.shape)
-    return scatter(ordered, mesh) if layout == "activation" else scatter_batch(ordered, mesh)
+    block = scatter(ordered, mesh) if layout == "activation" else scatter_batch(ordered, mesh)
+    block._optimus2d_microbatches = n  # what a pipeline step of stages of different shapes asks of it
+    return block

@@ -152,6 +152,9 @@ def rank_sets(
         raise error
     meshes = tuple(Mesh(qs, ds, ranks=members, transport=transport, check=check) for members, (qs, ds) in
                    zip(sets, shapes, strict=True))  # fmt: skip
+    if len(set(shapes)) > 1:  # each boundary re-splits a micro-batch as serial chunk(n)[m]: noted for the targets
+        for made in meshes:
+            made.__dict__["_optimus2d_stage_shapes"] = tuple(shapes)
     me = dist.get_rank()
     stage = next(s for s, members in enumerate(sets) if me in members)
     lane = None
