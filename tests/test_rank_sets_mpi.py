@@ -268,6 +268,26 @@ def test_neighbours_that_declare_different_activations_are_refused_on_every_rank
                 schedule.step(target=scatter_microbatches(x, pipe.mesh, N), losses=[])
 
 
+def test_neighbours_that_declare_different_dtypes_are_refused_on_every_rank(world):
+    """bf16 sent to a stage that declared fp16 (the same bytes: read as other numbers, silently; fp32 to
+    fp64 aborted gloo): every rank raises the same ValueError at the step's first exchange."""
+    tower, tower_shape, llm_shape = _cases(world)[0]
+    pipe = _pipe(world, tower, (tower_shape, llm_shape))
+    mb = 2 * tower_shape[1] * llm_shape[1] * tower_shape[0] * llm_shape[0]
+    dtype = torch.bfloat16 if pipe.stage == 0 else torch.float16
+    torch.manual_seed(0)
+    chunk = optimus2d.parallelize(torch.nn.Linear(8, 8).to(dtype), pipe.mesh)
+    stage = pipeline_stage(chunk, pipe, microbatch_shape=(mb, 3, 8))
+    loss_fn = lambda out, w: optimus2d.pipeline.mesh_sum(out * w, pipe.mesh)  # noqa: E731
+    schedule = ScheduleGPipe(stage, n_microbatches=N, loss_fn=loss_fn, scale_grads=False)
+    x = torch.randn(N * mb, 3, 8, dtype=dtype)
+    with pytest.raises(ValueError, match=r"dtype bfloat16 here, float16 there|dtype float16 here, bfloat16 there"):
+        if pipe.stage == 0:
+            schedule.step(scatter_microbatches(x, pipe.mesh, N))
+        else:
+            schedule.step(target=scatter_microbatches(x, pipe.mesh, N), losses=[])
+
+
 def test_a_chunk_whose_output_is_not_the_declared_block_is_refused():
     """Packed would send a part of a larger block, silently: it refuses, naming both shapes."""
     from optimus2d.pipeline.rank_sets import Packed

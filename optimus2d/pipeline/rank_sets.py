@@ -275,7 +275,8 @@ class RankSetStage(LaneStage):
 
     def _handshake(self) -> None:
         """Each pair of neighbouring ranks swaps what it declared of the piece between them, before any
-        activation: its elements a micro-batch and whether a gradient comes back, then
+        activation: its elements a micro-batch, whether a gradient comes back and its dtype (bf16 read
+        as fp16 would be other numbers, silently; fp32 as fp64 aborts gloo), then
         both raise the same ``ValueError`` if the two differ (stages that declared different shapes
         or gradients would otherwise hang, or pair the wrong elements). This is also the first message
         on each pair (opening NCCL's communicators)."""
@@ -285,7 +286,9 @@ class RankSetStage(LaneStage):
         ops, exchanged = [], []
         for peer, size, meta, how in sides:
             grad = int(bool(getattr(meta, "requires_grad", False)))
-            mine = torch.tensor([size, grad], dtype=torch.float64, device=self.device)
+            dtype = getattr(meta, "dtype", None)
+            code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+            mine = torch.tensor([size, grad, code], dtype=torch.float64, device=self.device)
             theirs = torch.empty_like(mine)
             ops += [dist.P2POp(dist.isend, mine, peer, self.bridge), dist.P2POp(dist.irecv, theirs, peer, self.bridge)]
             exchanged.append((peer, how, mine, theirs))
@@ -297,8 +300,9 @@ class RankSetStage(LaneStage):
                 raise ValueError(
                     f"pipeline_stage: rank {dist.get_rank()} (stage {self.stage_index}) {how} rank {peer} a piece of "
                     f"{next(me)} elements a micro-batch, rank {peer} declared {next(other)}; gradient back: "
-                    f"{_grad(next(me))} here, {_grad(next(other))} there. Neighbouring stages must declare the same "
-                    f"activation (output_shape of one = microbatch_shape of the next; output_grad = input_grad)"
+                    f"{_grad(next(me))} here, {_grad(next(other))} there; dtype {_dtype(next(me))} here, "
+                    f"{_dtype(next(other))} there. Neighbouring stages must declare the same activation (output_shape "
+                    f"of one = microbatch_shape of the next; output_grad = input_grad; one dtype: dtype=)"
                 )
 
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
@@ -334,6 +338,13 @@ class RankSetStage(LaneStage):
 
 def _grad(flag: int) -> str:
     return "yes" if flag else "no"
+
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
+
+
+def _dtype(code: int) -> str:
+    return str(_DTYPES[code]).removeprefix("torch.") if code < len(_DTYPES) else "another"
 
 
 def _block(what: str, shape: Sequence[int], meshes: tuple[Mesh, ...], kind: str) -> tuple[int, ...]:
