@@ -23,6 +23,15 @@ def _llama_config(mesh):
     )  # fmt: skip
 
 
+def _gemma_config(mesh):
+    heads = 6 if mesh.q == 3 else 4
+    return transformers.GemmaConfig(
+        vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=heads // 2, head_dim=8, max_position_embeddings=32, pad_token_id=0,
+        attn_implementation="eager",
+    )  # fmt: skip
+
+
 def _gpt2_config(mesh):
     return transformers.GPT2Config(
         vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=6, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
@@ -45,6 +54,7 @@ def _torch_stack(mesh):
 _FAMILIES = {
     "llama": lambda mesh: transformers.LlamaForCausalLM(_llama_config(mesh)),
     "gpt2": lambda mesh: transformers.GPT2LMHeadModel(_gpt2_config(mesh)),
+    "gemma": lambda mesh: transformers.GemmaForCausalLM(_gemma_config(mesh)),  # a 0-d embed_scale buffer
     "torch": _torch_stack,
 }
 

@@ -99,6 +99,11 @@ def _scaled_embedding(module: nn.Module) -> Converter | None:
     saved = isinstance(scale, torch.Tensor) and "embed_scale" not in module._non_persistent_buffers_set
     if not isinstance(scale, (float, int, torch.Tensor)) or saved or (isinstance(scale, torch.Tensor) and scale.dim()):
         return None
+    if isinstance(scale, torch.Tensor) and scale.is_meta:  # built on meta: the number it is built from
+        scalar = getattr(module, "scalar_embed_scale", None)  # (Gemma's), in the buffer's dtype
+        if not isinstance(scalar, (float, int)):
+            return None
+        scale = torch.tensor(scalar, dtype=scale.dtype)
     body = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward))).body[0].body
     if len(body) != 1 or not isinstance(body[0], ast.Return):
         return None
