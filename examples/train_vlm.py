@@ -159,7 +159,9 @@ def main() -> None:
         help="the tower on the first N ranks, the LLM apart; auto: together or apart, and the meshes, as "
         "optimus2d.pipeline.propose_placement picks",
     )
-    parser.add_argument("--microbatches", type=int, default=2, help="with --encoder-ranks: micro-batches a step")
+    parser.add_argument(
+        "--microbatches", type=int, default=2, help="with --encoder-ranks: micro-batches a step (2 or more)"
+    )
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
 
@@ -188,6 +190,8 @@ def main() -> None:
     if args.encoder_ranks:
         if args.cp > 1 or args.depth > 1 or args.tower not in (None, "own") or args.llm not in (None, "mesh"):
             parser.error("--encoder-ranks places the tower and the LLM itself: no --cp, --depth, --tower or --llm")
+        if args.microbatches < 2:  # torch's Schedule1F1B refuses fewer micro-batches than stages
+            parser.error(f"--microbatches {args.microbatches} with --encoder-ranks: the two sets' 1F1B needs 2 or more")
         if not 0 < args.encoder_ranks < world.size:
             parser.error(f"--encoder-ranks {args.encoder_ranks} must leave the LLM at least one of {world.size} ranks")
         return train_on_rank_sets(args, world, parser, shapes)

@@ -131,6 +131,9 @@ def test_a_vlm_llava_all_in_1d_trains_beside_its_serial_twin():
     assert "--tower/--llm 1d split the 6 heads over 4 ranks: give --heads a multiple" in refused
     refused = _run([str(BIN / "mpiexec"), "-n", "1"], "train_vlm.py", "--microbatches", "0", check=False)
     assert "--microbatches 0: at least 1" in refused
+    refused = _run([str(BIN / "mpiexec"), "-n", "2"], "train_vlm.py", "--encoder-ranks", "1", "--microbatches", "1",
+                   check=False)  # fmt: skip
+    assert "--microbatches 1 with --encoder-ranks: the two sets' 1F1B needs 2 or more" in refused
 
 
 @pytest.mark.parametrize("ranks, towers, llm", [(8, 4, "Mesh(q=2, depth=1)"), (9, 1, "Mesh(q=2, depth=2)")])

@@ -63,6 +63,17 @@ def test_a_memory_cap_picks_what_fits_and_the_least_memory_when_nothing_does():
     assert not none.best.fits and none.best.memory == min(c.memory for c in none.table)
 
 
+def test_apart_offers_the_rest_no_q_that_does_not_split_the_features_it_receives():
+    """The features crossing the sets are [mb, P, encoder hidden], split by the rest's q: an encoder
+    of hidden 45 leaves the rest 1×1×4, not 2×2 (which rank_set_stage refuses)."""
+    encoder = Part("encoder", Layer(8, 5, 45, 90, 5), 2, frozen=True)
+    lm = Part("lm", Layer(8, 16, 64, 128, 4), 2, input_grad=True)
+    placement = propose_placement(encoder, lm, 5, HW, microbatches=2)
+    apart = [c for c in placement.table if c.encoder_ranks]
+    assert apart and all(c.rest[0] == 1 for c in apart), [c.describe(5) for c in apart]
+    assert any(c.rest == (2, 1) for c in propose_placement(*_parts(), 5, HW, microbatches=2).table)
+
+
 def test_no_placement_splits_the_batch_is_refused():
     encoder, lm = _parts(batch=3)
     with pytest.raises(ValueError, match="splits the batch 3"):

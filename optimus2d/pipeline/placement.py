@@ -16,7 +16,8 @@
   (``pipeline.simulator``).
 
 A shape is offered where its grid q divides the part's hidden, feed-forward and head counts and its
-depth·q splits the batch (apart: the micro-batch). Memory a rank: together, both parts' blocks
+depth·q splits the batch (apart: the micro-batch; the rest's q also divides the encoder's hidden,
+the last dim of the features it receives). Memory a rank: together, both parts' blocks
 (``planner.part_memory`` at the whole batch); apart, its set's part alone, keeping the activations
 of the micro-batches in flight (1F1B: two on the encoder's ranks, one on the rest's). ``Placement``
 names the pick (``encoder_ranks`` 0: together) and ``explain()`` prints the table.
@@ -160,7 +161,8 @@ def propose_placement(
     if batch % microbatches == 0:
         mb = batch // microbatches
         for a in range(1, world):
-            for shapes in ((e, r) for e in _shapes(encoder, a, mb) for r in _shapes(rest, world - a, mb)):
+            rests = [r for r in _shapes(rest, world - a, mb) if encoder.layer.hidden % r[0] == 0]  # the features'
+            for shapes in ((e, r) for e in _shapes(encoder, a, mb) for r in rests):  # last dim, split by its q
                 seconds, memory = _apart(encoder, rest, a, shapes, world, microbatches, hw)
                 found.append(Candidate(a, *shapes, seconds, memory, memory_cap is None or memory <= memory_cap))
     if not found:
