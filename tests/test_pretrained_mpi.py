@@ -260,6 +260,33 @@ def test_a_serial_model_built_on_meta_loads_as_from_pretrained(mesh, shared, fam
         assert torch.equal(got[key], value), key
 
 
+def test_a_checkpoint_in_the_names_transformers_renames_loads_as_from_pretrained(mesh, shared):
+    """transformers 5 renamed ViT's modules (``encoder.layer.N.attention.attention.query`` is now
+    ``layers.N.attention.q_proj``) and its ``save_pretrained`` writes the old names, as the hub's
+    files hold them: read through transformers' own renamings, as ``from_pretrained`` reads them
+    (they were missing and unexpected keys)."""
+    config = transformers.ViTConfig(
+        hidden_size=48, num_hidden_layers=1, num_attention_heads=6, intermediate_size=96, image_size=8, patch_size=4
+    )
+    torch.manual_seed(0)
+    serial = transformers.ViTModel(config, add_pooling_layer=False)
+    with torch.no_grad():
+        for p in serial.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+
+    _on_rank0(lambda: serial.save_pretrained(shared))
+    with safe_open(os.path.join(shared, P.WEIGHTS), "pt") as f:
+        assert any("encoder.layer.0.attention.attention.query" in k for k in f.keys())  # the old names
+    want = transformers.ViTModel.from_pretrained(shared, add_pooling_layer=False)
+    with torch.device("meta"):
+        model = transformers.ViTModel(config, add_pooling_layer=False)
+    parallel = parallelize(model, mesh)
+    load_pretrained(parallel, shared)
+    state = serial_state_dict(parallel)
+    for key, value in want.state_dict().items():
+        assert torch.equal(state[key], value), key
+
+
 def test_dtype_is_cast_to_the_models(mesh, shared):
     serial = _llama(mesh, 0).to(torch.bfloat16)
     _on_rank0(lambda: serial.save_pretrained(shared))

@@ -31,6 +31,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -197,15 +198,16 @@ def _plan_load(model, tensors, mesh, path, strict) -> tuple[list[tuple[_Tensor, 
     headers = _headers(files)
     prefix = getattr(model, "base_model_prefix", "") or ""
     own = {k for t in tensors for k in t.keys}
-    stored, mine = (any(k.startswith(f"{prefix}.") for k in keys) for keys in (headers, own))
+    names = _renamed_by_transformers(model, headers, own)  # the model's name of each checkpoint key → the key
+    stored, mine = (any(k.startswith(f"{prefix}.") for k in keys) for keys in (names, own))
     head = []  # a base model read from a checkpoint of a model with a head: the head's keys, not read
     if prefix and mine and not stored:  # a checkpoint of the base model (GPT-2's hub files: "h.0...")
-        renamed = {f"{prefix}.{k}": k for k in headers}
+        renamed = {f"{prefix}.{k}": c for k, c in names.items()}
     elif prefix and stored and not mine:  # the base model from its LM's checkpoint ("transformer.h.0...")
-        renamed = {k.removeprefix(f"{prefix}."): k for k in headers if k.startswith(f"{prefix}.")}
-        head = sorted(k for k in headers if not k.startswith(f"{prefix}."))
+        renamed = {k.removeprefix(f"{prefix}."): c for k, c in names.items() if k.startswith(f"{prefix}.")}
+        head = sorted(c for k, c in names.items() if not k.startswith(f"{prefix}."))
     else:
-        renamed = {k: k for k in headers}
+        renamed = dict(names)
     plan, missing, shapes, twins = [], [], [], []
     for t in tensors:
         held = [k for k in t.keys if k in renamed]
@@ -245,6 +247,42 @@ def _plan_load(model, tensors, mesh, path, strict) -> tuple[list[tuple[_Tensor, 
         # transformers' load report says it: what is missing is initialised from seed 0
         warnings.warn(f"load_pretrained(strict=False): {'; '.join(aside)}", stacklevel=3)
     return plan, "; ".join(aside), twins
+
+
+def _renamed_by_transformers(model: nn.Module, headers: dict, own: set[str]) -> dict[str, str]:
+    """The model's name for each checkpoint key → the key: transformers' renamings of this model's
+    class applied (``conversion_mapping``: ViT's ``encoder.layer.N.attention.attention.query`` is
+    ``layers.N.attention.q_proj`` since transformers 5, and its ``save_pretrained`` still writes the
+    old names; BERT's legacy ``LayerNorm.gamma``), as its ``from_pretrained`` applies them, where
+    the key is not the model's own already. Converters that merge or split tensors are not applied
+    (their keys stay unexpected)."""
+    names = {k: k for k in headers}
+    transformers = sys.modules.get("transformers")  # a transformers model's class imported it
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return names
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # not a transformers release with conversions
+        return names
+    try:
+        renamings = [t for t in get_model_conversion_mapping(model) if type(t) is WeightRenaming]
+    except Exception:  # a model class transformers does not map
+        return names
+    moved = {}
+    for key in [k for k in headers if k not in own]:
+        name = key
+        try:
+            for renaming in renamings:
+                name, _ = renaming.rename_source_key(name)
+        except Exception:  # another release's interface: the keys as they are
+            return names
+        if name != key and name not in names:
+            moved[key] = name
+    for key, name in moved.items():
+        del names[key]
+        names[name] = key
+    return names
 
 
 def _untied(path: str, plan: list, twins: list) -> ValueError | None:
