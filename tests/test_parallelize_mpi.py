@@ -83,6 +83,38 @@ def test_an_encoder_in_eval_takes_torchs_nested_path_where_torch_does(mesh, mask
             assert (past_end < 1e-6) == nested, (name, grad, past_end)  # the case is the one meant
 
 
+class _DropPath(nn.Module):
+    """timm's DropPath: a residual branch dropped per sample in training, identity in eval."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.drop_prob = p
+
+    def forward(self, x):
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep = 1 - self.drop_prob
+        return x * x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep) / keep
+
+
+def test_a_leaf_that_draws_in_training_is_kept_for_eval_and_refused_in_training(mesh):
+    """Probed in both modes: element-wise in eval, not in training (a draw a sample, which each rank
+    would make for its own block from the same stream: blocks repeating each other's decisions).
+    Kept, exact in eval; in training it raises on every rank alike. The probe leaves the caller's
+    random stream as it was."""
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(E, E), _DropPath(0.3), nn.Linear(E, 6))
+    before = torch.get_rng_state()
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    assert torch.equal(torch.get_rng_state(), before)
+    x = _x(mesh, E)
+    serial.eval(), parallel.eval()
+    assert_close(gather(parallel(scatter(x, mesh)), mesh), serial(x), 1e-5, "eval output")
+    parallel.train()
+    with pytest.raises(ValueError, match="_DropPath: acts element by element in eval only"):
+        parallel(scatter(x, mesh))
+
+
 def test_transformer_decoder_layer_matches_serial(mesh):
     torch.manual_seed(0)
     serial = nn.TransformerDecoderLayer(E, HEADS, 2 * E, dropout=0.0, batch_first=True)

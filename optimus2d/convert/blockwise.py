@@ -31,11 +31,39 @@ from optimus2d.layers.base import keep_blocks_on_copy
 __all__ = ["acts_elementwise", "as_norm", "forward_problems", "head_problems", "independent_of_hidden", "per_head"]
 
 
-def acts_elementwise(module: nn.Module) -> bool:
-    """A parameter-free leaf whose output on each half of the last dim is its output on that half."""
+def acts_elementwise(module: nn.Module, modes: tuple[bool, ...] = (False, True)) -> bool:
+    """A parameter-free leaf whose output on each half of the last dim is its output on that half,
+    in eval and in training mode (``modes``: those probed). A training-mode probe draws from a
+    fork of torch's generator, leaving the caller's stream as it was."""
     if list(module.children()) or any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
         return False
-    return _halves_agree(module)
+    was = module.training
+    try:
+        for training in modes:
+            module.train(training)
+            with torch.random.fork_rng(devices=[]):
+                if not _halves_agree(module):
+                    return False
+    finally:
+        module.train(was)
+    return True
+
+
+def eval_only(module: nn.Module, mesh) -> nn.Module:
+    """Kept as it is (element-wise in eval), refusing to run in training, where it draws (timm's
+    ``DropPath``: one draw a sample): each rank would draw for its own block from the same stream, so
+    the batch blocks would repeat each other's decisions, not serial's draws."""
+    module.register_forward_pre_hook(_refuse_training)
+    return module
+
+
+def _refuse_training(module: nn.Module, args: tuple) -> None:
+    if module.training:
+        raise ValueError(
+            f"{type(module).__name__}: acts element by element in eval only; in training it draws (per sample or "
+            f"per element), which on blocks would not be serial's draws: call .eval() on it, or register a "
+            f"converter for it (optimus2d.convert.register_converter)"
+        )
 
 
 def acts_elementwise_with_scalars(module: nn.Module) -> bool:
@@ -57,7 +85,8 @@ def acts_elementwise_with_scalars(module: nn.Module) -> bool:
 
 def _halves_agree(module: nn.Module) -> bool:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 8, generator=g, dtype=torch.float64) * 3
+    rows = 64 if module.training else 2  # in training: enough rows that draws cannot agree by chance
+    x = torch.randn(rows, 3, 8, generator=g, dtype=torch.float64) * 3
     try:
         with torch.no_grad():
             whole, halves = module(x), [module(x[..., :4].clone()), module(x[..., 4:].clone())]
@@ -66,7 +95,7 @@ def _halves_agree(module: nn.Module) -> bool:
     return (
         isinstance(whole, torch.Tensor)
         and whole.shape == x.shape
-        and all(isinstance(h, torch.Tensor) and h.shape == (2, 3, 4) for h in halves)
+        and all(isinstance(h, torch.Tensor) and h.shape == (rows, 3, 4) for h in halves)
         and torch.equal(torch.cat(halves, -1), whole)
     )
 

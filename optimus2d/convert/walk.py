@@ -426,6 +426,8 @@ def _plan(module: nn.Module, parent: nn.Module | None, mesh: Mesh) -> Converter 
             return _keep
         if blockwise.acts_elementwise(module):
             return _as_is
+        if blockwise.acts_elementwise(module, modes=(False,)):  # timm's DropPath: it draws in training
+            return blockwise.eval_only
         return "is not known to act element by element (a probe with a random input says it does not)"
     if type(module).forward is nn.Module.forward or type(module).forward is nn.Sequential.forward:
         return _keep  # no forward (a ModuleList, a holder of parts), or a chain of children
