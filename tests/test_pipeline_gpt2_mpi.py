@@ -208,3 +208,9 @@ def test_gpt2_stages_refuse_what_they_cannot_cut(world):
         chunk = optimus2d.parallelize(gpt2_stages(lm, 2)[0], pipe.mesh)
         with pytest.raises(ValueError, match="holds a copy of the tied table but is not in its pair"):
             sum_tied_grads(chunk, lonely)
+        pairs = _pipe(world)[1]  # a V-shaped schedule's first and last chunks, both on stage mesh 0: the
+        head = optimus2d.parallelize(gpt2_stages(lm, 2)[1], pipe.mesh)  # pair of the last stage mesh waited
+        with pytest.raises(ValueError, match=r"holds both copies .* build the pair with tied_pair\(pipe, last=0\)"):
+            sum_tied_grads([chunk, head], pairs[1])  # out the timeout (the partner holds no copy)
+        with pytest.raises(ValueError, match=r"holds one copy of the tied table, but its pair is \[\d+\]"):
+            sum_tied_grads(chunk, pairs[0])

@@ -141,6 +141,16 @@ def test_llama_stages_refuses_what_it_cannot_cut(world):
     lm.config.tie_word_embeddings = True
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         llama_stages(lm, 2)
+    mistral = transformers.MistralForCausalLM(  # a sliding window: the stages' mask was LLaMA's, 0.59 off
+        transformers.MistralConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2, sliding_window=3,
+        )
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"attends within a sliding window \(sliding_window=3"):
+        llama_stages(mistral, 2)
+    mistral.config.sliding_window = None  # no longer than the window: the same mask
+    assert len(llama_stages(mistral, 2)) == 2
 
 
 def test_a_frozen_stage_without_an_optimizer_saves_beside_the_trained_one(world, tmp_path_factory):

@@ -21,7 +21,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 import optimus2d
 from optimus2d.megatron import Megatron, runs_split
-from optimus2d.pipeline import pipeline_stage, rank_sets, scatter_microbatches
+from optimus2d.pipeline import gather_microbatches, pipeline_stage, rank_sets, scatter_microbatches
 from optimus2d.pipeline.models.llama import causal_lm_loss, causal_lm_targets
 from optimus2d.pipeline.models.llava import llava_stages
 
@@ -205,6 +205,30 @@ def test_blocks_not_in_serial_micro_batch_order_are_refused_on_every_rank(world,
             schedule.step(target=block(made["target"]), losses=[])
     with pytest.raises(ValueError, match=r"causal_lm_targets: the stages have different shapes"):
         causal_lm_targets(torch.zeros(N * mb, 3, dtype=torch.long), pipe.mesh)
+
+
+def test_an_eval_step_read_back_with_gather_microbatches_is_serials_output(world):
+    """``schedule.eval()`` returns the last set's output with torch's micro-batches merged in the
+    order ``scatter_microbatches`` made: ``gather`` alone gave the rows in that order (0.98 off the
+    serial output); ``gather_microbatches`` puts them back."""
+    tower, tower_shape, llm_shape = _cases(world)[0]
+    pipe = _pipe(world, tower, (tower_shape, llm_shape))
+    h, mb = 8, 2 * tower_shape[1] * llm_shape[1] * tower_shape[0] * llm_shape[0]
+    torch.manual_seed(0)
+    serial = torch.nn.ModuleList([torch.nn.Linear(h, h), torch.nn.Linear(h, h)])
+    chunk = optimus2d.parallelize(copy.deepcopy(serial[pipe.stage]), pipe.mesh)
+    stage = pipeline_stage(chunk, pipe, microbatch_shape=(mb, 3, h))
+    schedule = ScheduleGPipe(stage, n_microbatches=N)
+    x = torch.randn(N * mb, 3, h)
+    with torch.no_grad():
+        if pipe.stage == 0:
+            schedule.eval(scatter_microbatches(x, pipe.mesh, N))
+        else:
+            out = schedule.eval()
+            want = serial[1](serial[0](x))
+            assert_close(gather_microbatches(out, pipe.mesh, N), want, 1e-5, "eval output")
+            if pipe.mesh.depth * pipe.mesh.q > 1 and N > 1:
+                assert (optimus2d.gather(out, pipe.mesh) - want).abs().max() > 1e-3  # gather alone: other order
 
 
 def test_a_shape_a_set_does_not_divide_is_refused_with_its_numbers(world):

@@ -14,7 +14,7 @@ Gradient clipping over every stage is ``optimus2d.clip_grad_norm_(params, max_no
 
 from optimus2d import training
 from optimus2d._deprecated import moved_attribute
-from optimus2d.pipeline.layouts import ToNextStage, scatter_microbatches
+from optimus2d.pipeline.layouts import ToNextStage, gather_microbatches, scatter_microbatches
 from optimus2d.pipeline.placement import Placement, propose_placement
 from optimus2d.pipeline.rank_sets import RankSets, rank_sets
 from optimus2d.pipeline.stages import SCHEDULES, StageMesh, lanes, mesh_sum, pipeline_stage, stage_meshes
@@ -25,6 +25,7 @@ __all__ = [
     "RankSets",
     "StageMesh",
     "ToNextStage",
+    "gather_microbatches",
     "lanes",
     "mesh_sum",
     "pipeline_stage",

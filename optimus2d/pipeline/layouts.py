@@ -27,11 +27,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from optimus2d.comm.functional import scatter, scatter_batch
+from optimus2d.comm.functional import gather, scatter, scatter_batch
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.redistribution import redistribute
 
-__all__ = ["ToNextStage", "scatter_microbatches", "stage_shapes"]
+__all__ = ["ToNextStage", "gather_microbatches", "scatter_microbatches", "stage_shapes"]
 
 
 def stage_shapes(
@@ -102,7 +102,8 @@ def scatter_microbatches(x: torch.Tensor, mesh: Mesh, n: int, *, layout: str = "
     re-splits, so the last stage's targets must follow serial micro-batches, not ``scatter``'s
     (micro-batch m of ``scatter(x, mesh)`` is the m-th slice of every batch block, a sample set that
     depends on the mesh). Give the first stage ``scatter_microbatches(x, first_mesh, n)`` and the
-    last ``scatter_microbatches(target, last_mesh, n)``. forward: a permutation of the batch, then
+    last ``scatter_microbatches(target, last_mesh, n)``; read the last stage's output back with
+    ``gather_microbatches(out, last_mesh, n)``. forward: a permutation of the batch, then
     ``scatter`` (or ``scatter_batch``); backward: the gradient gathered and permuted back.
     """
     if layout not in ("activation", "batch"):
@@ -119,3 +120,21 @@ def scatter_microbatches(x: torch.Tensor, mesh: Mesh, n: int, *, layout: str = "
     block = scatter(ordered, mesh) if layout == "activation" else scatter_batch(ordered, mesh)
     block._optimus2d_microbatches = n  # what a pipeline step of stages of different shapes asks of it
     return block
+
+
+def gather_microbatches(x_local: torch.Tensor, mesh: Mesh, n: int) -> torch.Tensor:
+    """The inverse of ``scatter_microbatches``: this rank's block ``[b/(d·q), ..., h/q]`` of a last
+    stage's output (what ``schedule.eval()``/``step()`` returns: torch's micro-batches merged in
+    order) → the full ``[b, ..., h]`` in the serial batch order, on every rank. (``gather`` alone
+    gives the rows in ``scatter_microbatches``' order: sample m·(b/n) + r of the serial batch where
+    the serial order has another.) forward: ``gather``, then the permutation back; backward: the
+    permutation, then ``gather``'s."""
+    blocks = mesh.depth * mesh.q
+    full = gather(x_local, mesh)
+    if not isinstance(n, int) or n < 1 or full.shape[0] % (n * blocks):
+        raise ValueError(
+            f"gather_microbatches: batch dim 0 of {tuple(full.shape)} is not divisible by n·depth·q = {n}·{blocks} "
+            f"({mesh})"
+        )
+    rest = tuple(full.shape[1:])
+    return full.reshape(blocks, n, full.shape[0] // (n * blocks), *rest).transpose(0, 1).reshape(full.shape)

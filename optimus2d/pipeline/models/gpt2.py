@@ -192,6 +192,14 @@ def sum_tied_grads(chunks: nn.Module | Sequence[nn.Module], pair: TiedPair) -> N
     copies = list({id(p): p for s in stages for p in s.tied_copies() if p.requires_grad}.values())
     if not copies:
         return
+    both = any(s.transformer.wte is not None for s in stages) and any(s.lm_head is not None for s in stages)
+    if both != (len(pair.ranks) == 1):  # refused here, alone: the partner holds no copy and returns
+        how = "tied_pair(pipe, last=0)" if both else "tied_pair(pipe) naming the stage mesh of the last chunk"
+        raise ValueError(
+            f"sum_tied_grads: rank {pair.mesh.rank} holds {'both copies' if both else 'one copy'} of the tied table, "
+            f"but its pair is {list(pair.ranks)}: build the pair with {how} (a V-shaped schedule runs the first "
+            f"and last chunks on stage mesh 0)"
+        )
     if pair.mesh.rank not in pair.ranks or (len(pair.ranks) > 1 and pair.group is None):
         raise ValueError(
             f"sum_tied_grads: rank {pair.mesh.rank} holds a copy of the tied table but is not in its pair "

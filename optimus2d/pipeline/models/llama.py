@@ -142,6 +142,14 @@ def llama_stages(lm: nn.Module, stages: int) -> list[LlamaStage]:
             "llama_stages: the lm_head shares the embedding's weight (tie_word_embeddings); the first and last "
             "stages would each hold a copy that drifts apart"
         )
+    window = getattr(lm.config, "sliding_window", None)
+    kinds = set(getattr(lm.config, "layer_types", None) or ()) - {"full_attention"}
+    if window is not None or kinds:  # the stages build LLaMA's causal mask, not a sliding window's
+        raise ValueError(
+            f"llama_stages: {type(lm).__name__} attends within a sliding window (sliding_window={window}, layer "
+            f"types {sorted(kinds) or 'all full'}), and the stages build LLaMA's full causal mask: for sequences no "
+            f"longer than the window the two agree (set config.sliding_window = None); else it is not supported"
+        )
     per = n // stages
     out = []
     for s in range(stages):
