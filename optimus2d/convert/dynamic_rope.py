@@ -18,14 +18,27 @@ from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
 
 _WRAPPER = "dynamic_rope_update.<locals>.wrapper"
+_CONTEXT = "context_decorator.<locals>.decorate_context"  # torch's @torch.no_grad() and kin
 _SUBCLASSES: dict[type, type] = {}
+
+
+def _update_wrapper(forward):
+    """transformers' ``dynamic_rope_update`` wrapper in ``forward``'s chain of decorators, under none
+    or only torch's context decorators (transformers 5.23 puts ``@torch.no_grad()`` above it, 5.25
+    not); None where there is none."""
+    while forward is not None:
+        name = getattr(getattr(forward, "__code__", None), "co_qualname", None)
+        if name == _WRAPPER and hasattr(forward, "__wrapped__"):
+            return forward
+        if name != _CONTEXT:
+            return None
+        forward = getattr(forward, "__wrapped__", None)
+    return None
 
 
 def follows_positions(module: nn.Module) -> bool:
     """Whether the module's forward is transformers' ``dynamic_rope_update`` wrapper."""
-    forward = type(module).forward
-    code = getattr(forward, "__code__", None)
-    return getattr(code, "co_qualname", None) == _WRAPPER and hasattr(forward, "__wrapped__")
+    return _update_wrapper(type(module).forward) is not None
 
 
 def over_the_mesh(module: nn.Module, mesh: Mesh) -> nn.Module:
@@ -39,11 +52,13 @@ def over_the_mesh(module: nn.Module, mesh: Mesh) -> nn.Module:
 
 
 def _forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
-    """The frequency update (the wrapper, called on the largest position alone), then the table's own
-    forward on this rank's positions."""
+    """The frequency update (the decorated forward, called on the largest position alone), then the
+    table's own forward on this rank's positions (outside torch's context decorators, if any: the
+    table is made from buffers and integer positions, x giving only its dtype and device, so no
+    gradient mode changes it)."""
     decorated = type(self).__mro__[1].forward
     top = position_ids.detach().max().reshape(1, 1).clone()
     P.all_reduce_max(top, self._optimus2d_mesh, "mesh")
     decorated(self, x, top, layer_type)
     more = {"layer_type": layer_type} if layer_type is not None else {}
-    return decorated.__wrapped__(self, x, position_ids, **more)
+    return _update_wrapper(decorated).__wrapped__(self, x, position_ids, **more)
