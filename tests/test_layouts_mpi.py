@@ -116,11 +116,11 @@ class _TiedTables(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        first, second = nn.Embedding(20, 12).double(), nn.Embedding(20, 12).double()
+        first, second = nn.Embedding(18, 12).double(), nn.Embedding(18, 12).double()  # 18: q = 2, 3 divide it
         second.weight = first.weight
         self.a = nn.Sequential(first, nn.Linear(12, 12).double())
         self.b = nn.Sequential(second, nn.Linear(12, 12).double())
-        self.head = nn.Linear(12, 20, bias=False).double()
+        self.head = nn.Linear(12, 18, bias=False).double()
         self.head.weight = first.weight
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
