@@ -53,19 +53,23 @@ class EncoderProjector(nn.Module):
         return self.proj(self.norm(self.encoder(x)))
 
 
-def _step_whole(serial: nn.Module, parallel: nn.Module, x: torch.Tensor, tol: float = 1e-9) -> None:
-    """fwd+bwd+AdamW step of both on the same whole input: the parallel output whole on this rank,
-    the input's gradient whole, the parameters after the step, all equal to serial's."""
+def _step_whole(
+    serial: nn.Module, parallel: nn.Module, x: torch.Tensor, tol: float = 1e-9, forward=None, what: str = ""
+) -> None:
+    """fwd+bwd+AdamW step of both on the same whole input (``forward(model, x)``, default
+    ``model(x)``): the parallel output whole on this rank, the input's gradient whole, the parameters
+    after the step, all equal to serial's."""
+    forward = forward or (lambda model, x: model(x))
     x_serial, x_whole = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y_serial = serial(x_serial)
+    y_serial = forward(serial, x_serial)
     torch.manual_seed(2)
     probe = torch.randn_like(y_serial)
     (y_serial * probe).sum().backward()
-    y = parallel(x_whole)
+    y = forward(parallel, x_whole)
     assert getattr(y, "_optimus2d_layout", None) is None  # whole: no block of any mesh
-    assert_close(y.detach(), y_serial, tol, "output")
+    assert_close(y.detach(), y_serial, tol, f"{what} output")
     (y * probe).sum().backward()
-    assert_close(x_whole.grad, x_serial.grad, tol, "input grad")
+    assert_close(x_whole.grad, x_serial.grad, tol, f"{what} input grad")
     for model in (serial, parallel):
         torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2).step()
     assert_state_close(serial_state_dict(parallel), serial.state_dict(), tol)
@@ -244,7 +248,7 @@ def test_a_float_argument_of_two_dims_is_declared_or_refused(world):
                 parallelize(copy.deepcopy(serial), mesh, io="whole")(*args)
             parallel = parallelize(copy.deepcopy(serial), mesh, io={path: "batch"})
             assert_close(parallel(*args).detach(), serial(*args).detach(), 1e-9, f"{cls.__name__} output")
-    with pytest.raises(ValueError, match=r"io=\{name: kind\} takes kinds \('batch', 'activation'\)"):
+    with pytest.raises(ValueError, match=r"io=\{name: kind\} takes kinds \('batch', 'activation', 'whole'\)"):
         parallelize(_Weighted(h), meshes_of(world)[0], io={"weights": "replicated"})
 
 
@@ -567,3 +571,48 @@ def test_a_converted_layer_as_the_whole_model_takes_and_gives_whole_tensors(worl
         parallel = parallelize(copy.deepcopy(serial), mesh, io="whole")
         assert isinstance(parallel, optimus2d.layers.base.ShardedModule)
         _step_whole(serial, parallel, x)
+
+
+class _Masked(nn.Module):
+    """A wrapper whose own ``mask`` reaches torch.nn's encoder as its ``[L, S]`` attention mask."""
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x, mask=mask)
+
+
+def test_torch_attention_masks_are_given_whole(world):
+    """torch.nn's attention masks (``[L, S]``, ``[b·H, L, S]``: not batch-major alone) reach the
+    converted attention whole, by keyword or by position, beside a padding mask cut by batch: exact
+    (outputs, input gradients, one AdamW step); a wrapper's own ``mask`` declared
+    ``io={"mask": "whole"}`` too (cut by batch, it was refused: it did not fit [L, S])."""
+    b, s, h, heads = 2 * world.size, 5, 6 * world.size, 6
+    torch.manual_seed(1)
+    x = torch.randn(b, s, h, dtype=torch.float64)
+    causal = nn.Transformer.generate_square_subsequent_mask(s, dtype=torch.float64)
+    padding = torch.zeros(b, s, dtype=torch.bool)
+    padding[1, 3:] = True
+    per_head = torch.randn(b * heads, s, s, dtype=torch.float64)
+    calls = {
+        "keyword [L, S]": lambda m, x: m(x, mask=causal, is_causal=True),
+        "positional [L, S] and padding": lambda m, x: m(x, causal, padding),
+        "[b·H, L, S]": lambda m, x: m(x, mask=per_head),
+    }
+    for mesh in meshes_of(world):
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(h, heads, 2 * h, dropout=0.0, batch_first=True, dtype=torch.float64)
+        serial = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        for what, call in calls.items():
+            parallel = parallelize(copy.deepcopy(serial), mesh, io="whole")
+            _step_whole(copy.deepcopy(serial), parallel, x, 1e-6, call, what)  # the key bias: a zero gradient
+        wrapped = _Masked(copy.deepcopy(serial))
+        if mesh.size > 1:  # one rank cuts nothing
+            with pytest.raises(
+                ValueError, match=r"attn_mask of shape .* does not fit \[L, S\]|\(5, 5\) is not divisible"
+            ):
+                parallelize(copy.deepcopy(wrapped), mesh, io="whole")(x, causal)
+        parallel = parallelize(copy.deepcopy(wrapped), mesh, io={"mask": "whole"})
+        _step_whole(wrapped, parallel, x, 1e-6, lambda m, x: m(x, causal), "declared")

@@ -67,7 +67,7 @@ def parallelize(
     The result takes ``optimus2d.scatter``-ed activations (and ``scatter_batch``-ed ids) and gives
     this rank's blocks; with ``io="whole"`` it takes every tensor whole, the same on every rank, and
     gives its outputs whole (``convert/whole_io.py``: a model that is one 1D region then sends what
-    torch's ``parallelize_module`` sends); ``io={name: "batch" | "activation"}`` is "whole" with
+    torch's ``parallelize_module`` sends); ``io={name: "batch" | "activation" | "whole"}`` is "whole" with
     those arguments declared (a floating ``[b, s]`` value a token, say, which its shape cannot tell
     from an activation ``[b, h]``). ``serial_state_dict`` of it has ``module``'s keys and
     values. A module used twice is converted once; an ``nn.Linear`` sharing an ``nn.Embedding``'s

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -101,9 +102,10 @@ _CONVERTS_CHILDREN.add(_keep)
 
 def _stack(module: nn.Module, mesh: Mesh) -> nn.Module:
     convert_children(module, mesh)
+    names = tuple(inspect.signature(type(module).forward).parameters)[1:]
     if isinstance(module, nn.TransformerEncoder):  # torch's nested-tensor path, taken where torch takes it
-        return TransformerStack2D(module.layers, module.norm, module.use_nested_tensor, module.mask_check)
-    return TransformerStack2D(module.layers, module.norm)
+        return TransformerStack2D(module.layers, module.norm, module.use_nested_tensor, module.mask_check, names)
+    return TransformerStack2D(module.layers, module.norm, serial_arguments=names)
 
 
 for _cls, _fn in (

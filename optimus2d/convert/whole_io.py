@@ -13,8 +13,10 @@ and gives every tensor of its output whole on every rank (as DTensor's 1D layout
   as ``scatter_batch`` cuts it); ``cache_position``, ``logits_to_keep`` and ``position_ids`` of one
   row ``[1, s]`` (the same for every row) given as they are. Any other: a floating tensor of 3
   dims an activation, of 2 refused (an activation ``[b, h]`` or a value a token ``[b, s]``: its name
-  does not say), anything else a batch tensor. ``io={name: "batch" | "activation"}`` (whole, as
-  "whole") declares what an argument is, before any of these rules: ``io={"weights": "batch"}``.
+  does not say), anything else a batch tensor. ``io={name: "batch" | "activation" | "whole"}``
+  (whole, as "whole") declares what an argument is, before any of these rules: ``io={"weights":
+  "batch"}``; "whole" gives it as it is (a wrapper's own argument that reaches torch.nn's attention
+  as its ``attn_mask``: ``io={"mask": "whole"}``).
   A planned module that takes such a block unchanged does not move it: a 1D region
   (``megatron.Megatron``) takes the whole tensor itself, a module on another mesh shape cuts its
   own block of it; nothing sent either way.
@@ -52,9 +54,12 @@ from optimus2d.convert.layouts import Boundary, _kind, _tensors
 from optimus2d.layers.base import ShardedModule
 
 IO = ("blocks", "whole")
-KINDS = ("batch", "activation")  # what io={name: kind} may declare an argument to be
+KINDS = ("batch", "activation", "whole")  # what io={name: kind} may declare an argument to be
 _BATCH = ("input_ids", "position_ids", "token_type_ids", "labels", "pixel_values", "image_sizes")
 _AS_IS = ("cache_position", "logits_to_keep")  # positions the same for every row
+# torch.nn's attention masks, [L, S] or [b·H, L, S] (not batch-major alone): the converted attention
+# takes them whole; so does a converted nn.TransformerEncoder its ``mask``
+_TORCH_MASKS = ("attn_mask", "src_mask", "tgt_mask", "memory_mask")
 
 
 def io_refusal(io: object) -> Exception | None:
@@ -67,7 +72,7 @@ def io_refusal(io: object) -> Exception | None:
     if not isinstance(io, str) or io not in IO:
         return ValueError(
             f"parallelize: io= is 'blocks' (the default: blocks of the mesh in and out), 'whole', or "
-            f"{{argument name: 'batch' | 'activation'}} (whole, those arguments declared), got {io!r}"
+            f"{{argument name: 'batch' | 'activation' | 'whole'}} (whole, those arguments declared), got {io!r}"
         )
     return None
 
@@ -82,7 +87,7 @@ class WholeIO(Boundary):
     def __init__(self, mesh: Mesh, meshes: list[Mesh], kinds: Mapping[str, str] | None = None) -> None:
         super().__init__("the model", mesh, mesh, meshes)
         self.kinds = dict(kinds or {})  # io={name: kind}: what the user declared
-        self.active = self.paused = False
+        self.active = self.paused = self.torch_stack = False
         self.kept: list[weakref.ref] = []
 
     def install(self, module: nn.Module) -> None:
@@ -106,6 +111,7 @@ class WholeIO(Boundary):
                     f"tensor, or convert the model with io='blocks'"
                 )
         self.active = True
+        self.torch_stack = hasattr(module, "serial_arguments")
         names = [name or f"argument {n}" for n, name in enumerate(_positional_names(module, len(args)))]
         args = tuple(_map_named(a, name, self._cut) for a, name in zip(args, names, strict=True))
         return args, {key: _map_named(value, key, self._cut) for key, value in kwargs.items()}
@@ -136,13 +142,18 @@ class WholeIO(Boundary):
         if t.dim() == 0:
             return t
         base = name.split("[", 1)[0]
-        if base in _AS_IS or (base == "position_ids" and t.shape[0] == 1):  # the same for every row: whole
-            # wherever it goes (a 1D region takes it as it is)
+        kind = self.kinds.get(name)
+        torch_mask = base in _TORCH_MASKS or (base == "mask" and self.torch_stack)
+        if (
+            kind == "whole"
+            or (kind is None and (base in _AS_IS or torch_mask))
+            or (kind is None and base == "position_ids" and t.shape[0] == 1)
+        ):  # the same for every row, or whole wherever it goes (a 1D region takes it as it is)
             same = t.view_as(t)
             self.keep(same, t)
             return same
-        if name in self.kinds:  # declared: this tensor itself (a container's leaves each by its path)
-            kind = self.kinds[name]
+        if kind is not None:  # declared: this tensor itself (a container's leaves each by its path)
+            pass
         elif base in _BATCH or "mask" in name:
             kind = "batch"
         elif base == "inputs_embeds":
@@ -186,7 +197,11 @@ def _map_named(obj: object, name: str, fn) -> object:
 
 def _positional_names(module: nn.Module, count: int) -> list[str]:
     """The names of ``module.forward``'s first ``count`` positional parameters ("" past them, as for
-    ``*args``): a positional argument is cut by its keyword's rule as well."""
+    ``*args``): a positional argument is cut by its keyword's rule as well. A converted torch.nn stack
+    (``*args``) names them as the serial class does (``serial_arguments``)."""
+    serial = getattr(module, "serial_arguments", None)
+    if serial is not None:
+        return [serial[n] if n < len(serial) else "" for n in range(count)]
     try:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):

@@ -196,12 +196,22 @@ class TransformerStack2D(nn.Module):
     (``mask_check`` its own): where torch would take its nested-tensor path (in eval, without grad,
     given a padding mask and no attention mask, ``_nested_padding``), it runs the layers on each
     sample's first n tokens, n those its mask keeps, and returns zeros past them, before ``norm``;
-    so does this, the layers given "past the first n" as their padding mask.
+    so does this, the layers given "past the first n" as their padding mask. ``serial_arguments``:
+    the names of the serial class's ``forward`` arguments (``("src", "mask", ...)``), read by
+    ``io="whole"``.
     """
 
-    def __init__(self, layers: nn.ModuleList, norm: nn.Module | None, nested: bool = False, mask_check: bool = True):
+    def __init__(
+        self,
+        layers: nn.ModuleList,
+        norm: nn.Module | None,
+        nested: bool = False,
+        mask_check: bool = True,
+        serial_arguments: tuple[str, ...] = (),
+    ):
         super().__init__()
         self.layers, self.norm = layers, norm
+        self.serial_arguments = serial_arguments  # the serial forward's positional names, past self
         self.nested, self.mask_check = nested, mask_check
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
