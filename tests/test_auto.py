@@ -403,3 +403,32 @@ def test_an_examples_call_and_description_what_a_block_reads_of_it():
 
     seen = traced_rows(Calls(), (x, ids), {"first": 8, "second": 8, "empty": 8})
     assert seen == {"empty": (6, 3), "first": (6, 3), "second": (6, 3)}  # ids [2, 3], not positions [1, 3]
+
+
+def test_a_module_sharing_a_parameter_with_the_rest_is_not_offered():
+    """A module held at two paths, or tied to a module outside it, is not a block, part or region:
+    moved alone, its other holder would stay behind (``parallelize`` refuses it); what is inside it
+    and entangled with nothing still is."""
+    import torch
+    from torch import nn
+
+    from optimus2d.convert.auto import _blocks
+
+    class Aliased(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+            self.again = self.mlp  # the same MLP at a second path
+            self.other = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.other(self.again(self.mlp(x)))
+
+    assert [b.path for b in _blocks(Aliased(), tokens=64, ranks=4)] == ["other"]
+    model = _llama(layers=2)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    assert [(b.path, b.kind) for b in _blocks(model, tokens=64, ranks=4, seq=8, own_q=2)] == [
+        ("model.layers.0.mlp", "mlp"),
+        ("model.layers.1.mlp", "mlp"),
+    ]

@@ -320,6 +320,40 @@ def test_a_llama_decoder_stack_is_a_region_run_whole_in_1d_or_left_on_the_mesh_e
                 assert_close(state[key], value, 1e-5, key)
 
 
+def test_a_tied_llama_is_not_offered_in_1d_whole_and_its_pick_is_exact(world):
+    """A LLaMA whose head is its embedding (``tie_word_embeddings``): ``model`` in 1D would leave
+    ``lm_head`` on the mesh with the table (``parallelize`` refuses it), so it is not offered; its MLPs
+    are, and ``plan=Auto`` is exact (it picked ``{"model": "1d"}`` and was refused)."""
+    transformers = pytest.importorskip("transformers")
+    if world.size == 1:
+        pytest.skip("1D needs two ranks or more")
+    p = world.size
+    config = transformers.LlamaConfig(
+        vocab_size=72, hidden_size=4 * p, intermediate_size=8 * p, num_hidden_layers=2, num_attention_heads=p,
+        num_key_value_heads=p, attn_implementation="eager", tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    ids = torch.randint(0, 72, (2 * p, 6))
+    for mesh in meshes_of(world):
+        torch.manual_seed(0)
+        serial = transformers.LlamaForCausalLM(config)
+        auto = Auto(tokens=ids.numel(), seq=ids.shape[1], hardware=HW)
+        choice, _ = choose_plan(serial, mesh, auto)
+        assert all("model" not in row[0] for row in choice.table)
+        assert any(layouts.get("model.layers.0.mlp") == "1d" for layouts, *_ in choice.table)
+        model, parallel = copy.deepcopy(serial), optimus2d.parallelize(copy.deepcopy(serial), mesh, plan=auto)
+        ref = model(input_ids=ids, labels=ids)
+        ref.loss.backward()
+        out = parallel(input_ids=optimus2d.scatter_batch(ids, mesh), labels=optimus2d.scatter_batch(ids, mesh))
+        out.loss.backward()
+        assert_close(out.loss, ref.loss, 1e-5, "loss")
+        for m in (model, parallel):
+            torch.optim.SGD(m.parameters(), lr=0.5).step()
+        state = optimus2d.serial_state_dict(parallel)
+        for key, value in model.state_dict().items():
+            assert_close(state[key], value, 1e-5, key)
+
+
 class Pool(nn.Module):
     """The mean of each 4 consecutive tokens (over the sequence: correct on blocks as it is)."""
 

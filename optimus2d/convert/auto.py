@@ -112,6 +112,22 @@ def _blocks(
     return _found(model, tokens, ranks, seq, own_q, seen)
 
 
+def _entangled(model: nn.Module) -> Callable[[str], bool]:
+    """``at(path)``: whether the module at ``path`` shares a parameter with the model outside it (a
+    table tied to a head elsewhere, or the module itself held at a second path): moved off the model's
+    mesh alone, its other holder would be on another (``parallelize`` refuses it), so it is not
+    offered; it stays where the model's mesh puts it."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+
+    def at(path: str) -> bool:
+        module = model.get_submodule(path)
+        return any(not n.startswith(f"{path}.") for p in module.parameters() for n in names.get(id(p), ()))
+
+    return at
+
+
 def _rows_seen(blocks: list[Block]) -> str:
     """Each block's path, rows and sequence, at every depth: what the plan is priced at."""
     return ";".join(f"{b.path}:{b.rows}:{b.seq}[{_rows_seen(list(b.inner))}]" for b in blocks)
@@ -122,8 +138,12 @@ def _found(model: nn.Module, tokens: int, ranks: int, seq: int, own_q: int, seen
     seen = seen or {}
     blocks, inside = [], []
     trained_before = any(p.requires_grad for p in model.parameters(recurse=False))  # the model's own (a token)
+    entangled = _entangled(model)
     for path, module in model.named_modules():
         if path == "" or any(path.startswith(f"{outer}.") for outer in inside):
+            continue
+        if entangled(path):  # stays on the model's mesh (the blocks inside it may move)
+            trained_before |= any(p.requires_grad for p in module.parameters(recurse=False))
             continue
         rows, length = seen.get(path, (tokens, seq))
         if isinstance(module, nn.TransformerEncoderLayer):
@@ -190,11 +210,12 @@ def _regions(
     blocks laid out alone. Priced as its attention layers (the first's sizes, its MLP's width)."""
     regions: dict[str, Block] = {}
     seen_trained = False  # a module before the region trains: its input has a gradient
+    entangled = _entangled(model)
     for path, module in model.named_modules():
         if path == "" or any(path.startswith(f"{o}.") or path == o for o in regions):
             continue
         attention = [m for m in module.modules() if (split := split_of(m)) is not None and split.heads(m)]
-        runs = not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and _top(model, path)
+        runs = not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and _top(model, path) and not entangled(path)
         if ranks > 1 and runs and attention and not tensor_parallel_plan(module, path, ranks)[1]:
             split = split_of(attention[0])
             first = next(n for n, role in split.roles.items() if role == COLWISE)
@@ -228,11 +249,13 @@ def _parts(model: nn.Module, blocks: list[Block]) -> list[Block]:
     the model that runs (not a ``ModuleList``/``ModuleDict``), holding two or more blocks of one width
     and no weights of its own but 1-D ones (norms, not priced), outermost first."""
     parts: dict[str, Block] = {}
+    entangled = _entangled(model)
     for path, module in model.named_modules():
         if (
             path == ""
             or isinstance(module, (nn.ModuleList, nn.ModuleDict))
             or any(path.startswith(f"{o}.") for o in parts)
+            or entangled(path)
         ):
             continue
         inner = [b for b in blocks if b.path.startswith(f"{path}.")]
