@@ -290,9 +290,32 @@ def test_more_refusals_on_every_rank(world_mesh):
     ids, _ = _batch(mesh, 2 * mesh.depth * 4)
     model.gradient_checkpointing_enable()
     raises_fast(
-        ValueError, "gradient checkpointing recomputes", lambda: model(input_ids=optimus2d.scatter_batch(ids, mesh))
+        ValueError, "recompute their layers in backward", lambda: model(input_ids=optimus2d.scatter_batch(ids, mesh))
     )
     model.gradient_checkpointing_disable()
+    # torch's own recompute around a layer (reentrant: gradients from a recompute outside the split,
+    # 0.53 off; not reentrant: a CheckpointError), its wrapper or its composable API
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    layers = model.model.layers
+    for wrap in (lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.REENTRANT), checkpoint_wrapper):
+        wrapped = copy.deepcopy(model)
+        wrapped.model.layers[1] = wrap(wrapped.model.layers[1])
+        raises_fast(
+            ValueError,
+            r"\['layers.1'\] recompute their layers",
+            lambda m=wrapped: m(input_ids=optimus2d.scatter_batch(ids, mesh)),
+        )
+    checkpoint(layers[0])
+    raises_fast(
+        ValueError,
+        r"\['layers.0'\] recompute their layers",
+        lambda: model(input_ids=optimus2d.scatter_batch(ids, mesh)),
+    )
+    with torch.no_grad():  # no backward, no recompute
+        model(input_ids=optimus2d.scatter_batch(ids, mesh))
+    model = optimus2d.parallelize(_llama(1), mesh, plan={"model": context.ContextParallel(mesh)})
     for keyword in ("cache", "past_key_values"):  # transformers 5's name, and the older one
         raises_fast(ValueError, r"a cache \(past_key_values\) is not supported", lambda k=keyword: model(
             input_ids=optimus2d.scatter_batch(ids, mesh), **{k: transformers.DynamicCache(config=model.config)}
@@ -397,3 +420,44 @@ def test_a_mask_set_anew_is_the_one_used(mesh):
         want = serial(input_ids=ids, attention_mask=mask[None, None].expand(ids.shape[0], 1, s, s)).logits
         got = optimus2d.gather(model(input_ids=optimus2d.scatter_batch(ids, mesh)).logits.detach(), mesh)
         assert_close(got, want, 1e-6, "logits")
+
+
+def test_packed_documents_in_position_ids_follow_transformers_or_are_refused(mesh):
+    """position_ids that restart inside a row with no attention_mask: transformers masks each
+    document apart (its padding-free packing). Under the default causal mask (it attends across
+    them: 0.54 off): refused on every rank, also where one sample alone is packed; under the
+    documents' mask (``ContextParallel(mask=document_mask(...))``): exact; with an attention_mask of
+    ones (transformers then attends over the whole row): exact under the causal mask."""
+    c = mesh.depth
+    s = 2 * c * 4
+    serial = _llama(mesh.q)
+    serial.config.use_cache = False  # transformers finds packing only without a cache
+    ids, _ = _batch(mesh, s)
+    b = ids.shape[0]
+    packed = torch.cat([torch.arange(s // 2), torch.arange(s // 2)])[None].expand(b, s).contiguous()
+    one = torch.arange(s)[None].repeat(b, 1)
+    one[-1] = packed[-1]  # the last sample alone: one rank's block
+    causal = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": context.ContextParallel(mesh)})
+    for positions in (packed, one):
+        raises_fast(
+            ValueError,
+            "position_ids restart inside a row",
+            lambda p=positions: causal(
+                input_ids=optimus2d.scatter_batch(ids, mesh), position_ids=optimus2d.scatter_batch(p, mesh)
+            ),
+        )
+    ones = torch.ones_like(ids)
+    want = serial(input_ids=ids, position_ids=packed, attention_mask=ones).logits
+    got = causal(**{k: optimus2d.scatter_batch(v, mesh) for k, v in
+                    (("input_ids", ids), ("position_ids", packed), ("attention_mask", ones))}).logits  # fmt: skip
+    assert_close(optimus2d.gather(got.detach(), mesh)[..., :96], want, 1e-6, "logits, a mask of ones")
+    spec = context.ContextParallel(mesh, mask=context.document_mask([s // 2, s // 2]), balance="makespan", block=4)
+    model = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": spec})
+    labels = ids.clone()
+    want = serial(input_ids=ids, position_ids=packed, labels=labels)
+    want.loss.backward()
+    got = model(**{k: optimus2d.scatter_batch(v, mesh) for k, v in
+                   (("input_ids", ids), ("position_ids", packed), ("labels", labels))})  # fmt: skip
+    assert_close(optimus2d.gather(got.logits.detach(), mesh)[..., :96], want.logits, 1e-6, "logits, documents")
+    got.loss.backward()
+    compare_step(serial, model, mesh, tol=1e-5)

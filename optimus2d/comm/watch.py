@@ -27,6 +27,10 @@ _POLL_S = 5e-5  # between tests of an operation: short, and frees the core for a
 _POLL_MAX_S = 1e-3  # on shared cores a wait that has lasted t sleeps t/16, from _POLL_S up to this
 _shared_cores = False  # more ranks on this node than cores (optimus2d.init): long waits back off
 _LISTEN_S = 0.2  # between reads of the failure channel (a round trip to the store)
+# a peer's failure heard while this operation runs: it may still complete (an agreement's last
+# all-gather, after which every rank raises the same refusal and the quickest reports it): tested
+# this long before PeerFailedError
+_GRACE_S = 1.0
 _meshes: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # uid → Mesh, built on this rank
 _failed: list[str] = []  # what this process reported: a fatal error happened here
 _waiters: ThreadPoolExecutor | None = None  # blocks in the waits that cannot be polled
@@ -155,12 +159,24 @@ def _wait(done, mesh, what: str, timeout: float, backoff: bool) -> None:
             heard = now
             peer = failure(mesh)
             if peer is not None:
+                if _completes(done, _GRACE_S):
+                    return
                 raise PeerFailedError(f"{what} on {mesh} stopped: {peer}")
         if now - start > timeout:
             err = TimeoutError(f"{what} on {mesh} did not complete within {timeout:g} s: is a peer lost?")
             report(err, [mesh] if mesh is not None else [])
             raise err
         time.sleep(min(_POLL_MAX_S, max(_POLL_S, (now - start) / 16)) if backoff else _POLL_S)
+
+
+def _completes(done, seconds: float) -> bool:
+    """Whether ``done()`` turns true within ``seconds`` (tested every ``_POLL_S``)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if done():
+            return True
+        time.sleep(_POLL_S)
+    return done()
 
 
 class Watched:

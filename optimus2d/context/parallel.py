@@ -20,23 +20,27 @@ block, ``(c − 1)/c · b/(c·q) · s · h/q`` elements, and receives as much; t
 more than a block. The module is a Hugging Face base model (``LlamaModel``, ``Qwen2Model``, a
 LLaVA's ``language_model``) called with keywords, whose forward takes ``position_ids`` (one that
 makes its own positions, as BART's encoder, T5's relative bias or BLOOM's ALiBi, is refused by
-``parallelize``). Refused, with the same error on every rank:
-a sequence the balance cannot split (pad it), a padding ``attention_mask`` (not all ones: packed
-documents are a ``mask=``), a cache (``past_key_values`` or ``cache``; ``use_cache`` is turned off), per-head
-``attentions``, a mask of another size than the sequence, ``position_ids`` of another shape, any
-other tensor argument (it would stay in the batch layout), gradient checkpointing (its recompute
-would run outside the split), outputs other than hidden states, an ``attention_mask`` other than a
-``[b, s]`` padding mask (a 4D mask of the model's own), shapes that differ between ranks (agreed
-before the all-to-all), a layer (an element of the module's outermost ``ModuleList``s) that ran
-but never called the context-parallel attention (its attention is its own, as BLOOM's ALiBi or a
-user's class, or it mixes tokens another way; found after the call, whose output is discarded),
-and (``context/hf.py``) an attention module that attends both ways (``is_causal=False``) under a
-causal-only mask or that gives its attention another tensor (T5's ``position_bias``, sinks).
+``parallelize``). Refused, with the same error on every rank: a sequence the balance cannot split
+(pad it), a padding ``attention_mask`` (not all ones: packed documents are a ``mask=``), a cache
+(``past_key_values`` or ``cache``; ``use_cache`` is turned off), per-head ``attentions``, a mask of
+another size than the sequence, ``position_ids`` of another shape, any other tensor argument (it
+would stay in the batch layout), gradient checkpointing or torch's
+``checkpoint_wrapper``/``checkpoint`` inside the module (its recompute would run outside the split),
+``position_ids`` that restart inside a row (packed documents, which transformers masks apart when no
+``attention_mask`` is given) under a mask that attends across those documents, outputs other than
+hidden states, an ``attention_mask`` other than a ``[b, s]`` padding mask (a 4D mask of the model's
+own), shapes that differ between ranks (agreed before the all-to-all), a layer (an element of the
+module's outermost ``ModuleList``s) that ran but never called the context-parallel attention (its
+attention is its own, as BLOOM's ALiBi or a user's class, or it mixes tokens another way; found
+after the call, whose output is discarded), and (``context/hf.py``) an attention module that attends
+both ways (``is_causal=False``) under a causal-only mask or that gives its attention another tensor
+(T5's ``position_bias``, sinks).
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import types
 from collections.abc import Callable
 
@@ -182,17 +186,25 @@ def _run(spec: ContextParallel, path: str, module: nn.Module, original, kwargs: 
                 f"{where}: position_ids {list(given.shape)} must be [1, s] or this rank's block [b, s] of the "
                 f"ids {list(x.shape[:2])}"
             )
-        if (
-            module.training
-            and torch.is_grad_enabled()
-            and any(getattr(m, "gradient_checkpointing", False) for m in module.modules())
-        ):
+        recomputed = _recomputed(module) if module.training and torch.is_grad_enabled() else []
+        if recomputed:
             raise ValueError(
-                f"{where}: gradient checkpointing recomputes the layers in backward, outside the sequence split "
-                f"(their attention would see this rank's tokens alone): turn it off (gradient_checkpointing_disable())"
+                f"{where}: {recomputed} recompute their layers in backward, outside the sequence split (their "
+                f"attention would see this rank's tokens alone): turn it off (gradient_checkpointing_disable(), or no "
+                f"checkpoint_wrapper / checkpoint inside the module)"
             )
         split = spec.split(x.shape[1])
         padding = kwargs.get("attention_mask")
+        if given is not None and padding is None:
+            crossed = _crossed_documents(given, split[1])
+            if crossed is not None:
+                raise ValueError(
+                    f"{where}: position_ids restart inside a row (packed documents: row {crossed[0]}, at token "
+                    f"{crossed[1]}), and transformers then masks each document apart when no attention_mask is "
+                    f"given, but the context-parallel mask attends across them: give the documents' mask as "
+                    f"ContextParallel(mask=...) (the same for every row), or an attention_mask of ones (attention "
+                    f"over the whole row, as transformers gives it then)"
+                )
         if padding is not None and tuple(padding.shape) != tuple(x.shape[:2]):
             raise ValueError(
                 f"{where}: attention_mask {list(padding.shape)} is not this rank's block [b, s] "
@@ -244,6 +256,38 @@ def _run(spec: ContextParallel, path: str, module: nn.Module, original, kwargs: 
             f"tokens (a recurrence) would see this rank's tokens alone. Refused (this call's output is discarded)"
         )
     return _back(out, mesh, order)
+
+
+def _recomputed(module: nn.Module) -> list[str]:
+    """The modules inside ``module`` that recompute their forward in backward: Hugging Face's
+    ``gradient_checkpointing``, torch's ``checkpoint_wrapper`` and composable ``checkpoint``."""
+    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    found = []
+    for path, m in module.named_modules():
+        if (
+            getattr(m, "gradient_checkpointing", False)
+            or isinstance(m, ActivationWrapper)
+            or "checkpoint" in (_get_registry(m) or {})
+        ):
+            found.append(path or type(module).__name__)
+    return found
+
+
+def _crossed_documents(position_ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, int] | None:
+    """Where ``mask`` (``[s, s]``, query × key, True: attends) attends across the documents that
+    ``position_ids`` (``[rows, s]``) pack in a row, as transformers reads them when no attention mask
+    is given (``masking_utils.find_packed_sequence_indices``: a document starts where the position
+    does not go up by 1): (row, first token of the document) of the first such; None where none."""
+    steps = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+    for row in range(position_ids.shape[0]):
+        starts = [int(n) for n in steps[row].nonzero().flatten()]
+        bounds = [0, *(n for n in starts if n > 0), position_ids.shape[1]]
+        for a, b in itertools.pairwise(bounds):
+            if len(bounds) > 2 and (mask[a:b, :a].any() or mask[a:b, b:].any()):
+                return row, a
+    return None
 
 
 def _note_ran(layer: nn.Module, args: tuple) -> None:
