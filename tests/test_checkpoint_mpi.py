@@ -264,3 +264,70 @@ def test_extra_state_is_refused(world, shared_dir):
 
     with pytest.raises(TypeError, match="extra state"):
         checkpoint.save(os.path.join(shared_dir, "x"), WithExtra())
+
+
+class _Scaled(nn.Module):
+    """A Linear beside a 0-d parameter of its own (CLIP's logit_scale), kept as it is
+    (``register_converter(keep=True)``): the scale whole on every rank, its gradient summed over
+    the mesh."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(E, E)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+optimus2d.convert.register_converter(_Scaled, keep=True)
+
+
+def _scaled_step(model, optimizer, mesh, step: int) -> None:
+    torch.manual_seed(200 + step)
+    x, probe = torch.randn(12, SEQ, E, dtype=torch.float64), torch.randn(12, SEQ, E, dtype=torch.float64)
+    y = model(x) if mesh is None else optimus2d.gather(model(scatter(x, mesh)), mesh)
+    optimizer.zero_grad()
+    (y * probe).sum().backward()
+    optimizer.step()
+
+
+def test_a_kept_modules_own_scalar_trains_and_resumes_on_another_mesh(world, shared_dir):
+    """A kept module's own 0-d parameter: its gradient is the serial one on every rank (each rank's
+    covered its blocks alone: it was never summed, and the ranks drifted apart); its AdamW moments
+    come back from a checkpoint as the DTensors the optimizer made (plain tensors: the next step
+    failed), and the step after a move to another mesh is the uninterrupted serial one."""
+    big = max((s for s in SHAPES if s[1] * s[0] ** 2 <= world.size), key=lambda s: s[1] * s[0] ** 2)
+    other = next((s for s in ((1, 4), (2, 1), (1, 1)) if s != big and s[1] * s[0] ** 2 <= world.size), big)
+    serial = _Scaled().double()
+    opt = torch.optim.AdamW(serial.parameters(), lr=1e-2)
+    for step in range(3):
+        _scaled_step(serial, opt, None, step)
+        if step == 0:
+            first = serial.scale.grad.clone()
+    path = os.path.join(shared_dir, "scaled")
+    mesh = _mesh(world, big)
+    if mesh.coord is not None:
+        model = optimus2d.parallelize(_Scaled().double(), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _scaled_step(model, opt, mesh, 0)
+        grad = model.scale.grad
+        assert torch.allclose(grad.to_local() if hasattr(grad, "to_local") else grad, first, rtol=1e-12)
+        _scaled_step(model, opt, mesh, 1)
+        checkpoint.save(path, model, opt)
+    dist.barrier()
+    mesh = _mesh(world, other)
+    if mesh.coord is not None:
+        model = optimus2d.parallelize(_Scaled().double(), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+        checkpoint.load(path, model, opt)
+        from torch.distributed.tensor import DTensor
+
+        moments = {k: isinstance(v, DTensor) for k, v in opt.state[model.scale].items() if k != "step"}
+        assert moments == dict.fromkeys(("exp_avg", "exp_avg_sq"), isinstance(model.scale, DTensor))
+        _scaled_step(model, opt, mesh, 2)
+        state = serial_state_dict(model)
+        for key, value in serial.state_dict().items():
+            assert torch.allclose(state[key], value, rtol=1e-10, atol=1e-12), key
+    dist.barrier()

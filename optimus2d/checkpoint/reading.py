@@ -304,6 +304,8 @@ class Reading:
             if e is not None:
                 block = torch_state.to_block(e, value).to(local(p).dtype).contiguous()
                 value = like(p, block) if isinstance(p, DTensor) else block
+            elif isinstance(p, DTensor) and name != "step" and tuple(value.shape) == tuple(p.shape):
+                value = like(p, value)  # a 0-d parameter's moments: DTensors as the optimizer made them
             self.optimizer.state[p][name] = value
         for group, saved in zip(self.optimizer.param_groups, self.settings, strict=True):
             for k, v in saved.items():  # every saved setting (initial_lr too), as torch's load_state_dict

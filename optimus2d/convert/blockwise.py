@@ -236,12 +236,17 @@ def per_head(norm: nn.Module, parent: nn.Module | None) -> bool:
 def replicated(module: nn.Module, mesh) -> nn.Module:
     """Keep ``module`` whole on every rank (a per-head norm): each rank's gradient covers its own
     heads and batch rows, so the hooks sum them over the whole mesh, as serial sums them."""
-    for param in module.parameters():
+    summed_over_mesh(module.parameters(), mesh)
+    return keep_blocks_on_copy(module)  # copy.deepcopy keeps the tags and hooks
+
+
+def summed_over_mesh(params, mesh) -> None:
+    """Tag each of ``params`` (whole on every rank, used on the mesh's blocks) with ``mesh`` and sum
+    its gradient over the mesh in backward: each rank's covers its own blocks alone."""
+    for param in params:
         param._optimus2d_mesh = mesh
         if param.requires_grad and mesh.size > 1:
             param.register_hook(functools.partial(_summed_over_mesh, mesh=mesh))
-
-    return keep_blocks_on_copy(module)  # copy.deepcopy keeps the tags and hooks
 
 
 def _summed_over_mesh(grad: torch.Tensor, mesh) -> torch.Tensor:

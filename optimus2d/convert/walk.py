@@ -44,6 +44,7 @@ from optimus2d.layers import (
     ShardedModule,
     TransformerBlock2D,
 )
+from optimus2d.layers.base import keep_blocks_on_copy
 from optimus2d.layers.block import TransformerDecoderBlock2D, TransformerStack2D
 from optimus2d.layers.embedding import TiedHead2D
 from optimus2d.megatron.region import Megatron
@@ -59,8 +60,14 @@ def convert_children(module: nn.Module, mesh: Mesh) -> None:
 
 
 def keep(module: nn.Module, mesh: Mesh) -> nn.Module:
-    """The converter that keeps ``module`` as it is: its children are converted, its forward kept."""
+    """The converter that keeps ``module`` as it is: its children are converted, its forward kept.
+    Its own parameters (a scale it multiplies by) stay whole on every rank, each gradient summed over
+    the mesh in backward (each rank's covers its own blocks alone), as ``blockwise.replicated``'s."""
     convert_children(module, mesh)
+    own = [p for p in module.parameters(recurse=False) if getattr(p, "_optimus2d_mesh", None) is None]
+    if own:
+        blockwise.summed_over_mesh(own, mesh)
+        keep_blocks_on_copy(module)
     return module
 
 
@@ -80,7 +87,8 @@ def register_converter(
     it acts element by element on the hidden dim, or only on whole heads, once its children are
     converted — so ``parallelize`` converts its children and keeps it. That is a promise only its
     author can make: a forward that reduces, splits or reshapes the hidden dim by a size gives
-    wrong numbers on the mesh.
+    wrong numbers on the mesh. Its own parameters (a 0-d scale) stay whole on every rank, their
+    gradients summed over the mesh.
     """
     if keep:
         if converter is not None:
