@@ -141,3 +141,33 @@ def test_a_rank_that_fails_before_writing_makes_every_rank_raise(mode, tmp_path)
     assert out.count("save B raised") == 4, out[-4000:]
     assert "rank 1 cannot write" in out, out[-4000:]
     _assert_reads_back_a(tmp_path)
+
+
+_NO_CPU_BACKEND = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+from optimus2d import checkpoint
+dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)  # as NCCL's: no CPU backend
+torch.manual_seed(0)
+model = nn.Linear(4, 4)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, 4)).sum().backward()
+opt.step()
+checkpoint.async_save(sys.argv[1], model, opt).result()
+other = nn.Linear(4, 4)
+other_opt = torch.optim.AdamW(other.parameters())
+checkpoint.load(sys.argv[1], other, other_opt)
+assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+assert torch.equal(other_opt.state[other.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])
+print("ok")
+"""
+
+
+def test_async_save_where_the_default_group_has_no_cpu_backend(tmp_path):
+    """DCP's ``async_save`` refuses a default group without a CPU backend (NCCL alone: a single GPU)
+    even where it writes alone; the checkpoint is then written before ``async_save`` returns, and
+    loads back exactly (simulated on the CPU: a default group of gloo for cuda tensors alone)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_CPU_BACKEND, str(tmp_path / "ck")], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

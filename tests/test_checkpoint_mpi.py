@@ -331,3 +331,37 @@ def test_a_kept_modules_own_scalar_trains_and_resumes_on_another_mesh(world, sha
         for key, value in serial.state_dict().items():
             assert torch.allclose(state[key], value, rtol=1e-10, atol=1e-12), key
     dist.barrier()
+
+
+def test_a_model_in_1d_alone_saves_and_moves_to_a_mesh(world, shared_dir):
+    """A model whose only split is a 1D region (its DTensors over the world, no tensor on a mesh):
+    saved (it crashed: no mesh to keep the save's groups on) with its AdamW state, loaded into the
+    same model and onto a mesh of the world: the serial tensors as saved."""
+    from optimus2d.megatron import Megatron
+
+    if world.size == 1:
+        pytest.skip("1D needs two ranks or more")
+    big = max((s for s in SHAPES if s[1] * s[0] ** 2 <= world.size), key=lambda s: s[1] * s[0] ** 2)
+    mesh = _mesh(world, big)
+    if mesh.size != world.size:
+        pytest.skip("the mesh does not cover the world")
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Sequential(nn.Linear(E, 2 * E), nn.GELU(), nn.Linear(2 * E, E))).double()
+    model = optimus2d.parallelize(serial, mesh, plan={"0": Megatron(mesh)})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    model(scatter(torch.randn(12, SEQ, E, dtype=torch.float64), mesh)).sum().backward()
+    opt.step()
+    path = os.path.join(shared_dir, "in_1d")
+    checkpoint.save(path, model, opt)
+    before = serial_state_dict(model)
+    for plan in ({"0": Megatron(mesh)}, None):
+        torch.manual_seed(2)
+        fresh = nn.Sequential(nn.Sequential(nn.Linear(E, 2 * E), nn.GELU(), nn.Linear(2 * E, E))).double()
+        other = optimus2d.parallelize(fresh, mesh, plan=plan)
+        other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+        checkpoint.load(path, other, other_opt)
+        state = serial_state_dict(other)
+        for key, value in before.items():
+            assert torch.equal(state[key], value), (plan, key)
+        assert len(other_opt.state) == 4

@@ -38,10 +38,13 @@ from torch.distributed.tensor import DTensor
 from optimus2d.checkpoint import files as _files
 from optimus2d.checkpoint import integrity, reading, torch_state
 from optimus2d.checkpoint.progress import Progress, mib, on
-from optimus2d.comm import replicas, shared_groups
+from optimus2d.comm import replicas, shared_groups, watch
 from optimus2d.comm.mesh import Mesh
 
 __all__ = ["async_save", "load", "read", "save"]
+
+
+_WORLD_GROUPS: dict = {}  # a save's own groups where no mesh holds them (``_Ranks.own_groups``)
 
 
 class _Ranks:
@@ -81,12 +84,13 @@ class _Ranks:
         mesh over some ranks only keeps its own groups (``self.everyone`` False)."""
         if not self.everyone:
             return self
-        cache = mesh.__dict__.setdefault("_optimus2d_checkpoint_groups", {})
+        # no mesh (DTensors alone: a model in 1D): the world's, kept here
+        cache = mesh.__dict__.setdefault("_optimus2d_checkpoint_groups", {}) if mesh is not None else _WORLD_GROUPS
         if not cache:
-            seconds = mesh.timeout
+            seconds = mesh.timeout if mesh is not None else watch.collective_timeout()
             cache["commit"] = dist.new_group(timeout=timedelta(seconds=3 * seconds), backend="gloo")
             wait = timedelta(seconds=seconds)
-            if self.dcp is not None and len(mesh.replicas) > 1:  # one group per replica, made by every rank
+            if self.dcp is not None and mesh is not None and len(mesh.replicas) > 1:  # one per replica, by every rank
                 cache["dcp"], _ = dist.new_subgroups_by_enumeration(
                     [list(r) for r in mesh.replicas], timeout=wait, backend="gloo"
                 )
@@ -158,7 +162,9 @@ def async_save(
     the world: a mesh over some ranks only is refused). Returns a ``Future``: ``result()`` returns
     once the checkpoint is committed, or raises ``save``'s error, on every rank. A later ``save``,
     ``async_save`` or ``load`` on the same mesh waits for it first (and raises its error); so should
-    the end of the program."""
+    the end of the program. Where DCP writes alone (no mesh, or a mesh of one rank) and torch's
+    default group has no CPU backend (NCCL alone), DCP's ``async_save`` refuses: the files are
+    written before it returns, the commit behind."""
     start = time.perf_counter()
     entries, mesh, ranks, bar, state = _prepare(path, model, optimizer, "checkpoint.async_save", progress)
     bar.start = start
@@ -241,10 +247,27 @@ def _write(state: dict, directory: str, ranks: _Ranks, how):
     rank's files after (``save``), DCP's Future (``async_save``), or None where it writes nothing."""
     if not ranks.writes:
         return None
+    written = None
+    if how is dcp.async_save and ranks.dcp_alone and _no_cpu_backend():
+        # DCP's async_save asks the default group for a CPU backend even where it writes alone (an
+        # NCCL-only group, on GPUs): written here, before returning; the commit still runs behind
+        how, written = dcp.save, concurrent.futures.Future()
+        written.set_result(None)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process")
         out = how(state, checkpoint_id=directory, process_group=ranks.dcp, no_dist=ranks.dcp_alone)
+    if written is not None:
+        return written
     return out if how is dcp.async_save else ranks.writer_rank()
+
+
+def _no_cpu_backend() -> bool:
+    """Whether torch's default process group has no CPU backend (NCCL alone), which DCP's
+    ``async_save`` refuses."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    types = getattr(dist.distributed_c10d._get_default_group(), "_device_types", None)
+    return types is not None and torch.device("cpu") not in types
 
 
 def _summary(bar: Progress, path, entries, optimizer, mesh) -> None:
