@@ -432,3 +432,24 @@ def test_a_module_sharing_a_parameter_with_the_rest_is_not_offered():
         ("model.layers.0.mlp", "mlp"),
         ("model.layers.1.mlp", "mlp"),
     ]
+
+
+def test_a_damaged_calibration_cache_is_measured_again_and_rewritten(tmp_path):
+    """The cache is read and written on one rank alone (the others wait in the broadcast): a file
+    that is JSON but not a table, or an entry past float's range, reads as absent and never raises
+    (it raised TypeError / OverflowError on rank 0 alone, and the others timed out)."""
+    import json
+
+    from optimus2d.cost.calibration import _cached, _store
+
+    path = tmp_path / "hardware.json"
+    good = [1e9, 2e9, 1e-5, 3e9, 2e-5]
+    for text in ("[]", "3", '"x"', "{not json", json.dumps({"k": [10**400, 1, 1, 1, 1]}),
+                 json.dumps({"k": [True, 1, 1, 1, 1]}), json.dumps({"k": [1, 1, 1]}),
+                 json.dumps({"k": [1, 0, 1, 1, 1]})):  # fmt: skip
+        path.write_text(text)
+        assert _cached(path, "k") is None, text
+        _store(path, "k", good)
+        assert _cached(path, "k") == good, text
+    _store(path, "other", [2.0] * 5)
+    assert json.loads(path.read_text()) == {"k": good, "other": [2.0] * 5}

@@ -111,14 +111,7 @@ def hardware(mesh: Mesh, *, cache: bool = True, refresh: bool = False) -> Hardwa
     key, path = _key(mesh), cache_path()
     found = None
     if cache and not refresh and mesh.ranks.index(mesh.rank) == 0:
-        try:
-            found = json.loads(path.read_text()).get(key)
-        except (OSError, ValueError, AttributeError):
-            found = None
-        fits = isinstance(found, list) and len(found) == 5  # (an older release's 3 words: measured again)
-        fits = fits and all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in found)
-        if not fits or min(found[0], found[1], found[3]) <= 0:
-            found = None  # an entry edited or damaged: measured again (the same 6 words broadcast either way)
+        found = _cached(path, key)  # None where absent, edited or damaged: measured again
     words = torch.tensor([1.0, *found] if found else [0.0] * 6, dtype=torch.float64)
     if mesh.size > 1:  # rank 0's cache, or nothing, on every rank
         words = words.to(mesh.device)
@@ -141,17 +134,38 @@ def hardware(mesh: Mesh, *, cache: bool = True, refresh: bool = False) -> Hardwa
     return Hardware(flops, bandwidth, latency, bytes_per_element=4, torch_link=tuple(torch_link))
 
 
+def _cached(path: Path, key: str) -> list[float] | None:
+    """The cache file's 5 words for ``key``, or None where it has none that fit (absent, an older
+    release's 3 words, edited, damaged): read on one rank before the broadcast, so it never raises."""
+    try:
+        found = json.loads(path.read_text()).get(key)
+        if not (isinstance(found, list) and len(found) == 5):
+            return None
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in found):
+            return None
+        found = [float(v) for v in found]  # an integer past float's range: OverflowError, below
+    except (OSError, ValueError, AttributeError, TypeError, OverflowError):
+        return None
+    if not all(math.isfinite(v) and v >= 0 for v in found) or min(found[0], found[1], found[3]) <= 0:
+        return None
+    return found
+
+
 def _store(path: Path, key: str, values: list[float]) -> None:
-    """Add ``key`` to the cache file, atomically (a rename), keeping what else it holds."""
+    """Add ``key`` to the cache file, atomically (a rename), keeping what else it holds (a file that
+    is not a table of entries is replaced). Never raises: rank 0 alone writes, after the others
+    have gone on."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             table = json.loads(path.read_text())
         except (OSError, ValueError):
             table = {}
+        if not isinstance(table, dict):
+            table = {}
         table[key] = values
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(json.dumps(table, indent=1))
         os.replace(tmp, path)
-    except OSError:  # a read-only home: measured again next time
+    except (OSError, TypeError, ValueError):  # a read-only home: measured again next time
         pass
