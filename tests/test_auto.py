@@ -453,3 +453,23 @@ def test_a_damaged_calibration_cache_is_measured_again_and_rewritten(tmp_path):
         assert _cached(path, "k") == good, text
     _store(path, "other", [2.0] * 5)
     assert json.loads(path.read_text()) == {"k": good, "other": [2.0] * 5}
+
+
+def test_the_model_is_priced_in_its_own_dtype():
+    """This machine's costs are measured in fp32; ``plan="auto"`` prices a model's weights, gradients,
+    moments, activations and messages in its own dtype (it priced 4 bytes for fp64 and bf16 alike)."""
+    import torch
+    from torch import nn
+
+    from optimus2d.convert.auto import _element_size
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    assert _element_size(model) == 4
+    assert _element_size(model.double()) == 8
+    assert _element_size(model.to(torch.bfloat16)) == 2
+    assert _element_size(nn.ReLU()) == 4  # no parameters: fp32
+    trained, frozen = _mlp(4096), _mlp(4096, frozen=True)
+    for dtype_bytes in (2, 8):
+        hw = dataclasses.replace(HW, bytes_per_element=dtype_bytes)
+        assert predict(frozen, "1×1×4", 4, hw)[1] == pytest.approx(2 * 1024 * 4096 * dtype_bytes)
+        assert predict(trained, "1d", 4, hw)[1] == pytest.approx(dtype_bytes / 4 * predict(trained, "1d", 4, HW)[1])

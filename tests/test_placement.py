@@ -185,3 +185,11 @@ def test_the_meshs_all_reduces_are_priced_at_their_own_bandwidth_where_measured(
     layer = Layer(4, 128, 128, 512, heads=4)  # replicated and trained (1×1×4): its gradients all-reduced
     assert step_time(layer, "2.5d:4", 4, slow)["total"] > step_time(layer, "2.5d:4", 4, HW)["total"]
     assert step_time(layer, "2.5d:4", 4, slow, dw=False) == step_time(layer, "2.5d:4", 4, HW, dw=False)  # frozen
+
+
+def test_one_micro_batch_offers_together_only():
+    """Apart is a pipeline of 2 stages under torch's 1F1B, which refuses fewer micro-batches than
+    stages: with one, only the together rows are offered (torch raised from inside the pricing)."""
+    encoder, lm = _parts()
+    placement = propose_placement(encoder, lm, 4, HW, microbatches=1)
+    assert placement.table and all(c.encoder_ranks == 0 for c in placement.table)

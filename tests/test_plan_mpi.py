@@ -142,3 +142,43 @@ def test_frozen_layer_comm_matches_the_counter(mesh, dx, dw):
     scheme = "2d" if mesh.depth == 1 else f"2.5d:{mesh.depth}"
     priced = sum(e for _, _, e, _ in layer_comm(Layer(b, s, h, 4 * h), scheme, mesh.size, dx=dx, dw=dw))
     assert counter.numel == priced, counter.summary()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "frozen,input_grad", [(False, False), (False, True), (True, True), (True, False)], ids=["trained", "trained-dx",
+                                                                                          "frozen-dx", "frozen"]
+)  # fmt: skip
+def test_plan_auto_prices_an_mlp_as_it_sends_and_keeps(mesh, frozen, input_grad):
+    """What ``plan="auto"`` prices for an MLP block (``cost.auto.predict``) against what it does,
+    converted by ``parallelize``: the elements it sends (off the diagonal; a frozen block sends no
+    weight gradients, nor their all-reduces: it priced a trained block's backward, 2.4× what a
+    frozen forward sends) and, on a 2D mesh, the bytes backward keeps (its linears apart: fc1's
+    input, the activation's input and output; frozen, the activation's input alone: it priced
+    h + f for the first and the whole for the second), in the model's dtype."""
+    from optimus2d import parallelize
+    from optimus2d.cost.auto import Block, predict
+    from optimus2d.cost.planner import mlp_comm
+
+    h, f, b, s = 8 * mesh.q, 32 * mesh.q, 2 * mesh.depth * mesh.q, 3
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(h, f), nn.GELU(), nn.Linear(f, h))).double()
+    model.requires_grad_(not frozen)
+    par = parallelize(model, mesh)
+    x = scatter(torch.randn(b, s, h, dtype=torch.float64), mesh).detach().requires_grad_(input_grad)
+    backward = input_grad or not frozen
+    kept = saved_activation_bytes(par[0], x) if backward else 0
+    with count_comm() as counter:
+        y = par[0](x)
+        if backward:
+            y.square().sum().backward()
+    layout, p = f"{mesh.q}×{mesh.q}×{mesh.depth}", mesh.size
+    hw = Hardware(flops=1e9, bandwidth=1e9, latency=1e-5, bytes_per_element=8)  # float64
+    _, memory = predict(Block("0", "mlp", b * s, h, f, frozen=frozen, input_grad=input_grad), layout, p, hw)
+    weights = 2 * h * f / (mesh.q * mesh.q) * 8 * (1 if frozen else 4)
+    if mesh.depth == 1:
+        assert memory - weights == kept
+    if p > 1 and mesh.i != mesh.j:
+        scheme = "2d" if mesh.depth == 1 else f"2.5d:{mesh.depth}"
+        priced = mlp_comm(b * s, h, f, scheme, p, input_grad=input_grad, dw=not frozen)
+        assert counter.numel == sum(e for _, _, e, _ in priced), counter.summary()

@@ -128,6 +128,13 @@ def _entangled(model: nn.Module) -> Callable[[str], bool]:
     return at
 
 
+def _element_size(model: nn.Module) -> int:
+    """Bytes of an element of the model's floating parameters (the largest where they differ; 4
+    where it has none): what its weights, gradients, moments and activations take."""
+    sizes = [p.element_size() for p in model.parameters() if p.is_floating_point()]
+    return max(sizes, default=4)
+
+
 def _rows_seen(blocks: list[Block]) -> str:
     """Each block's path, rows and sequence, at every depth: what the plan is priced at."""
     return ";".join(f"{b.path}:{b.rows}:{b.seq}[{_rows_seen(list(b.inner))}]" for b in blocks)
@@ -319,7 +326,9 @@ def choose_plan(
     here = f"{mesh.q}×{mesh.q}×{mesh.depth}"
     if io != "blocks":  # whole, or whole with its arguments declared
         blocks = _edges(model, blocks)
-    costs = auto.hardware if auto.hardware is not None else hardware(mesh)
+    costs = auto.hardware
+    if costs is None:  # this machine's, measured in fp32: priced in the model's dtype
+        costs = replace(hardware(mesh), bytes_per_element=_element_size(model))
     # on a mesh with replicas (pipeline stages, copies) the model's own mesh only: 1D is refused there,
     # and another mesh shape is built by every rank of the world while the others convert other modules
     only = {here} if len(mesh.replicas) > 1 else None

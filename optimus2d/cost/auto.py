@@ -7,7 +7,8 @@ whole on every rank, the batch split, data parallelism) and, where the module sp
 way (``Block.splits_1d``), "1d". Each is priced by ``planner``'s formulas on a ``Hardware``
 (``calibration.hardware``: measured on this machine, cached): compute split p ways, communication
 per collective kind, latency per sync stage; memory as the weights (with gradient and two AdamW
-moments when trained) and the activations backward keeps. A block off the model's mesh adds what
+moments when trained, all of the model's dtype: ``Hardware.bytes_per_element``) and the
+activations backward keeps. A block off the model's mesh adds what
 its boundaries move: ``redistribute`` to its mesh shape and back (the rest of the model runs on the
 model's mesh), an all-gather of the activation into and out of a 1D block (forward in, backward
 out). A "part" (a module of several blocks of one width) is priced as its blocks side by side,
@@ -120,29 +121,29 @@ def predict(block: Block, layout: str, p: int, hw: Hardware, *, boundary: bool =
         priced = [predict(block.layer(n == 0), layout, p, hw) for n in range(block.layers)]
         seconds, memory = sum(t for t, _ in priced), sum(m for _, m in priced)
         _, q, _ = _scheme(layout, p)
-        memory += block.other * (hw.bytes_per_element if block.frozen else 16) / (1 if layout == "1d" else q * q)
+        memory += block.other * hw.bytes_per_element * (1 if block.frozen else 4) / (1 if layout == "1d" else q * q)
         if layout == "1d":
             seconds += comm_time(_gather_1d(block, p), hw, 0.0)
         return seconds, memory
-    scheme, q, depth = _scheme(layout, p)
+    scheme, q, _ = _scheme(layout, p)
     trained = not block.frozen
     backward = trained or block.input_grad
     if block.kind == "mlp":
         rows, h, f = block.rows, block.hidden, block.ffn
-        flops = mlp_flops(rows, h, f, block.input_grad) if backward else 2.0 * rows * h * f * 2
-        if not trained:
-            flops = flops * (2 if block.input_grad else 1) / (5 + int(block.input_grad))
+        if trained:
+            flops = mlp_flops(rows, h, f, block.input_grad)
+        else:  # frozen: 2 products forward, and the input's gradient through both where it has one
+            flops = 2.0 * rows * h * f * (2 + 2 * int(block.input_grad))
         compute = flops / (p * hw.flops)
-        comm = mlp_comm(rows, h, f, scheme, p, input_grad=block.input_grad)
-        if not trained and scheme.startswith("2.5d"):  # no weight gradients to all-reduce over depth
-            comm = [c for c in comm if not (c[0] == "all_reduce" and c[1] == depth)]
+        comm = mlp_comm(rows, h, f, scheme, p, input_grad=block.input_grad, dw=trained)
         if scheme == "1d" and boundary:  # the input all-gathered forward, the output's gradient backward
             comm = [*comm, *_gather_1d(block, p)]
         seconds = compute + comm_time(comm, hw, compute)
-        if scheme == "1d":
-            acts = rows * h + 2 * rows * f / p  # the gathered input (fc1's), fc1's and the activation's outputs
-        else:
-            acts = rows * (h + f) / p  # the input and fc1's output blocks (the activation recomputed)
+        # kept for backward (parallelize keeps an MLP's linears apart): fc1's input (the gathered whole
+        # in 1D), fc1's output (the activation's input) and the activation's output (fc2's input);
+        # frozen, the activation's input alone (a frozen linear keeps no input)
+        gathered = rows * h if scheme == "1d" else rows * h / p
+        acts = gathered + 2 * rows * f / p if trained else rows * f / p
     else:
         layer = Layer(block.rows // block.seq, block.seq, block.hidden, block.ffn, block.heads)
         seconds = step_time(
@@ -152,7 +153,7 @@ def predict(block: Block, layout: str, p: int, hw: Hardware, *, boundary: bool =
             seconds += comm_time(_gather_1d(block, p), hw, 0.0)
         acts = activation_elements(layer, scheme, p)
     shards = p if scheme == "1d" else q * q
-    weights = block.params / shards * (16 if trained else hw.bytes_per_element)
+    weights = block.params / shards * hw.bytes_per_element * (4 if trained else 1)  # + gradient, AdamW's 2
     return seconds, weights + (acts * hw.bytes_per_element if backward else 0.0)
 
 

@@ -178,9 +178,18 @@ def _linear_comm(
 
 
 def mlp_comm(
-    rows: int, hidden: int, ffn: int, scheme: str, p: int, input_grad: bool = False, algorithm: str = "auto"
+    rows: int,
+    hidden: int,
+    ffn: int,
+    scheme: str,
+    p: int,
+    input_grad: bool = False,
+    algorithm: str = "auto",
+    dw: bool = True,
 ) -> list:
-    """(kind, group size, elements per rank, sync stages) of an MLP h→f→h fwd+bwd under ``scheme``."""
+    """(kind, group size, elements per rank, sync stages) of an MLP h→f→h fwd+bwd under ``scheme``;
+    ``dw`` False for frozen weights (no weight gradients, nor their all-reduces; with no
+    ``input_grad`` either, forward only)."""
     if scheme in ("1d", "1d-sp"):
         if p == 1:
             return []
@@ -195,10 +204,11 @@ def mlp_comm(
     q, depth = _mesh_shape(scheme, p)
     out = []
     if q > 1:
-        out += _linear_comm(rows, hidden, ffn, q, depth, input_grad, algorithm)
-        out += _linear_comm(rows, ffn, hidden, q, depth, True, algorithm)
-        out.append(("all_reduce", q, (ffn + hidden) // q, 2))  # biases over col
-    if depth > 1:
+        out += _linear_comm(rows, hidden, ffn, q, depth, input_grad, algorithm, dw=dw)
+        out += _linear_comm(rows, ffn, hidden, q, depth, input_grad or dw, algorithm, dw=dw)
+        if dw:
+            out.append(("all_reduce", q, (ffn + hidden) // q, 2))  # biases over col
+    if depth > 1 and dw:
         out.append(("all_reduce", depth, 2 * hidden * ffn // (q * q) + (ffn + hidden) // q, 4))  # weights, biases
     return out
 

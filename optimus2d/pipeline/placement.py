@@ -144,8 +144,9 @@ def propose_placement(
     the input's gradient: the features', or a trained projector's before it) together on ``world``
     ranks and apart on every split a + (world − a), and pick the cheapest whose ranks all fit
     ``memory_cap`` bytes (None: no cap). ``one_d``: together, a part may also run in Megatron's 1D
-    split over every rank (``planner.propose_layouts(one_d=True)``). Raises ``ValueError`` when no
-    placement splits the batch."""
+    split over every rank (``planner.propose_layouts(one_d=True)``); apart only with 2 micro-batches
+    or more (torch's 1F1B refuses fewer than its stages). Raises ``ValueError`` when no placement
+    splits the batch."""
     batch = encoder.layer.batch
     if world < 1 or microbatches < 1:
         raise ValueError(f"propose_placement: world {world} and microbatches {microbatches} must be at least 1")
@@ -158,7 +159,7 @@ def propose_placement(
         shapes = (layouts[encoder.path], layouts[rest.path])
         if shapes[0] in offered[encoder.path] and shapes[1] in offered[rest.path]:
             found.append(Candidate(0, *shapes, seconds, memory, ok))
-    if batch % microbatches == 0:
+    if batch % microbatches == 0 and microbatches >= 2:  # apart: torch's 1F1B on 2 stages needs 2 or more
         mb = batch // microbatches
         for a in range(1, world):
             rests = [r for r in _shapes(rest, world - a, mb) if encoder.layer.hidden % r[0] == 0]  # the features'
