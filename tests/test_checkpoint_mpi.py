@@ -365,3 +365,46 @@ def test_a_model_in_1d_alone_saves_and_moves_to_a_mesh(world, shared_dir):
         for key, value in before.items():
             assert torch.equal(state[key], value), (plan, key)
         assert len(other_opt.state) == 4
+
+
+class _Tied(nn.Module):
+    """A table of 12 rows (q = 2, 3 divide it) and the head that is it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(12, E)
+        self.head = nn.Linear(E, 12, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_an_untied_checkpoint_into_a_tied_model_is_refused_on_every_rank(world, shared_dir):
+    """A model whose head is its embedding, given a checkpoint that holds the two apart with other
+    values (an untied model's; here its first row only, which one block holds): refused on every
+    rank, nothing changed (the last key's values won, silently); the same values apart load as
+    one tensor."""
+    big = max((s for s in SHAPES if s[1] * s[0] ** 2 <= world.size), key=lambda s: s[1] * s[0] ** 2)
+    mesh = _mesh(world, big)
+    if mesh.coord is None:
+        return
+    for shift, refused in ((1.0, True), (0.0, False)):
+        untied = _Tied()
+        head = untied.emb.weight.detach().clone()
+        head[0] += shift
+        untied.head.weight = nn.Parameter(head)
+        path = os.path.join(shared_dir, f"untied{shift}")
+        checkpoint.save(path, optimus2d.parallelize(untied, mesh))
+        model = optimus2d.parallelize(_Tied(), mesh)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)  # not the checkpoint's
+        before = serial_state_dict(model)
+        if refused:
+            with pytest.raises(ValueError, match=r"ties emb.weight and head.weight .* nothing was loaded"):
+                checkpoint.load(path, model)
+            state = serial_state_dict(model)
+            assert all(torch.equal(state[k], v) for k, v in before.items())
+        else:
+            checkpoint.load(path, model)
+            assert torch.equal(serial_state_dict(model)["emb.weight"], _Tied().emb.weight.detach())
+        assert model.head.weight is model.emb.weight

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
@@ -288,9 +289,30 @@ class Reading:
     def _value(self, keys: list[str], dim: int) -> torch.Tensor:
         return torch.cat([self.state[k] for k in keys], dim) if len(keys) > 1 else self.state[keys[0]]
 
-    def apply(self) -> None:
-        """Once DCP has read ``state``: every block into its tensor, and the optimizer's state."""
+    def apply(self, gather: Callable[[object], list] | None = None) -> None:
+        """Once DCP has read ``state``: every block into its tensor, and the optimizer's state.
+        ``ValueError`` (nothing changed) where the model ties two keys the checkpoint holds apart
+        with other values (an untied model's: the last key's would have won), agreed with
+        ``gather`` (this rank's object → every reading rank's) on every rank that reads."""
         blocks = [(e, torch_state.to_block(e, self._value(keys, dim))) for e, keys, dim in self.model]
+        by_tensor: dict[int, list] = {}
+        for e, block in blocks:
+            by_tensor.setdefault(id(e.tensor), []).append((e.key, block))
+        tied = [held for held in by_tensor.values() if len(held) > 1]
+        if tied:  # the same model on every rank: the same verdict asked everywhere
+            apart = [
+                f"{first} and {key}"
+                for (first, value), *others in tied
+                for key, other in others
+                if not torch.equal(other, value)
+            ]
+            everyone = gather(apart) if gather is not None else [apart]
+            apart = sorted({pair for found in everyone for pair in found})
+            if apart:
+                raise ValueError(
+                    f"optimus2d.checkpoint: {self.path!r}: the model ties {', '.join(apart)} (one tensor), but the "
+                    f"checkpoint holds them with other values (an untied model's): nothing was loaded"
+                )
         with torch.no_grad():
             for e, block in blocks:
                 e.block.copy_(block)

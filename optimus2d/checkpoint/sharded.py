@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -379,5 +380,12 @@ def load(
     except BaseException:
         shared_groups.spoil(mesh)  # the read may have run on the mesh's own group
         raise
-    plan.apply()
+    plan.apply(None if ranks.read_alone else functools.partial(_gathered, group=ranks.read))
     return None
+
+
+def _gathered(obj: object, group) -> list:
+    """``obj`` of every rank of ``group`` (the readers'), in rank order."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
