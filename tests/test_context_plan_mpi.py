@@ -327,6 +327,11 @@ def test_more_refusals_on_every_rank(world_mesh):
             input_ids=optimus2d.scatter_batch(ids, mesh), token_type_ids=optimus2d.scatter_batch(ids, mesh)
         ),
     )
+    raises_fast(  # a mapping of masks (Gemma 3's, handed on to its language model)
+        ValueError,
+        "attention_mask is a dict",
+        lambda: model.model(input_ids=optimus2d.scatter_batch(ids, mesh), attention_mask={"full_attention": None}),
+    )
     # a memory bound that differs on one rank would pick another attention there: refused at parallelize
     memory = 1.0 if optimus2d.comm.mesh.as_mesh(mesh).coord[0] == 0 else None
     raises_fast(

@@ -195,6 +195,12 @@ def _run(spec: ContextParallel, path: str, module: nn.Module, original, kwargs: 
             )
         split = spec.split(x.shape[1])
         padding = kwargs.get("attention_mask")
+        if padding is not None and not isinstance(padding, torch.Tensor):
+            raise ValueError(
+                f"{where}: attention_mask is a {type(padding).__name__} (a mapping of the model's own masks), not "
+                f"this rank's block [b, s] {list(x.shape[:2])} of a padding mask: give the mask as "
+                f"ContextParallel(mask=...) and drop attention_mask"
+            )
         if given is not None and padding is None:
             crossed = _crossed_documents(given, split[1])
             if crossed is not None:
