@@ -264,6 +264,17 @@ def test_extra_state_is_refused(world, shared_dir):
 
     with pytest.raises(TypeError, match="extra state"):
         checkpoint.save(os.path.join(shared_dir, "x"), WithExtra())
+    # a pipeline whose first stage alone holds it: every stage refuses at once (the others waited for
+    # it in DCP's first collective, to the timeout)
+    from helpers import raises_fast
+
+    from optimus2d.checkpoint.stages import load_stages, save_stages
+
+    stage = WithExtra() if world.rank == 0 else nn.Linear(2, 2)
+    raises_fast(TypeError, "extra state", lambda: save_stages(os.path.join(shared_dir, "stages"), stage))
+    checkpoint.save(os.path.join(shared_dir, "whole"), nn.Linear(2, 2)) if world.rank == 0 else None
+    dist.barrier() if dist.is_initialized() else None
+    raises_fast(ValueError, "extra state", lambda: load_stages(os.path.join(shared_dir, "whole"), stage))
 
 
 class _Scaled(nn.Module):

@@ -9,6 +9,7 @@ data-parallel replicas, which hold the same blocks, and writes only stage 0's.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
@@ -20,7 +21,7 @@ from torch import nn
 
 from optimus2d.checkpoint import files as _files
 from optimus2d.checkpoint import reading, torch_state
-from optimus2d.checkpoint.sharded import dcp_load, read_metadata, wait_for_async_save
+from optimus2d.checkpoint.sharded import _gathered, dcp_load, read_metadata, wait_for_async_save
 from optimus2d.comm import replicas, watch
 
 __all__ = ["load_stages", "save_stages"]
@@ -62,18 +63,25 @@ def save_stages(path: str | os.PathLike, chunks: nn.Module | list[nn.Module], op
     of a stage must hold the same keys, and copy 0 writes them. Without it, every stage mesh is a stage.
     """
     mods = torch_state.modules(list(chunks) if isinstance(chunks, (list, tuple)) else [chunks])
-    entries = torch_state.held(mods)
-    mesh = torch_state.model_mesh(entries)
-    wait_for_async_save(mesh)
+    error, entries, mesh, state = None, [], None, None
+    try:  # a stage's refusal (extra state, an optimizer state that cannot be laid out) is every rank's
+        entries = torch_state.held(mods)
+        mesh = torch_state.model_mesh(entries)
+        wait_for_async_save(mesh)
+        state = torch_state.to_save(entries, optimizer, torch_state.device_mesh(mesh))
+    except (TypeError, ValueError) as err:
+        error = err
     world = dist.get_world_size() if dist.is_initialized() else 1
     groups = (None, None)
     if world > 1:  # the same directory on every rank, before anything is exchanged or written
         timeout = mesh.timeout if mesh is not None else watch.collective_timeout()
         directory = f"checkpoint.save_stages of the directory {os.path.abspath(path)!r}"
-        replicas.agree_world("checkpoint.save_stages", directory, None, timeout)
+        replicas.agree_world("checkpoint.save_stages", directory, error, timeout)
         groups = _own_groups(timeout)
+    elif error is not None:
+        raise error
     try:
-        _save_stages(path, entries, mesh, optimizer, pipe, world, *groups)
+        _save_stages(path, state, mesh, pipe, world, *groups)
     except BaseException:  # every rank raises (the commit shares a rank's failure): a group that
         _groups.clear()  # timed out may be broken, so the next save creates new ones, everywhere
         raise
@@ -94,9 +102,8 @@ def _own_groups(timeout: float) -> tuple:
     return _groups["dcp"], _groups["commit"]
 
 
-def _save_stages(path, entries, mesh, optimizer, pipe, world: int, dcp_group, commit_group) -> None:
+def _save_stages(path, state: dict, mesh, pipe, world: int, dcp_group, commit_group) -> None:
     where = mesh.ranks[0] if mesh is not None else (dist.get_rank() if world > 1 else 0)  # the stage mesh
-    state = torch_state.to_save(entries, optimizer, torch_state.device_mesh(mesh))
     optim = state.get("optim", {"param_groups": []})
     objects = {"optimizer": state["optimus2d"].get("optimizer"), "param_groups": optim["param_groups"]}
     objects["aliases"] = state["optimus2d"]["aliases"]
@@ -147,19 +154,26 @@ def load_stages(path: str | os.PathLike, chunks: nn.Module | list[nn.Module], op
     hold every key of the checkpoint.
     """
     mods = torch_state.modules(list(chunks) if isinstance(chunks, (list, tuple)) else [chunks])
-    entries = torch_state.held(mods)
-    mesh = torch_state.model_mesh(entries)
+    entries, mesh, problem = [], None, None
+    try:  # a stage's extra state: every rank's refusal, shared below
+        entries = torch_state.held(mods)
+        mesh = torch_state.model_mesh(entries)
+    except (TypeError, ValueError) as err:
+        problem = f"{type(err).__name__}: {err}"
     wait_for_async_save(mesh)
     group, no_dist = (mesh.group("mesh"), False) if mesh is not None and mesh.size > 1 else (None, True)
     path = _files.verified(path, group, no_dist, True)
     metadata = read_metadata(path)
     fmt = reading.scheme(path, metadata, dcp_load)
-    mine, problem, plan = set(), None, None
+    mine, plan = set(), None
     try:  # this stage's keys and shapes; the verdicts are shared below, so every rank raises alike
-        plan = reading.Reading(path, metadata, fmt, entries, optimizer, torch_state.device_mesh(mesh), only_mine=True)
-        mine = {fmt.model_key(e.key) for e in entries}
-        plan.check_fits()
-    except ValueError as err:
+        if problem is None:
+            plan = reading.Reading(
+                path, metadata, fmt, entries, optimizer, torch_state.device_mesh(mesh), only_mine=True
+            )
+            mine = {fmt.model_key(e.key) for e in entries}
+            plan.check_fits()
+    except (TypeError, ValueError) as err:
         problem = str(err).replace("optimus2d.checkpoint: ", "load_stages: ", 1)
     everyone = [(mine, problem)]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -172,4 +186,4 @@ def load_stages(path: str | os.PathLike, chunks: nn.Module | list[nn.Module], op
     if missing:
         raise ValueError(f"load_stages: no stage holds {missing[:5]} of {os.fspath(path)!r}")
     dcp_load(plan.state, path, group, no_dist)
-    plan.apply()
+    plan.apply(None if no_dist else functools.partial(_gathered, group=group))  # within the stage
