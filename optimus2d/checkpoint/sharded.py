@@ -359,8 +359,10 @@ def load(
     returns the serial ``state_dict`` (see ``read``). Raises ``ValueError`` if there is no checkpoint
     at ``path`` or it has no manifest (a save did not finish) or it does not fit (other keys or
     shapes, another optimizer), and ``RuntimeError`` if a file is missing, truncated or damaged (its
-    size or crc32 differs from the manifest's). Files are verified on every rank (each checksums a
-    share) and every rank raises the same error. In every case nothing is changed. ``verify=False``
+    size or crc32 differs from the manifest's), or if the model ties two keys (a head that is its
+    embedding) that the checkpoint holds with other values (an untied model's). Files are verified on
+    every rank (each checksums a share) and every rank raises the same error. In every case nothing
+    is changed. ``verify=False``
     skips the manifest: for a checkpoint DCP wrote alone (``get_state_dict``'s keys, as here).
     """
     if model is None:
