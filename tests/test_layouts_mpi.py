@@ -232,3 +232,46 @@ def test_autocast_sender_and_receiver_agree(world):
 
     err = (gather(got.float(), meshes[0]) - want.float()).abs().max() / want.float().abs().max()
     assert err < 5e-2, err
+
+
+class _Attends(nn.Module):
+    def __init__(self, average: bool = True) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(12, 6, batch_first=True)
+        self.average = average
+
+    def forward(self, x: torch.Tensor):
+        return self.attn(x, x, x, average_attn_weights=self.average)
+
+
+def test_attention_weights_leave_a_planned_module_by_batch(world):
+    """``nn.MultiheadAttention``'s weights ``[b, L, S]`` (returned by default) leave a module on
+    another mesh shape as the batch tensor they are (they were moved as an activation, their S split:
+    0.59 off); per-head weights, which no layout holds, are refused on every rank."""
+    torch.manual_seed(1)
+    x = torch.randn(world.size, 3, 12, dtype=torch.float64)
+    torch.manual_seed(0)
+    serial = _Attends().double()
+    out_ref, weights_ref = serial(x)
+    for outer, inner in itertools.permutations(meshes_of(world), 2):
+        parallel = parallelize(copy.deepcopy(serial), outer, plan={"attn": inner})
+        out, weights = parallel(scatter(x, outer))
+        assert_close(optimus2d.gather(out.detach(), outer), out_ref, 1e-9, "output")
+        assert_close(weights.detach(), optimus2d.scatter_batch(weights_ref.detach(), outer), 1e-9, "weights")
+        per_head = copy.deepcopy(serial)
+        per_head.average = False
+        parallel = parallelize(per_head, outer, plan={"attn": inner})
+        with pytest.raises(ValueError, match="per-head weights"):
+            parallel(scatter(x, outer))
+    if world.size > 1:  # in 1D: the whole weights leave cut by batch
+        from optimus2d.megatron import Megatron
+
+        outer, h = meshes_of(world)[0], 2 * world.size
+        torch.manual_seed(0)
+        serial.attn = nn.MultiheadAttention(h, world.size, batch_first=True).double()  # a head a rank
+        x = torch.randn(world.size, 3, h, dtype=torch.float64)
+        out_ref, weights_ref = serial(x)
+        parallel = parallelize(copy.deepcopy(serial), outer, plan={"attn": Megatron(outer)})
+        out, weights = parallel(scatter(x, outer))
+        assert_close(optimus2d.gather(out.detach(), outer), out_ref, 1e-9, "output in 1D")
+        assert_close(weights.detach(), optimus2d.scatter_batch(weights_ref.detach(), outer), 1e-9, "weights in 1D")

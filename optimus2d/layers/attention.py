@@ -30,8 +30,11 @@ class MultiheadAttention2D(ShardedModule):
     key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal)`` returns
     ``(output, weights or None)``. Masks may be given whole (``[b, S]``, ``[L, S]``, ``[b·H, L, S]``)
     or as this rank's block (``[b/(d·q), S]``, ``[b/(d·q)·H/q, L, S]``). Attention weights, when
-    asked for, are this rank's batch block ``[b/(d·q), L, S]`` (averaged over all heads) or
-    ``[b/(d·q), H/q, L, S]``.
+    asked for, are this rank's batch block ``[b/(d·q), L, S]`` (averaged over all heads; the same
+    on every rank of a row, and their gradient taken as such: each rank of the row passes the same
+    one, as a loss computed from them alone does, not a part of it, as an activation block's product
+    with them would) or ``[b/(d·q), H/q, L, S]`` (this column's heads: no layout a plan's boundary
+    moves).
     """
 
     def __init__(
@@ -152,6 +155,9 @@ class MultiheadAttention2D(ShardedModule):
         if weights is not None and average_attn_weights:
             # replicated over the row and used alike there: backward is the identity
             weights = all_reduce(weights.sum(1), mesh, ("row",)) / self.num_heads
+            weights._optimus2d_kind = "batch"  # [b, L, S]: a boundary moves it by batch, not as an activation
+        elif weights is not None:  # this column's heads: no layout a boundary can move (it refuses them)
+            weights._optimus2d_kind = "per-head weights"
         return out, weights
 
     def _project(self, query, key, value):
