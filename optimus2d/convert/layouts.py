@@ -32,7 +32,6 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 from torch import nn
 
-from optimus2d.comm import watch
 from optimus2d.comm.agreement import agree
 from optimus2d.comm.calls import layout, tag
 from optimus2d.comm.mesh import Mesh
@@ -196,15 +195,11 @@ class Boundary:
         named = [(f"argument {n}", a) for n, a in enumerate(args)] + list(kwargs.items())
         for name, t in (hit for key, value in named for hit in _tensors(value, key)):  # refuse before sending
             if t.dim() and getattr(t, "_optimus2d_layout", None) is None and whole_of(t) is None:
-                err = ValueError(
+                raise ValueError(
                     f"parallelize: {self.path} (on {_shape(self.inner)}) receives {name} of shape {tuple(t.shape)} "
                     f"whose layout cannot be known (computed by plain torch, not given by scatter, scatter_batch, "
                     f"redistribute or an optimus2d module): it cannot be moved from the model's mesh to the module's"
                 )
-                # it may be made on some ranks only (a Hugging Face mask where this rank's rows pad): the
-                # others, waiting in this boundary's collectives, hear it now rather than at the timeout
-                watch.report(err, [m for m in (self.inner, self.outer) if m is not None])
-                raise err
         try:  # redistribute refuses (on every rank, before sending) what the module's mesh cannot hold
             return _map((args, kwargs), self._in)
         except ValueError as err:
