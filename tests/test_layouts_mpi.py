@@ -275,3 +275,57 @@ def test_attention_weights_leave_a_planned_module_by_batch(world):
         out, weights = parallel(scatter(x, outer))
         assert_close(optimus2d.gather(out.detach(), outer), out_ref, 1e-9, "output in 1D")
         assert_close(weights.detach(), optimus2d.scatter_batch(weights_ref.detach(), outer), 1e-9, "weights in 1D")
+
+
+def test_hidden_states_of_a_planned_module_leave_the_model_as_a_tuple_with_their_graph(world):
+    """A planned module's hidden states are moved when read inside the model (LLaVA reads one of its
+    tower's): a first read under ``no_grad`` (a statistic) keeps the graph of the later ones (it kept
+    none: the module's gradient 0.86 off); they leave the model a tuple, moved in its forward (a
+    ``MovedOnRead``: ``torch.stack`` of it failed, and a read on one rank alone waited forever)."""
+    modeling_outputs = pytest.importorskip("transformers.modeling_outputs")
+
+    class Enc(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(12, 12), nn.Linear(12, 12)
+
+        def forward(self, x):
+            a = self.l1(x)
+            b = self.l2(a)
+            return modeling_outputs.BaseModelOutput(last_hidden_state=b, hidden_states=(x, a, b))
+
+    class Top(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.head = Enc(), nn.Linear(12, 12)
+
+        def forward(self, x):
+            o = self.enc(x)
+            with torch.no_grad():
+                self.stat = o.hidden_states[1].norm()  # a statistic first
+            out = self.head(o.last_hidden_state) + o.hidden_states[1]
+            return modeling_outputs.BaseModelOutput(last_hidden_state=out, hidden_states=o.hidden_states)
+
+    optimus2d.convert.register_converter(Enc, keep=True)
+    optimus2d.convert.register_converter(Top, keep=True)
+    torch.manual_seed(1)
+    x = torch.randn(world.size, 3, 12, dtype=torch.float64)
+    torch.manual_seed(0)
+    serial = Top().double()
+    for outer, inner in itertools.permutations(meshes_of(world), 2):
+
+        def loss(out, mesh):
+            y = out.last_hidden_state + torch.stack(out.hidden_states).sum(0)
+            return ((optimus2d.gather(y, mesh) if mesh is not None else y) ** 2).sum()
+
+        reference = copy.deepcopy(serial)
+        loss(reference(x), None).backward()
+        parallel = parallelize(copy.deepcopy(serial), outer, plan={"enc": inner})
+        out = parallel(scatter(x, outer))
+        assert isinstance(out.hidden_states, tuple)
+        loss(out, outer).backward()
+        grads = {k: v.grad for k, v in reference.named_parameters()}
+        for name, p in parallel.named_parameters():
+            assert_close(p.grad, grads[name], 1e-9, name)
+        if outer.rank == outer.ranks[0]:  # read on one rank alone: nothing left to move
+            assert out.hidden_states[0].shape[-1] == 12 // outer.q

@@ -307,12 +307,28 @@ class MovedOnRead(Sequence):
         if isinstance(index, slice):
             return tuple(self[n] for n in range(len(self))[index])
         n = range(len(self))[index]
-        if n not in self._moved:
-            self._moved[n] = _map(self._items[n], self._move)
-        return self._moved[n]
+        if torch.is_inference_mode_enabled():  # an inference tensor is no one's to keep
+            return self._moved[n] if n in self._moved else _map(self._items[n], self._move)
+        if n not in self._moved:  # moved with its graph, whatever the mode of this first read
+            with torch.enable_grad():
+                self._moved[n] = _map(self._items[n], self._move)
+        moved = self._moved[n]
+        return moved if torch.is_grad_enabled() else _map(moved, torch.Tensor.detach)
 
     def __repr__(self) -> str:
         return f"MovedOnRead({len(self)} items)"
+
+
+def moved_whole(module: nn.Module, args: tuple, output: object) -> object:
+    """A forward hook on the converted model: the fields its planned modules left to be moved when
+    read (``MovedOnRead``, read inside the model as LLaVA reads one of its tower's hidden states)
+    leave the model as tuples, moved now, on every rank: the user's code reads a tuple (``torch.stack``
+    of it), on any rank alone."""
+    if isinstance(output, Mapping) and hasattr(output, "to_tuple"):
+        for key in list(output.keys()):
+            if isinstance(output[key], MovedOnRead):
+                output[key] = tuple(output[key])
+    return output
 
 
 def _kind(t: torch.Tensor) -> str:

@@ -36,6 +36,7 @@ from optimus2d.convert.tied import tied_embeddings
 from optimus2d.convert.walk import _current, _rehearse, _Walk, convert_children, keep, register_converter
 from optimus2d.convert.whole_io import WholeIO, io_refusal
 from optimus2d.cost.auto import Choice
+from optimus2d.layers.base import ShardedModule
 from optimus2d.megatron.region import Megatron
 
 # the registry's API, as converters have always imported it from here
@@ -122,6 +123,8 @@ def parallelize(
             for boundary in walk.boundaries.values():
                 if isinstance(boundary, layouts.WholeBoundary):
                     boundary.io = hooks
+        if walk.boundaries and not isinstance(out, ShardedModule):  # what is moved when read leaves moved
+            out.register_forward_hook(layouts.moved_whole)
     if records is not None:
         out._optimus2d_init = records
     return out
