@@ -218,3 +218,24 @@ def test_vision_tower_on_its_own_mesh(world, frozen_tower):
         state = serial_state_dict(parallel)
         for key, value in serial.state_dict().items():
             assert_close(state[key], value, 1e-4, key)
+
+
+def test_the_towers_keywords_reach_it_as_serial(mesh):
+    """``interpolate_pos_encoding`` (images larger than the config's) and ``output_attentions`` reach
+    the tower as serial's ``get_image_features`` passes them (the first raised, the second gave none)."""
+    serial = _llava()
+    serial.config._attn_implementation = "eager"  # attentions given back
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    b = 2 * mesh.depth * mesh.q
+    batch = _batch(b)
+    torch.manual_seed(3)
+    batch["pixel_values"] = torch.randn(b, 3, 24, 24)  # 9 patches: 9 feature rows per image
+    ids = torch.randint(1, IMAGE, (b, 14))
+    ids[:, 2:11] = IMAGE
+    batch.update(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.masked_fill(ids == IMAGE, -100))
+    with torch.no_grad():
+        want = serial(**batch, interpolate_pos_encoding=True, output_attentions=True)
+        got = parallel(**_local(batch, mesh), interpolate_pos_encoding=True, output_attentions=True)
+    assert_close(optimus2d.gather(got.logits, mesh)[..., :96], want.logits, 1e-5, "logits")
+    if hasattr(want, "image_outputs"):  # transformers 5.24 and later
+        assert len(got.image_outputs.attentions) == len(want.image_outputs.attentions) == 2

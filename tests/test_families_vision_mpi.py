@@ -95,7 +95,49 @@ def test_image_classification(mesh, family):
     assert list(out.keys()) == list(out_ref.keys())  # the loss first: out[0], to_tuple() as serial's
     as_tuple = parallel(pixel_values=scatter_batch(images, mesh), labels=scatter_batch(labels, mesh), return_dict=False)
     assert as_tuple[0].dim() == 0 and len(as_tuple) == len(out_ref.to_tuple())
+    # the Trainer's num_items_in_batch: ViT's loss takes it (a sum over it), CLIP's does not (the mean)
+    items = {"num_items_in_batch": 3 * b}
+    with torch.no_grad():
+        want = serial(pixel_values=images, labels=labels, **items).loss
+        got = parallel(pixel_values=scatter_batch(images, mesh), labels=scatter_batch(labels, mesh), **items).loss
+    assert_close(got, want, 1e-5, "loss with num_items_in_batch")
     compare_step(serial, parallel, mesh)
+
+
+def test_clip_model_gives_its_logits_whole_with_whole_io(mesh):
+    """``io="whole"``: CLIP's logits and embeddings, whole already (made from gathered embeddings),
+    leave as they are (they were gathered again: [2b, 2b]); the towers' outputs are gathered."""
+    serial = _clip()
+    parallel = parallelize(copy.deepcopy(serial), mesh, io="whole")
+    b = 2 * mesh.depth * mesh.q
+    ids, mask = _text(b)
+    torch.manual_seed(2)
+    images = torch.randn(b, 3, 16, 16)
+    with torch.no_grad():
+        want = serial(input_ids=ids, pixel_values=images, attention_mask=mask, return_loss=True)
+        got = parallel(input_ids=ids, pixel_values=images, attention_mask=mask, return_loss=True)
+    for key in ("loss", "logits_per_image", "logits_per_text", "text_embeds", "image_embeds"):
+        assert_close(got[key], want[key], 1e-5, key)
+    assert_close(got.vision_model_output.pooler_output, want.vision_model_output.pooler_output, 1e-5, "pooler")
+
+
+def test_position_ids_outside_the_table_are_refused_on_every_rank(mesh):
+    """CLIP's text positions, each sample its own, one of them past the table (serial: IndexError):
+    refused on every rank at once (the ranks whose rows held it raised; the others waited)."""
+    from helpers import raises_fast
+
+    config = transformers.CLIPTextConfig(**CLIP_TEXT)
+    torch.manual_seed(0)
+    parallel = parallelize(transformers.CLIPTextModel(config), mesh)
+    b = 2 * mesh.depth * mesh.q
+    ids, _ = _text(b)
+    positions = torch.arange(7).expand(b, 7).clone()
+    positions[-1] += 10  # the last sample: 10 .. 16, and the table holds 16
+    raises_fast(
+        ValueError,
+        r"position ids outside \[0, 16\)",
+        lambda: parallel(input_ids=scatter_batch(ids, mesh), position_ids=scatter_batch(positions, mesh)),
+    )
 
 
 def test_vit_model_interpolated_positions_mask_token_and_pooler(mesh):

@@ -149,6 +149,18 @@ def from_whole(x: torch.Tensor, mesh: Mesh, kind: str) -> torch.Tensor:
     return out
 
 
+def mark_whole(t: torch.Tensor) -> torch.Tensor:
+    """Note that ``t`` is whole, the same on every rank (made so inside a model: CLIP's logits from
+    gathered embeddings): ``io="whole"`` gives it as it is. Returns ``t``."""
+    t._optimus2d_is_whole = True
+    return t
+
+
+def is_whole(t: torch.Tensor) -> bool:
+    """Whether ``t`` was noted whole (``mark_whole``)."""
+    return getattr(t, "_optimus2d_is_whole", False)
+
+
 def keep_whole(block: torch.Tensor, whole: torch.Tensor) -> None:
     """Note on ``block`` (``from_whole(whole, ...)``'s output) the whole tensor it was cut from."""
     block._optimus2d_whole = (whole, whole._version, block._version)

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from optimus2d.comm.mesh import Mesh
-from optimus2d.comm.whole import forget_whole, from_whole, keep_whole, take_whole, to_whole
+from optimus2d.comm.whole import forget_whole, from_whole, is_whole, keep_whole, take_whole, to_whole
 from optimus2d.convert.layouts import Boundary, _kind, _tensors
 from optimus2d.layers.base import ShardedModule
 
@@ -172,7 +172,7 @@ class WholeIO(Boundary):
         return block
 
     def _out(self, t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0:
+        if t.dim() == 0 or is_whole(t):  # (whole already: CLIP's logits from gathered embeddings)
             return t
         whole = take_whole(t)
         if whole is not None:

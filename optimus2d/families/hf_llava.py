@@ -93,7 +93,10 @@ def _forward(
             vision_feature_layer=vision_feature_layer,
             vision_feature_select_strategy=vision_feature_select_strategy,
             return_dict=True,
+            **kwargs,  # as serial's (interpolate_pos_encoding, output_attentions reach the tower)
         )
+        for features in outputs["image"].pooler_output:  # per image [P, T/q]: no layout a boundary moves
+            features._optimus2d_kind = "per-image features"
         pixel_values = None
     _agree_placeholders(self, mesh, where, input_ids, outputs.get("image"))
     serial = type(self).__mro__[1]  # LlavaModel

@@ -38,7 +38,10 @@ projections ``[b/(d·q), E/q]``, logits ``[b/(d·q), L/q]``; ``attentions`` hold
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import re
 
 import torch
 from torch import nn
@@ -46,6 +49,7 @@ from torch import nn
 from optimus2d.comm import gather
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.rng import shard_rng
+from optimus2d.comm.whole import mark_whole
 from optimus2d.convert.parallelizer import convert_children, register_converter
 from optimus2d.families.vision import PatchConv2D, PositionEmbedding2D, split_hidden, with_forward
 from optimus2d.layers.loss import cross_entropy
@@ -144,6 +148,8 @@ def _classification_forward(self, pixel_values=None, labels=None, *args, **kwarg
             "Compute the loss from the logits blocks [b/(d·q), num_labels/q] instead"
         )
     num_items = kwargs.pop("num_items_in_batch", None)
+    if not _loss_takes_kwargs(type(self).__mro__[1]):  # CLIP's: the mean, whatever it is given
+        num_items = None
     kwargs["return_dict"] = True
     out = type(self).__mro__[1].forward(self, pixel_values, None, *args, **kwargs)
     if labels is None:
@@ -153,6 +159,19 @@ def _classification_forward(self, pixel_values=None, labels=None, *args, **kwarg
     else:  # as transformers' fixed_cross_entropy: a sum over the targets / num_items_in_batch
         loss = cross_entropy(out.logits, labels, mesh, reduction="sum") / num_items
     return type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})  # first, as serial's
+
+
+@functools.cache
+def _loss_takes_kwargs(cls: type) -> bool:
+    """Whether the serial class's forward hands its keyword arguments (``num_items_in_batch``) on to
+    its loss, as ViT's does (``self.loss_function(labels, logits, self.config, **kwargs)``) and
+    CLIP's does not (its loss is the mean whatever it is given)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True
+    calls = re.findall(r"self\.loss_function\(([^)]*)\)", source)
+    return any("**kwargs" in call for call in calls) if calls else True
 
 
 def _classification(model: nn.Module, mesh: Mesh) -> nn.Module:
@@ -192,6 +211,8 @@ def _clip_forward(
     logits_per_text = torch.matmul(text_embeds, image_embeds.t().to(text_embeds.device))
     logits_per_text = logits_per_text * self.logit_scale.exp().to(text_embeds.device)
     logits_per_image = logits_per_text.t()
+    for whole in (image_embeds, text_embeds, logits_per_text, logits_per_image):  # io="whole": as they are
+        mark_whole(whole)
     loss = clip.image_text_contrastive_loss(logits_per_text) if return_loss else None
     return clip.CLIPOutput(
         loss=loss,

@@ -155,6 +155,15 @@ class PositionEmbedding2D(ShardedModule):
         return cls(embedding, mesh)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n, mesh = self.num_embeddings, self.mesh
+        outside = torch.tensor([int(((ids < 0) | (ids >= n)).sum())], dtype=torch.int64, device=ids.device)
+        if ids.dim() > 1 and ids.shape[0] > 1 and mesh.size > 1:  # each sample's own: this rank's rows
+            P.all_reduce_max(outside, mesh, "mesh")  # every rank refuses, not only those whose rows hold them
+        if outside.item():
+            raise ValueError(
+                f"PositionEmbedding2D(num_embeddings={n}): position ids outside [0, {n}) ({outside.item()} in a "
+                f"rank's block of ids {list(ids.shape)} on {mesh}): give positions the table holds"
+            )
         return F.embedding(ids, self.weight, self.padding_idx)
 
     def extra_repr(self) -> str:
