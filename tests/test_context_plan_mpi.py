@@ -340,6 +340,17 @@ def test_more_refusals_on_every_rank(world_mesh):
         lambda: optimus2d.parallelize(_llama(1), mesh, plan={"model": context.ContextParallel(mesh, memory=memory)}),
     )
 
+    # last (a refusal on some ranks leaves the mesh unusable): one sample's position_ids restart
+    # (packed documents, which transformers masks apart): its rank refuses, and so does every other
+    s = 2 * mesh.depth * 4
+    one = torch.arange(s)[None].repeat(ids.shape[0], 1)
+    one[-1, s // 2 :] -= s // 2
+    raises_fast(
+        ValueError,
+        "position_ids restart inside a row",
+        lambda: model(input_ids=optimus2d.scatter_batch(ids, mesh), position_ids=optimus2d.scatter_batch(one, mesh)),
+    )
+
 
 class _OwnAttention(torch.nn.Module):
     """A user's attention that calls torch's kernel itself, not transformers' AttentionInterface."""
@@ -440,17 +451,14 @@ def test_packed_documents_in_position_ids_follow_transformers_or_are_refused(mes
     ids, _ = _batch(mesh, s)
     b = ids.shape[0]
     packed = torch.cat([torch.arange(s // 2), torch.arange(s // 2)])[None].expand(b, s).contiguous()
-    one = torch.arange(s)[None].repeat(b, 1)
-    one[-1] = packed[-1]  # the last sample alone: one rank's block
     causal = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": context.ContextParallel(mesh)})
-    for positions in (packed, one):
-        raises_fast(
-            ValueError,
-            "position_ids restart inside a row",
-            lambda p=positions: causal(
-                input_ids=optimus2d.scatter_batch(ids, mesh), position_ids=optimus2d.scatter_batch(p, mesh)
-            ),
-        )
+    raises_fast(  # every row packed: the same refusal on every rank (one sample alone: below, on a mesh of its own)
+        ValueError,
+        "position_ids restart inside a row",
+        lambda: causal(
+            input_ids=optimus2d.scatter_batch(ids, mesh), position_ids=optimus2d.scatter_batch(packed, mesh)
+        ),
+    )
     ones = torch.ones_like(ids)
     want = serial(input_ids=ids, position_ids=packed, attention_mask=ones).logits
     got = causal(**{k: optimus2d.scatter_batch(v, mesh) for k, v in
