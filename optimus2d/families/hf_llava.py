@@ -46,7 +46,10 @@ forward that ``hf_causal_lm.py`` splits).
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import re
 import types
 
 from torch import nn
@@ -93,7 +96,7 @@ def _forward(
             vision_feature_layer=vision_feature_layer,
             vision_feature_select_strategy=vision_feature_select_strategy,
             return_dict=True,
-            **kwargs,  # as serial's (interpolate_pos_encoding, output_attentions reach the tower)
+            **(kwargs if _tower_takes_kwargs(type(self).__mro__[1]) else {}),  # as serial's: from 5.24
         )
         for features in outputs["image"].pooler_output:  # per image [P, T/q]: no layout a boundary moves
             features._optimus2d_kind = "per-image features"
@@ -114,6 +117,19 @@ def _forward(
         mm_encoder_outputs=outputs,
         **kwargs,
     )
+
+
+@functools.cache
+def _tower_takes_kwargs(cls: type) -> bool:
+    """Whether the serial ``LlavaModel.forward`` hands its keyword arguments (interpolate_pos_encoding,
+    output_attentions) on to ``get_image_features``, as transformers 5.24 and later do (5.23 does not:
+    its tower refuses larger images)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True
+    call = re.search(r"self\.get_image_features\((.*?)\n\s*\)", source, re.S)
+    return call is None or "**kwargs" in call.group(1)
 
 
 def _agree_placeholders(model: nn.Module, mesh: Mesh, where: str, input_ids, image) -> None:
