@@ -357,7 +357,8 @@ def test_a_model_in_1d_alone_saves_and_moves_to_a_mesh(world, shared_dir):
     if mesh.size != world.size:
         pytest.skip("the mesh does not cover the world")
     torch.manual_seed(0)
-    serial = nn.Sequential(nn.Sequential(nn.Linear(E, 2 * E), nn.GELU(), nn.Linear(2 * E, E))).double()
+    f = 2 * world.size  # divided by the world's ranks in 1D
+    serial = nn.Sequential(nn.Sequential(nn.Linear(E, f), nn.GELU(), nn.Linear(f, E))).double()
     model = optimus2d.parallelize(serial, mesh, plan={"0": Megatron(mesh)})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(1)
@@ -368,7 +369,7 @@ def test_a_model_in_1d_alone_saves_and_moves_to_a_mesh(world, shared_dir):
     before = serial_state_dict(model)
     for plan in ({"0": Megatron(mesh)}, None):
         torch.manual_seed(2)
-        fresh = nn.Sequential(nn.Sequential(nn.Linear(E, 2 * E), nn.GELU(), nn.Linear(2 * E, E))).double()
+        fresh = nn.Sequential(nn.Sequential(nn.Linear(E, f), nn.GELU(), nn.Linear(f, E))).double()
         other = optimus2d.parallelize(fresh, mesh, plan=plan)
         other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
         checkpoint.load(path, other, other_opt)
