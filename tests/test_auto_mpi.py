@@ -275,6 +275,14 @@ def _covering(rows: list[dict]) -> list[dict]:
 
 
 @pytest.mark.families
+def _llama_config(transformers, p: int, **kwargs):
+    """A LLaMA of one head a rank, its widths divided by the world's p ranks."""
+    return transformers.LlamaConfig(
+        vocab_size=72, hidden_size=4 * p, intermediate_size=8 * p, num_hidden_layers=2, num_attention_heads=p,
+        num_key_value_heads=p, attn_implementation="eager", **kwargs,
+    )  # fmt: skip
+
+
 def test_a_llama_decoder_stack_is_a_region_run_whole_in_1d_or_left_on_the_mesh_exactly(world):
     """LLaMA's ``model`` (embedding, decoder layers, norm) is one region: the planner offers it whole in
     1D (its attention and MLPs split, the rest replicated) or on the mesh with each MLP laid out alone.
@@ -284,10 +292,7 @@ def test_a_llama_decoder_stack_is_a_region_run_whole_in_1d_or_left_on_the_mesh_e
     if world.size == 1:
         pytest.skip("1D needs two ranks or more")
     p = world.size
-    config = transformers.LlamaConfig(
-        vocab_size=72, hidden_size=4 * p, intermediate_size=8 * p, num_hidden_layers=2, num_attention_heads=p,
-        num_key_value_heads=p, attn_implementation="eager",
-    )  # fmt: skip
+    config = _llama_config(transformers, p)
     torch.manual_seed(1)
     ids = torch.randint(0, 72, (2 * p, 6))
     for mesh in meshes_of(world):
@@ -328,10 +333,7 @@ def test_a_tied_llama_is_not_offered_in_1d_whole_and_its_pick_is_exact(world):
     if world.size == 1:
         pytest.skip("1D needs two ranks or more")
     p = world.size
-    config = transformers.LlamaConfig(
-        vocab_size=72, hidden_size=4 * p, intermediate_size=8 * p, num_hidden_layers=2, num_attention_heads=p,
-        num_key_value_heads=p, attn_implementation="eager", tie_word_embeddings=True,
-    )  # fmt: skip
+    config = _llama_config(transformers, p, tie_word_embeddings=True)
     torch.manual_seed(1)
     ids = torch.randint(0, 72, (2 * p, 6))
     for mesh in meshes_of(world):
