@@ -277,6 +277,44 @@ def test_attention_weights_leave_a_planned_module_by_batch(world):
         assert_close(weights.detach(), optimus2d.scatter_batch(weights_ref.detach(), outer), 1e-9, "weights in 1D")
 
 
+def test_attention_weights_gradient_is_the_sum_of_the_rows_replicas(world):
+    """The averaged weights are a batch block held by a row's q ranks; their boundaries (a plan's
+    ``redistribute``, ``io="whole"``'s gather) hand a block's gradient to one holder, as every batch
+    block's: the weights' backward sums the row's (it took each rank's own: the in-projection's
+    gradient through the weights 1.0 off on 2×2 with ``io="whole"``)."""
+    from helpers import assert_grads_like_serial
+
+    torch.manual_seed(1)
+    x = torch.randn(world.size, 3, 12, dtype=torch.float64)
+    probe_o, probe_w = torch.randn(world.size, 3, 12, dtype=torch.float64), torch.rand(world.size, 3, 3).double()
+    torch.manual_seed(0)
+    serial = _Attends().double()
+    out, weights = serial(x)
+    ((out * probe_o).sum() + (weights * probe_w).sum()).backward()
+    for outer, inner in [(m, m) for m in meshes_of(world)] + list(itertools.permutations(meshes_of(world), 2)):
+        model = copy.deepcopy(serial)
+        model.zero_grad()
+        parallel = parallelize(model, outer, plan={"attn": inner}, io="whole")
+        out, weights = parallel(x)
+        ((out * probe_o).sum() + (weights * probe_w).sum()).backward()
+        assert_grads_like_serial(serial, parallel, inner, 1e-9)
+    if world.size > 1:  # in 1D the weights are whole, all-reduced over the mesh: they leave it cut by batch
+        from optimus2d.megatron import Megatron
+
+        outer, h = meshes_of(world)[0], 2 * world.size
+        torch.manual_seed(0)
+        serial.attn = nn.MultiheadAttention(h, world.size, batch_first=True).double()
+        x, probe_o = torch.randn(world.size, 3, h).double(), torch.randn(world.size, 3, h).double()
+        serial.zero_grad()
+        out, weights = serial(x)
+        ((out * probe_o).sum() + (weights * probe_w).sum()).backward()
+        parallel = parallelize(copy.deepcopy(serial), outer, plan={"attn": Megatron(outer)}, io="whole")
+        parallel.zero_grad()
+        out, weights = parallel(x)
+        ((out * probe_o).sum() + (weights * probe_w).sum()).backward()
+        assert_grads_like_serial(serial, parallel, outer, 1e-9)
+
+
 def test_hidden_states_of_a_planned_module_leave_the_model_as_a_tuple_with_their_graph(world):
     """A planned module's hidden states are moved when read inside the model (LLaVA reads one of its
     tower's): a first read under ``no_grad`` (a statistic) keeps the graph of the later ones (it kept
