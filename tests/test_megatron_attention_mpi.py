@@ -166,6 +166,46 @@ def test_eval_without_grad_is_the_serial_forward(world):
         assert_close(gather(parallel(scatter(x, mesh)), mesh), serial(x), 1e-9, "eval output")
 
 
+class _Padded(nn.Module):
+    def __init__(self, encoder: nn.TransformerEncoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x, src_key_padding_mask=padding)
+
+
+@pytest.mark.parametrize("mask_check", [True, False], ids=["mask_check", "no_mask_check"])
+def test_an_encoder_in_eval_takes_torchs_nested_path_where_torch_does(world, mask_check):
+    """In eval, without grad, given a padding mask, torch's encoder runs its layers on a nested tensor
+    of each sample's first n tokens and returns zeros past them, before its norm: in a 1D region the
+    same, dense (the split attention was handed the nested tensor and crashed); with grad, or a mask
+    not left-aligned under mask_check, torch's dense path."""
+    import warnings
+
+    h = 2 * world.size  # heads: torch's nested path needs an even number
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(2 * h, h, 4 * h, dropout=0.0, batch_first=True)
+    serial = _Padded(nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(2 * h), mask_check=mask_check)).eval()
+    assert serial.encoder.use_nested_tensor
+    x = torch.randn(world.size, 5, 2 * h)
+    at_end = torch.zeros(world.size, 5, dtype=torch.bool)
+    at_end[-1, -2:] = True
+    inside = at_end.clone()
+    inside[0, 1] = True
+    for mesh in meshes_of(world):
+        parallel = parallelize(copy.deepcopy(serial), mesh, plan={"encoder": Megatron(mesh)}, io="whole").eval()
+        for grad in (False, True):
+            for name, padding in (("at the end", at_end), ("inside", inside)):
+                with torch.set_grad_enabled(grad), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # torch's: nested tensors are a prototype
+                    want = serial(x, padding)
+                    assert_close(parallel(x, padding), want, 1e-5, f"{name}, grad {grad}, {mesh}")
+                nested = not grad and (name != "inside" or not mask_check)  # torch's zeros, then its norm
+                past_end = want[-1, -1].sub(serial.encoder.norm(torch.zeros(2 * h))).abs().max()
+                assert (past_end < 1e-6) == nested, (name, grad, past_end)  # the case is the one meant
+
+
 def test_checkpoint_moves_between_meshes_with_split_attention(world, shared_dir):
     """Saved with the encoder in 1D on the first mesh, loaded on the last: the same serial tensors,
     and AdamW goes on stepping exactly; ``load_serial_state_dict`` takes the serial tensors."""

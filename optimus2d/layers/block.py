@@ -230,36 +230,17 @@ class TransformerStack2D(nn.Module):
         return self.norm(x) if self.norm is not None else x
 
     def _nested_padding(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
-        """``[b, S]`` (or its block) True past each sample's first n tokens where torch's encoder
-        would run on a nested tensor (its own conditions, in its order; the serial parameters are
-        plain tensors), None where it would not."""
-        mask, kpm, first = kwargs.get("src_mask"), kwargs.get("src_key_padding_mask"), self.layers[0]
-        devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
-        grads = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in first.parameters()))
-        if (
-            not torch.backends.mha.get_fastpath_enabled()
-            or first.training
-            or x.dim() != 3
-            or kpm is None
-            or (self.mask_check and torch.compiler.is_compiling())
-            or mask is not None
-            or torch.is_autocast_enabled()
-            or x.device.type not in devices
-            or grads
-        ):
-            return None
-        padded = kpm != 0  # as torch reads it: True where padded (a float mask pads at its non-zeros)
-        n = (~padded).sum(-1, keepdim=True)
-        past = torch.arange(padded.shape[-1], device=padded.device) >= n
-        if self.mask_check:  # torch's check is over the whole batch: every block's, summed
-            apart = (past != padded).any().to(torch.float32).reshape(1)
-            mesh = first.self_attn.mesh
-            if padded.shape[0] == x.shape[0]:  # this rank's block of the batch
+        """``nested_padding`` on this rank's block: torch's left-alignment check is over the whole
+        batch, every block's (summed over col and depth where the mask is this rank's block)."""
+        mesh = self.layers[0].self_attn.mesh
+
+        def anywhere(apart: torch.Tensor) -> bool:
+            if kwargs["src_key_padding_mask"].shape[0] == x.shape[0]:  # this rank's block of the batch
                 for axis in ("col", "depth"):
                     P.all_reduce(apart, mesh, axis)
-            if apart.item():  # not left-aligned: torch runs the layers on the whole tensor
-                return None
-        return past
+            return bool(apart.item())
+
+        return nested_padding(self.layers[0], x, kwargs, self.mask_check, anywhere)
 
     def _rows(self, past: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``past``, given whole ``[b, S]`` or as this rank's block."""
@@ -268,6 +249,38 @@ class TransformerStack2D(nn.Module):
         mesh = self.layers[0].self_attn.mesh
         block = mesh.index("depth") * mesh.q + mesh.index("col")
         return past[block * x.shape[0] : (block + 1) * x.shape[0]]
+
+
+def nested_padding(first: nn.Module, x: torch.Tensor, kwargs: dict, mask_check: bool, anywhere=None):
+    """``[b, S]`` True past each sample's first n tokens where torch's ``nn.TransformerEncoder``
+    (``use_nested_tensor``) would run its layers on a nested tensor of those tokens (its own
+    conditions, in its order; the serial parameters are plain tensors: no ``has_torch_function``),
+    None where it would not. ``first``: its first layer; ``kwargs``: the layers' (``src_mask``,
+    ``src_key_padding_mask``); ``anywhere(flag)``: whether a float flag ``[1]`` is set on any
+    rank's part of the batch (default: this tensor's own)."""
+    mask, kpm = kwargs.get("src_mask"), kwargs.get("src_key_padding_mask")
+    devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
+    grads = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in first.parameters()))
+    if (
+        not torch.backends.mha.get_fastpath_enabled()
+        or first.training
+        or x.dim() != 3
+        or kpm is None
+        or (mask_check and torch.compiler.is_compiling())
+        or mask is not None
+        or torch.is_autocast_enabled()
+        or x.device.type not in devices
+        or grads
+    ):
+        return None
+    padded = kpm != 0  # as torch reads it: True where padded (a float mask pads at its non-zeros)
+    n = (~padded).sum(-1, keepdim=True)
+    past = torch.arange(padded.shape[-1], device=padded.device) >= n
+    if mask_check:  # not left-aligned: torch runs the layers on the whole tensor
+        apart = (past != padded).any().to(torch.float32).reshape(1)
+        if anywhere(apart) if anywhere is not None else bool(apart.item()):
+            return None
+    return past
 
 
 def _encoder_kwargs(kwargs: dict) -> dict:

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from optimus2d.comm.dtensor import own_part
 from optimus2d.comm.mesh import Mesh, as_mesh
+from optimus2d.layers.block import nested_padding
 from optimus2d.megatron import attention
 from optimus2d.megatron.plans import COLWISE, tensor_parallel_plan
 
@@ -78,6 +79,9 @@ class Megatron:
             module = attention.SplitMultiheadAttention.from_serial(module, self.mesh)
         else:
             attention.split_attention(module, self.mesh)
+        for sub in module.modules():
+            if type(sub) is nn.TransformerEncoder:  # its nested-tensor path, run dense
+                sub.__class__ = DenseNestedEncoder
         module.__dict__[REGION] = self
         _guard(module, path)
         if self.mesh.size == 1 or not roles:
@@ -89,6 +93,37 @@ class Megatron:
             linear.__dict__[SPLIT] = self
             linear.register_load_state_dict_pre_hook(_own_part_of_serial)
         return module
+
+
+class DenseNestedEncoder(nn.TransformerEncoder):
+    """torch's ``nn.TransformerEncoder`` inside a 1D region. Where torch's runs its layers on a nested
+    tensor (in eval, without grad, given a padding mask: ``layers.block.nested_padding``; torch sees
+    no DTensor parameter, which dispatch alone handles), the split attention cannot take one: the
+    layers run on the dense tensor, each sample's padding "past its first n tokens", and the
+    output is zero past them before the norm, as torch's nested tensor returns it padded. Elsewhere
+    torch's own forward."""
+
+    def forward(
+        self,
+        src: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        src_key_padding_mask: torch.Tensor | None = None,
+        is_causal: bool | None = None,
+    ) -> torch.Tensor:
+        kwargs = {"src_mask": mask, "src_key_padding_mask": src_key_padding_mask}
+        past = nested_padding(self.layers[0], src, kwargs, self.mask_check) if self.use_nested_tensor else None
+        if past is None:
+            return super().forward(src, mask, src_key_padding_mask, is_causal)
+        layer_kwargs = (
+            {"src_key_padding_mask": past}
+            if is_causal is None
+            else {"src_key_padding_mask": past, "is_causal": is_causal}
+        )
+        output = src
+        for layer in self.layers:
+            output = layer(output, **layer_kwargs)
+        output = output.masked_fill(past[..., None], 0.0)
+        return self.norm(output) if self.norm is not None else output
 
 
 class _Inside:
