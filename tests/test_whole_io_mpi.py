@@ -426,6 +426,33 @@ def test_llama_float_mask_hidden_states_and_generate_whole(world, region):
     assert_close(out.logits.detach(), serial(input_ids=ids, use_cache=False).logits, 1e-6, "logits after generate")
 
 
+@pytest.mark.families
+def test_a_causal_lms_whole_logits_have_serials_vocabulary(world):
+    """``io="whole"``: a causal LM whose vocabulary (97) the mesh does not divide gives its logits
+    ``[b, s, 97]`` as serial, in a ModelOutput and in a tuple after its loss (they kept the padded
+    column, which Gemma 2's final soft cap makes −3, not −inf: a softmax over them was off)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma2Config(
+        vocab_size=97, hidden_size=8 * world.size, intermediate_size=4 * world.size, num_hidden_layers=1, head_dim=8,
+        num_attention_heads=world.size, num_key_value_heads=world.size, final_logit_softcapping=3.0,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    serial = transformers.Gemma2ForCausalLM(config)
+    torch.manual_seed(1)
+    ids = torch.randint(1, 97, (2 * world.size, 6))
+    ref = serial(input_ids=ids, use_cache=False)
+    ref_loss, ref_logits = serial(input_ids=ids, labels=ids, use_cache=False, return_dict=False)[:2]
+    for mesh in meshes_of(world):
+        parallel = parallelize(copy.deepcopy(serial), mesh, io="whole")
+        got = parallel(input_ids=ids, use_cache=False).logits
+        assert got.shape == ref.logits.shape, (got.shape, mesh)
+        assert_close(got.detach(), ref.logits, 1e-5, f"logits on {mesh}")
+        assert_close(got.logsumexp(-1).detach(), ref.logits.logsumexp(-1), 1e-5, f"their softmax on {mesh}")
+        loss, logits = parallel(input_ids=ids, labels=ids, use_cache=False, return_dict=False)[:2]
+        assert logits.shape == ref_logits.shape and abs(loss.item() - ref_loss.item()) < 1e-5 * ref_loss.item()
+
+
 def test_plan_auto_prices_whole_io_at_the_models_edges(world):
     """``parallelize(plan="auto", io="whole")`` prices what runs: the 1D row of a wrapper of one MLP
     without its boundary's all-gathers (cheaper than with blocks), a mesh row with its output's."""

@@ -24,8 +24,9 @@ and gives every tensor of its output whole on every rank (as DTensor's 1D layout
   forward, nothing backward). A 1D region's whole output, cut into blocks at its boundary
   (``from_whole``) and returned unchanged, is given whole as it was: nothing sent either way. A
   tensor without a layout is a block of the model's mesh (the model's own forward ran on its
-  blocks), as at every boundary; a causal LM's logits keep the vocabulary padded to divide the
-  mesh, as ``gather`` gives them. Hidden states asked for are made whole when read.
+  blocks), as at every boundary; a Hugging Face causal LM's logits are given ``[b, s, V]``, as
+  serial's (the columns that pad its vocabulary to divide the mesh, −inf where no soft cap follows
+  the head, dropped; ``gather`` keeps them). Hidden states asked for are made whole when read.
 
 A block a module took whole is out of the backward graph: a gradient hook or ``retain_grad`` asked
 of it after the module read it is refused (it would never fire; ``comm.whole.take_whole``).
@@ -118,7 +119,9 @@ class WholeIO(Boundary):
 
     def after(self, module: nn.Module, args: tuple, output: object) -> object:
         try:
-            return super().after(module, args, output) if output is not None and not self.paused else output
+            if output is None or self.paused:
+                return output
+            return _serial_vocabulary(module, super().after(module, args, output))
         finally:
             self.active = False
             self._forget()
@@ -180,6 +183,28 @@ class WholeIO(Boundary):
         given = getattr(t, "_optimus2d_layout", None)
         src = self.meshes.get(given, self.inner) if given is not None else self.inner
         return to_whole(t, src, _kind(t))
+
+
+def _serial_vocabulary(module: nn.Module, output: object) -> object:
+    """A causal LM's whole logits ``[b, s, ⌈V/q⌉·q]`` → serial's ``[b, s, V]`` (``V``: its head's
+    classes, noted on the model by ``families/hf_causal_lm.py``): the logits field of its output, or
+    the first tensor past the loss (a 0-d tensor) of its tuple (``return_dict=False``)."""
+    vocab = module.__dict__.get("_optimus2d_vocabulary")
+    if vocab is None:
+        return output
+
+    def cut(logits: object) -> object:
+        fits = isinstance(logits, torch.Tensor) and logits.dim() >= 2 and logits.shape[-1] > vocab
+        return logits[..., :vocab] if fits else logits
+
+    if isinstance(output, Mapping):
+        if output.get("logits") is not None:
+            output["logits"] = cut(output["logits"])
+        return output
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        at = 1 if output[0].dim() == 0 and len(output) > 1 else 0
+        return (*output[:at], cut(output[at]), *output[at + 1 :])
+    return output
 
 
 def _map_named(obj: object, name: str, fn) -> object:

@@ -76,6 +76,9 @@ def _install(lm: nn.Module) -> None:
     if getattr(current, "__func__", None) not in (_causal_lm_loss, _refused_loss):  # not installed already
         serial_is_causal = current is LOSS_MAPPING.get("ForCausalLM")
         lm.loss_function = types.MethodType(_causal_lm_loss if serial_is_causal else _refused_loss, lm)
+    head = output_head(lm)
+    if isinstance(head, (Linear2D, TiedHead2D)):  # io="whole" gives the logits serial's width
+        lm.__dict__["_optimus2d_vocabulary"] = _head(lm, "io='whole'")[1]
     for name, fn in (
         ("generate", generate),
         ("num_parameters", _num_parameters),
