@@ -26,7 +26,10 @@ and gives every tensor of its output whole on every rank (as DTensor's 1D layout
   tensor without a layout is a block of the model's mesh (the model's own forward ran on its
   blocks), as at every boundary; a Hugging Face causal LM's logits are given ``[b, s, V]``, as
   serial's (the columns that pad its vocabulary to divide the mesh, −inf where no soft cap follows
-  the head, dropped; ``gather`` keeps them). Hidden states asked for are made whole when read.
+  the head, dropped; ``gather`` keeps them). Hidden states asked for are made whole when read. A
+  Hugging Face KV cache (``past_key_values``, ``use_cache=True``) is not a tensor output but the
+  model's state: it holds this rank's blocks ``[b/(d·q), kv_heads/q, s, head_dim]``, to be handed
+  back as it is to the next call (exact); a serial cache given in is refused (its shapes).
 
 A block a module took whole is out of the backward graph: a gradient hook or ``retain_grad`` asked
 of it after the module read it is refused (it would never fire; ``comm.whole.take_whole``).
