@@ -431,8 +431,7 @@ def test_attention_weights_backward(mesh):
     ((weights_ref * probe_w).sum() + (out_ref * probe_o).sum()).backward()
     xl = scatter(x_full, mesh)
     out, weights = parallel(xl, xl, xl, need_weights=True)
-    # the weights' block is held by the q ranks of a row: a loss of the blocks counts it once
-    ((weights * scatter_batch(probe_w, mesh)).sum() / mesh.q + (out * scatter(probe_o, mesh)).sum()).backward()
+    ((weights * scatter_batch(probe_w, mesh)).sum() + (out * scatter(probe_o, mesh)).sum()).backward()
     assert_close(x_full.grad, x_ref.grad, what="input grad through weights and output")
     # per-head weights: this rank's heads of its batch block
     _, per_head = parallel(xl, xl, xl, need_weights=True, average_attn_weights=False)

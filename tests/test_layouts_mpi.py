@@ -315,6 +315,36 @@ def test_attention_weights_gradient_is_the_sum_of_the_rows_replicas(world):
         assert_grads_like_serial(serial, parallel, outer, 1e-9)
 
 
+def test_per_target_losses_moved_by_a_boundary_keep_their_gradient(world):
+    """``cross_entropy(reduction="none")`` gives a batch block each rank of a row takes the whole
+    gradient of (a loss computed alike from it); moved whole (``to_whole``) or to another mesh
+    shape (``redistribute``), the logits' gradient is serial's (the boundaries handed the gradient to
+    one replica: the others' vocabulary columns got none, 1.0 off on 2×2); used where they are, as before."""
+    import torch.nn.functional as F
+
+    from optimus2d.comm.whole import to_whole
+
+    torch.manual_seed(0)
+    b, s, vocab = 2 * world.size, 3, 6 * world.size
+    logits, weight = torch.randn(b, s, vocab, dtype=torch.float64), torch.randn(b, s, dtype=torch.float64)
+    target = torch.randint(0, vocab, (b, s))
+    ref_logits = logits.clone().requires_grad_()
+    (F.cross_entropy(ref_logits.flatten(0, 1), target.flatten(), reduction="none").view(b, s) * weight).sum().backward()
+    for src, dst in [(m, m) for m in meshes_of(world)] + list(itertools.permutations(meshes_of(world), 2)):
+        for how in ("where they are", "whole", "moved"):
+            full = logits.clone().requires_grad_()
+            per = optimus2d.cross_entropy(
+                scatter(full, src), optimus2d.scatter_batch(target, src), src, reduction="none"
+            )
+            if how == "where they are":
+                (per * optimus2d.scatter_batch(weight, src)).sum().backward()
+            elif how == "whole":
+                (to_whole(per, src, "batch") * weight).sum().backward()
+            else:  # on dst, then whole there
+                (to_whole(optimus2d.redistribute(per, src, dst), dst, "batch") * weight).sum().backward()
+            assert_close(full.grad, ref_logits.grad, 1e-9, f"logits gradient, {how}, {src} to {dst}")
+
+
 def test_hidden_states_of_a_planned_module_leave_the_model_as_a_tuple_with_their_graph(world):
     """A planned module's hidden states are moved when read inside the model (LLaVA reads one of its
     tower's): a first read under ``no_grad`` (a statistic) keeps the graph of the later ones (it kept

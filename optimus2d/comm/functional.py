@@ -61,6 +61,17 @@ class _ReduceGrad(Function):
         return P.summed_copy(grad, ctx.mesh, ctx.axes), None, None
 
 
+class _OneHolder(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Tensor:
+        ctx.first = all(mesh.index(a) == 0 for a in axes)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad if ctx.first else torch.zeros_like(grad)), None, None
+
+
 class _AllReduce(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, mesh: Mesh, axes: tuple[str, ...]) -> torch.Tensor:
@@ -228,6 +239,39 @@ def reduce_grad(x: torch.Tensor, mesh: Mesh, axes: Sequence[str]) -> torch.Tenso
         return x
     axes = tuple(a for a in axes if mesh.axis_size(a) > 1)
     return _ReduceGrad.apply(x, mesh, axes) if axes else x
+
+
+ALIKE = "_optimus2d_grad_alike"  # a block's attribute: the axes whose replicas each take its whole gradient
+
+
+def grad_alike(x: torch.Tensor, mesh: Mesh, axes: Sequence[str]) -> torch.Tensor:
+    """Note on ``x``, a block replicated over ``axes`` whose every replica takes the whole gradient
+    (``all_reduce``'s output, a loss computed alike on each: attention's averaged weights, the
+    per-target losses), that a boundary moving it must hand each replica the whole gradient back,
+    not the part every other block's convention gives one holder (``take_alike``). Returns ``x``."""
+    setattr(x, ALIKE, tuple(axes))  # kept where an axis has one rank: a later boundary may meet more
+    return x
+
+
+def take_alike(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """forward: identity; backward: all-reduce over the axes ``grad_alike`` noted on ``x`` (none: ``x``).
+
+    Before a boundary moves such a block (``to_whole``, ``redistribute``): their backward gives a
+    replicated box's gradient to one holder (the sum of the replicas' is the gradient), which the
+    all-reduce hands to every replica, as its producer takes it."""
+    axes = getattr(x, ALIKE, None)
+    return reduce_grad(x, mesh, axes) if axes else x
+
+
+def give_alike(x: torch.Tensor, mesh: Mesh, axes: Sequence[str]) -> torch.Tensor:
+    """forward: identity, ``x`` noted ``grad_alike`` over ``axes``; backward: the gradient on the
+    first rank of ``axes``, zeros on the others, nothing sent.
+
+    After a boundary moved a ``grad_alike`` block: its consumers give each replica the whole
+    gradient, the boundary's backward takes a replicated box's gradient as its replicas' sum."""
+    split = tuple(a for a in axes if mesh.axis_size(a) > 1)
+    out = _OneHolder.apply(x, mesh, split) if split and torch.is_grad_enabled() and x.requires_grad else x
+    return grad_alike(out, mesh, axes)
 
 
 def all_reduce(x: torch.Tensor, mesh: Mesh, axes: Sequence[str]) -> torch.Tensor:

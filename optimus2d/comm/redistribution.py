@@ -32,6 +32,7 @@ from optimus2d.comm import primitives as P
 from optimus2d.comm.agreement import agree, describe
 from optimus2d.comm.calls import layout, tag
 from optimus2d.comm.counter import record
+from optimus2d.comm.functional import ALIKE, give_alike, take_alike
 from optimus2d.comm.mesh import Mesh
 
 LAYOUTS = ("activation", "batch")
@@ -202,9 +203,14 @@ def redistribute(x: torch.Tensor, src: Mesh, dst: Mesh, *, layout: str | None = 
     elif error is not None:
         raise error
     same = (src.q, src.depth, src.ranks) == (dst.q, dst.depth, dst.ranks)
+    alike = getattr(x, ALIKE, None)  # every replica takes the whole gradient: so they do at dst
+    if alike is not None and not same:
+        x = take_alike(x, src)
     out = x if same or src.size == 1 else _Redistribute.apply(x, src, dst, kind)
     if out is x and not same:
         out = x.view_as(x)
+    if alike is not None and not same:
+        out = give_alike(out, dst, ("row",))
     tag(out, dst, agreed=src.check != "off")
     out._optimus2d_kind = kind
     return out

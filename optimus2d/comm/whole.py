@@ -33,6 +33,7 @@ from torch.autograd import Function
 from optimus2d.comm import primitives as P
 from optimus2d.comm.agreement import agree, describe
 from optimus2d.comm.calls import tag
+from optimus2d.comm.functional import take_alike
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.redistribution import LAYOUTS, boxes, global_shape
 
@@ -128,6 +129,7 @@ def to_whole(x: torch.Tensor, mesh: Mesh, kind: str) -> torch.Tensor:
         agree(mesh, "to_whole", description=f"{kind} {describe(x)}", error=error)
     elif error is not None:
         raise error
+    x = take_alike(x, mesh)  # a block every replica of which takes the whole gradient
     out = x.view_as(x) if mesh.size == 1 else _ToWhole.apply(x, mesh, kind)  # a new tensor: no block's tags
     out._optimus2d_kind = kind  # no layout (it is no block), but its kind, should it leave unchanged
     return out

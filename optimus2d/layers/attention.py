@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optimus2d.comm import sum_across
+from optimus2d.comm import all_reduce
+from optimus2d.comm.functional import grad_alike
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.rng import shard_rng
 from optimus2d.comm.sharding import Sharding
@@ -32,10 +33,10 @@ class MultiheadAttention2D(ShardedModule):
     or as this rank's block (``[b/(d·q), S]``, ``[b/(d·q)·H/q, L, S]``). Attention weights, when
     asked for, are this rank's batch block ``[b/(d·q), L, S]`` (averaged over all heads, the same
     on the q ranks of a row) or ``[b/(d·q), H/q, L, S]`` (this column's heads: no layout a plan's
-    boundary moves). Their gradient follows every batch block's (``scatter_batch``, ``redistribute``,
-    ``to_whole``): the sum of the row's replicas' gradients. A loss of the whole weights
-    (``parallelize(io="whole")``, ``to_whole``) counts each block once; one computed on the blocks
-    themselves, on every rank of a row alike, counts it q times (divide it by q).
+    boundary moves). Their gradient is taken as a loss computed from them alone gives it: each rank
+    of the row passes the whole gradient of its block, not a part of it (``grad_alike``: moved by a
+    boundary, ``io="whole"`` or a plan's, they are still so; an activation block's product with
+    them, whose gradient would be a part, is refused by the reader of a forward).
     """
 
     def __init__(
@@ -154,9 +155,9 @@ class MultiheadAttention2D(ShardedModule):
         out = out.transpose(1, 2).reshape(b, tgt_len, heads * hd)
         out = self.out_proj(out)
         if weights is not None and average_attn_weights:
-            # a batch block, held by the row's q ranks: its gradient is the sum of theirs (their
-            # boundaries, to_whole and redistribute, hand it to one holder), all-reduced back
-            weights = sum_across(weights.sum(1), mesh, ("row",)) / self.num_heads
+            # replicated over the row and used alike there: backward is the identity (a boundary
+            # moving them hands every replica the whole gradient back: grad_alike)
+            weights = grad_alike(all_reduce(weights.sum(1), mesh, ("row",)) / self.num_heads, mesh, ("row",))
             weights._optimus2d_kind = "batch"  # [b, L, S]: a boundary moves it by batch, not as an activation
         elif weights is not None:  # this column's heads: no layout a boundary can move (it refuses them)
             weights._optimus2d_kind = "per-head weights"

@@ -9,6 +9,7 @@ from torch.autograd.function import once_differentiable
 
 from optimus2d.comm import all_reduce
 from optimus2d.comm import primitives as P
+from optimus2d.comm.functional import grad_alike
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.traced import refuse_if
 from optimus2d.layers.base import compute_dtype
@@ -37,7 +38,9 @@ def cross_entropy(
 
     Returns, on every rank, the global loss (``"mean"``: over the targets that are not
     ``ignore_index``; ``"sum"``) or this rank's block ``[b/(d·q), ...]`` of the per-target losses
-    (``"none"``). Sends: a max and a sum all-reduce over the row (1 and 2 values a target; 4 with
+    (``"none"``: a batch block, the same on the q ranks of a row, each of which takes its whole
+    gradient, as a loss computed alike from it gives; moved by ``redistribute``, ``to_whole`` or a
+    boundary, still so: ``grad_alike``). Sends: a max and a sum all-reduce over the row (1 and 2 values a target; 4 with
     label smoothing), and for "mean"/"sum" one all-reduce of 3 values over col and depth ("none":
     of 1); backward sends nothing. Keeps for backward the logits (their dtype) and a log-sum-exp a
     target. Where the vocabulary is whole (q = 1) and there is no smoothing, the loss is torch's
@@ -116,7 +119,8 @@ def _reduced_loss(
     if reduction == "none":
         flag = all_reduce(bad.reshape(1), mesh, ("col", "depth"))
         _raise_if(flag[0], vocab, mesh)
-        return loss
+        loss._optimus2d_kind = "batch"  # [b/(d·q), ...], the same on the row: moved as a batch block
+        return grad_alike(loss, mesh, ("row",))  # each rank of the row takes the whole gradient
     total = all_reduce(torch.stack([loss.sum(), valid.sum().to(loss.dtype), bad]), mesh, ("col", "depth"))
     _raise_if(total[2], vocab, mesh)
     return total[0] / total[1] if reduction == "mean" else total[0]
