@@ -120,6 +120,23 @@ def test_positions_are_this_ranks_tokens(mesh):
     assert torch.equal(block[0, :, 0].long(), context.positions(a, mesh))
 
 
+def test_a_float_batch_tensors_gradient_sums_the_rows_parts(mesh):
+    """``context.scatter_batch`` of a float ``[b, s]`` tensor (a per-token weight), replicated over the
+    row and multiplied into activation blocks: each rank of the row holds a part of its gradient,
+    summed as ``optimus2d.scatter_batch`` sums it (each rank kept its own part: 1.02 / 0.53 off on 2×2)."""
+    s = 2 * mesh.depth * 4
+    a = context.assign(context.causal_mask(s), mesh.depth, "head_tail")
+    torch.manual_seed(0)
+    b, h = 2 * mesh.q, 4 * mesh.q
+    x, w, probe = torch.randn(b, s, h).double(), torch.randn(b, s).double(), torch.randn(b, s, h).double()
+    want = w.clone().requires_grad_()
+    ((x * want[..., None]) * probe).sum().backward()
+    got = w.clone().requires_grad_()
+    y = context.scatter(x, mesh, a) * context.scatter_batch(got, mesh, a)[..., None]
+    (context.gather(y, mesh, a) * probe).sum().backward()
+    assert_close(got.grad, want.grad, 1e-12, "the weight's gradient")
+
+
 def test_refusals_name_the_sizes(mesh):
     s = 2 * mesh.depth * 4
     other = context.assign(context.causal_mask(s), 2 * mesh.depth, "uniform")

@@ -28,7 +28,7 @@ from optimus2d.comm import primitives as P
 from optimus2d.comm.agreement import agree, check_replicated, describe
 from optimus2d.comm.calls import tag
 from optimus2d.comm.counter import record
-from optimus2d.comm.functional import _describe, _Gather, _Split
+from optimus2d.comm.functional import _describe, _Gather, _Split, _SplitBatch
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
 
@@ -60,10 +60,12 @@ def scatter_sequence_batch(t: torch.Tensor, mesh: Mesh, *, check: bool | None = 
     """Full ``[b, s, ...]`` (token ids, targets, position ids) → ``[b/q, s/d, ...]``: batch block i
     (col), sequence block k (depth), whole over row, as ``scatter_sequence`` splits activations.
 
-    forward: local slice; backward: all-gather (only float tensors have gradients).
+    forward: local slice; backward: all-reduce over the row (the q ranks of a row hold the same
+    block, and each its part of the gradient, as ``scatter_batch``), then all-gather (only float
+    tensors have gradients).
     """
     check_replicated(mesh, "scatter_sequence_batch", t, lambda: _check_ids(t, mesh), check)
-    out = _Split.apply(t, mesh, sequence_batch_sharding(t.shape))
+    out = _SplitBatch.apply(t, mesh, sequence_batch_sharding(t.shape))
     tag(out, mesh, agreed=check is not False and mesh.check != "off")
     out._optimus2d_kind = "sequence"
     return out
