@@ -315,6 +315,41 @@ def test_attention_weights_gradient_is_the_sum_of_the_rows_replicas(world):
         assert_grads_like_serial(serial, parallel, outer, 1e-9)
 
 
+class _Masked(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+
+    def forward(self, x, attn_mask=None, key_padding_mask=None):
+        return self.attn(x, x, x, attn_mask=attn_mask, key_padding_mask=key_padding_mask, need_weights=False)[0]
+
+
+def test_a_learned_mask_given_whole_gets_its_whole_gradient(world):
+    """A float ``attn_mask`` or ``key_padding_mask`` that needs a gradient (a bias learned outside the
+    model), given whole: each rank uses its batch block and heads of it, and every rank's gradient is
+    the sum of theirs, in 2D and in a 1D region (each rank's was its own part: 0.4-1.2 off)."""
+    from optimus2d.megatron import Megatron
+
+    width, heads, b, s = 2 * world.size, world.size, 2 * world.size, 4
+    torch.manual_seed(0)
+    serial = _Masked(width, heads).double()
+    x, probe = torch.randn(b, s, width).double(), torch.randn(b, s, width).double()
+    masks = {"attn_mask": torch.randn(s, s).double(), "key_padding_mask": torch.randn(b, s).double()}
+    for name, mask in masks.items():
+        want = mask.clone().requires_grad_()
+        (serial(x, **{name: want}) * probe).sum().backward()
+        for mesh in meshes_of(world):
+            for plan, io in ((None, "whole"), (None, "blocks"), ({"attn": Megatron(mesh)}, "whole")):
+                parallel = parallelize(copy.deepcopy(serial), mesh, plan=plan, io=io)
+                got = mask.clone().requires_grad_()
+                if io == "whole":
+                    (parallel(x, **{name: got}) * probe).sum().backward()
+                else:
+                    out = parallel(scatter(x, mesh), **{name: got})
+                    (out * scatter(probe, mesh)).sum().backward()
+                assert_close(got.grad, want.grad, 1e-9, f"{name}'s gradient, {plan}, io={io}, on {mesh}")
+
+
 def test_per_target_losses_moved_by_a_boundary_keep_their_gradient(world):
     """``cross_entropy(reduction="none")`` gives a batch block each rank of a row takes the whole
     gradient of (a loss computed alike from it); moved whole (``to_whole``) or to another mesh

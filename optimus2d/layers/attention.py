@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optimus2d.comm import all_reduce
+from optimus2d.comm import all_reduce, reduce_grad
 from optimus2d.comm.functional import grad_alike
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.rng import shard_rng
@@ -189,10 +189,10 @@ class MultiheadAttention2D(ShardedModule):
             attn_mask = additive_mask(attn_mask, dtype, "attn_mask")
             if attn_mask.dim() == 2:
                 expect_shape(attn_mask, (tgt_len, src_len), "attn_mask", "[L, S]")
-                mask = attn_mask
+                mask = _whole(attn_mask, mesh)
             elif attn_mask.dim() == 3 and attn_mask.shape[0] == b * split * self.num_heads:
                 expect_shape(attn_mask, (b * split * self.num_heads, tgt_len, src_len), "attn_mask", "[b·H, L, S]")
-                full = attn_mask.view(b * split, self.num_heads, tgt_len, src_len)
+                full = _whole(attn_mask, mesh).view(b * split, self.num_heads, tgt_len, src_len)
                 mask = full[block * b : (block + 1) * b, mesh.index("row") * heads : (mesh.index("row") + 1) * heads]
             else:
                 expect_shape(
@@ -205,7 +205,7 @@ class MultiheadAttention2D(ShardedModule):
         if key_padding_mask is not None:
             kpm = additive_mask(key_padding_mask, dtype, "key_padding_mask")
             if kpm.dim() == 2 and kpm.shape[0] == b * split and split > 1:
-                kpm = kpm[block * b : (block + 1) * b]
+                kpm = _whole(kpm, mesh)[block * b : (block + 1) * b]
             expect_shape(kpm, (b, src_len), "key_padding_mask", "[b, S] or its block [b/(d·q), S]")
             kpm = kpm.view(b, 1, 1, src_len)
             mask = kpm if mask is None else mask + kpm
@@ -214,6 +214,13 @@ class MultiheadAttention2D(ShardedModule):
     def extra_repr(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, dropout={self.dropout}, mesh={self.mesh}"
+
+
+def _whole(mask: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """A mask given whole, the same on every rank: each rank uses its part (its batch block, its
+    heads), so a mask that needs a gradient (a learned bias) gets the sum of theirs on every rank,
+    as a whole tensor's (``reduce_grad`` over the mesh; nothing sent where none is needed)."""
+    return reduce_grad(mask, mesh, ("row", "col", "depth")) if mask.requires_grad else mask
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:

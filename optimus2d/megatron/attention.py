@@ -221,8 +221,8 @@ class SplitMultiheadAttention(nn.Module):
         rank's heads of a per-head ``[b·H, L, S]`` one; None without masks."""
         heads, n = self.num_heads // self.mesh.size, self.mesh.index("mesh")
         mask = None
-        if attn_mask is not None:
-            attn_mask = additive_mask(attn_mask, dtype, "attn_mask")
+        if attn_mask is not None:  # whole, each rank using its heads: a gradient summed over them
+            attn_mask = reduce_grad(additive_mask(attn_mask, dtype, "attn_mask"), self.mesh, _ALL)
             if attn_mask.dim() == 2:
                 expect_shape(attn_mask, (tgt_len, src_len), "attn_mask", "[L, S]", _NAME)
                 mask = attn_mask
@@ -230,7 +230,7 @@ class SplitMultiheadAttention(nn.Module):
                 expect_shape(attn_mask, (b * self.num_heads, tgt_len, src_len), "attn_mask", "[b·H, L, S]", _NAME)
                 mask = attn_mask.view(b, self.num_heads, tgt_len, src_len)[:, n * heads : (n + 1) * heads]
         if key_padding_mask is not None:
-            kpm = additive_mask(key_padding_mask, dtype, "key_padding_mask")
+            kpm = reduce_grad(additive_mask(key_padding_mask, dtype, "key_padding_mask"), self.mesh, _ALL)
             kpm = kpm.unsqueeze(0) if unbatched else kpm
             expect_shape(kpm, (b, src_len), "key_padding_mask", "[b, S]", _NAME)
             kpm = kpm.view(b, 1, 1, src_len)
