@@ -121,6 +121,41 @@ def test_clip_model_gives_its_logits_whole_with_whole_io(mesh):
     assert_close(got.vision_model_output.pooler_output, want.vision_model_output.pooler_output, 1e-5, "pooler")
 
 
+def test_clip_planned_on_another_mesh_gives_its_logits_whole(world):
+    """CLIP on a mesh of its own (``plan={"clip": other}``): its logits, whole already, leave the
+    planned module as they are (they were moved as activation blocks: [16, 4] for [8, 8], no error),
+    with blocks or whole io; the loss of them and its gradients are serial's."""
+    import itertools
+
+    from conftest import meshes_of
+    from helpers import assert_grads_like_serial
+    from torch import nn
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.clip = _clip()
+
+        def forward(self, input_ids, pixel_values):
+            return self.clip(input_ids=input_ids, pixel_values=pixel_values)
+
+    serial = Wrap()
+    b = 2 * world.size
+    ids, _ = _text(b)
+    torch.manual_seed(2)
+    images, probe = torch.randn(b, 3, 16, 16), torch.randn(b, b)
+    (serial(ids, images).logits_per_image * probe).sum().backward()
+    for outer, inner in itertools.permutations(meshes_of(world), 2):
+        for io in ("blocks", "whole"):
+            parallel = parallelize(copy.deepcopy(serial), outer, plan={"clip": inner}, io=io)
+            parallel.zero_grad()
+            args = (ids, images) if io == "whole" else (scatter_batch(ids, outer), scatter_batch(images, outer))
+            logits = parallel(*args).logits_per_image
+            assert_close(logits.detach(), serial(ids, images).logits_per_image, 1e-5, f"logits, io={io}")
+            (logits * probe).sum().backward()
+            assert_grads_like_serial(serial, parallel, inner, 1e-4)
+
+
 def test_position_ids_outside_the_table_are_refused_on_every_rank(mesh):
     """CLIP's text positions, each sample its own, one of them past the table (serial: IndexError):
     refused on every rank at once (the ranks whose rows held it raised; the others waited)."""

@@ -36,7 +36,7 @@ from optimus2d.comm.agreement import agree
 from optimus2d.comm.calls import layout, tag
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.redistribution import redistribute
-from optimus2d.comm.whole import from_whole, take_whole, to_whole, whole_of
+from optimus2d.comm.whole import from_whole, is_whole, take_whole, to_whole, whole_of
 from optimus2d.context.parallel import ContextParallel
 from optimus2d.layers.base import ShardedModule
 from optimus2d.megatron.region import Megatron
@@ -248,7 +248,7 @@ class Boundary:
 
     def _out(self, t: torch.Tensor) -> torch.Tensor:
         given = getattr(t, "_optimus2d_layout", None)
-        if t.dim() == 0 or given == layout(self.outer):
+        if t.dim() == 0 or given == layout(self.outer) or is_whole(t):  # (CLIP's logits: whole already)
             return t
         src = self.meshes.get(given, self.inner) if given is not None else self.inner
         return redistribute(t, src, self.outer, layout=_kind(t))
