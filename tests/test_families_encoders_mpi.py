@@ -340,3 +340,19 @@ def test_other_sharing_is_refused_naming_every_holder(mesh, case):
     with pytest.raises(TypeError, match="one parameter is shared by") as err:
         parallelize(model, mesh)
     assert all(h in str(err.value) for h in holders), str(err.value)
+
+
+def test_a_mask_some_blocks_make_is_refused_by_a_boundary_on_every_rank(world_mesh):
+    """BERT's encoder on a mesh of its own: HF's sdpa path builds a 4-D mask only where a batch block
+    has padding, a tensor of plain torch the boundary cannot move. Refused on every rank at once (the
+    ranks whose blocks were unpadded waited for the others to the timeout)."""
+    from helpers import raises_fast
+
+    serial = _bert(transformers.BertModel, vocab=96)
+    inner = optimus2d.Mesh(1, world_mesh.size)  # fresh meshes: a refusal some ranks raise leaves them unusable
+    model = parallelize(copy.deepcopy(serial), world_mesh, plan={"encoder": inner})
+    b = 2 * world_mesh.depth * world_mesh.q
+    ids, mask = torch.randint(2, 96, (b, 6)), torch.ones(b, 6, dtype=torch.long)
+    mask[1, 4:] = 0  # padding in the first batch block alone
+    local = {"input_ids": scatter_batch(ids, world_mesh), "attention_mask": scatter_batch(mask, world_mesh)}
+    raises_fast(ValueError, r"encoder's boundary .* layout cannot be known", lambda: model(**local))

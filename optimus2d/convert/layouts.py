@@ -193,13 +193,19 @@ class Boundary:
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.adopt(kwargs)
         named = [(f"argument {n}", a) for n, a in enumerate(args)] + list(kwargs.items())
+        error, count = None, 0
         for name, t in (hit for key, value in named for hit in _tensors(value, key)):  # refuse before sending
-            if t.dim() and getattr(t, "_optimus2d_layout", None) is None and whole_of(t) is None:
-                raise ValueError(
+            count += 1
+            if error is None and t.dim() and getattr(t, "_optimus2d_layout", None) is None and whole_of(t) is None:
+                error = ValueError(
                     f"parallelize: {self.path} (on {_shape(self.inner)}) receives {name} of shape {tuple(t.shape)} "
                     f"whose layout cannot be known (computed by plain torch, not given by scatter, scatter_batch, "
                     f"redistribute or an optimus2d module): it cannot be moved from the model's mesh to the module's"
                 )
+        if self.outer.check != "off":  # on every rank: a tensor some ranks' data made (a mask where padded)
+            agree(self.outer, f"{self.path}'s boundary", description=f"{count} tensors", error=error)
+        elif error is not None:
+            raise error
         try:  # redistribute refuses (on every rank, before sending) what the module's mesh cannot hold
             return _map((args, kwargs), self._in)
         except ValueError as err:
