@@ -138,6 +138,44 @@ def test_a_copy_fed_fewer_samples_than_declared_is_refused(world):
         ) in message
 
 
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen-first", "trained"])
+def test_neighbours_declaring_the_gradient_unlike_are_refused(world, frozen):
+    """A first stage left at ``output_grad=True`` (frozen or not) beside a next stage declaring
+    ``input_grad=False``: the first would wait for a gradient never sent (its peers ran on, and it
+    hung). Refused on every rank before the step sends anything."""
+    pipe = _pipe(world, dp=1)
+    chunk = optimus2d.parallelize(copy.deepcopy(_serial()[pipe.stage : pipe.stage + 1]), pipe.mesh)
+    if pipe.stage == 0 and frozen:
+        chunk.requires_grad_(False)
+    declared = {} if pipe.stage == 0 else {"input_grad": False}
+    stage = pipeline_stage(chunk, pipe, microbatch_shape=(_unit(pipe), S, H), **declared)
+    cls, _ = SCHEDULES["1F1B"]
+    schedule = cls(stage, n_microbatches=2, loss_fn=lambda y, t: mesh_sum(y * t, pipe.mesh), scale_grads=False)
+    x = optimus2d.scatter(torch.randn(2 * _unit(pipe), S, H, dtype=torch.float64), pipe.mesh)
+    run = (lambda: schedule.step(x)) if pipe.stage == 0 else (lambda: schedule.step(target=x, losses=[]))
+    message = _refused(r"torch stage 0 declares its output with a gradient \(output_grad\), torch stage 1", run)
+    assert "its input without a gradient (input_grad)" in message
+
+
+def test_a_target_other_than_the_declared_output_blocks_is_refused(world):
+    """The last stage fed a target of half the samples: torch split it into micro-batches of other
+    rows and the loss broadcast silently (a quarter: torch's error on the last stage alone, the first
+    waiting). Refused on every rank, with the numbers."""
+    pipe = _pipe(world, dp=1)
+    u = _unit(pipe)
+    chunk = optimus2d.parallelize(copy.deepcopy(_serial()[pipe.stage : pipe.stage + 1]), pipe.mesh)
+    stage = pipeline_stage(chunk, pipe, microbatch_shape=(2 * u, S, H))
+    cls, _ = SCHEDULES["1F1B"]
+    schedule = cls(stage, n_microbatches=2, loss_fn=lambda y, t: mesh_sum(y * t, pipe.mesh), scale_grads=False)
+    x = optimus2d.scatter(torch.randn(4 * u, S, H, dtype=torch.float64), pipe.mesh)
+    half = optimus2d.scatter(torch.randn(2 * u, S, H, dtype=torch.float64), pipe.mesh)
+    run = (lambda: schedule.step(x)) if pipe.stage == 0 else (lambda: schedule.step(target=half, losses=[]))
+    message = _refused(r"rank \d+ refused it", run)
+    assert (
+        f"a target float64[2, {S}, {H // pipe.mesh.q}], but 2 micro-batches of the output block it declared" in message
+    )
+
+
 def _as_split(pipe, n: int, change=None):
     """``split`` for ``_step``: this rank's blocks in ``n`` micro-batches (``arg_mbs`` on the first stage,
     ``target_mbs`` on the last), passed through ``change(keywords)`` on the ranks it is given for."""

@@ -6,7 +6,7 @@ abort ("Received data size doesn't match"); a data-parallel copy fed fewer sampl
 waits out the timeout; copies fed 6 and 2 samples average their gradients as if the shares were
 equal. So at the start of each ``step()``/``eval()`` of a torch schedule, before the inputs are
 split and before anything is sent, every rank of the pipeline (every stage mesh of every copy: the
-world) takes part in one all-gather of 7 words (``comm/agreement.py``'s signature, then two more):
+world) takes part in one all-gather of 11 words (``comm/agreement.py``'s signature, then six more):
 
 * the step, the same on every rank: the schedule's class, ``n_microbatches``, ``scale_grads``,
   training or eval, the number of torch stages (else "the ranks disagree", naming each rank's);
@@ -26,7 +26,11 @@ world) takes part in one all-gather of 7 words (``comm/agreement.py``'s signatur
   refused, as it would pair other samples.
 
 Otherwise every rank raises the same ``ValueError`` before the step sends anything, naming the
-ranks and what each has (a second all-gather, of each rank's text). The stage (``LaneStage``) runs
+ranks and what each has (a second all-gather, of each rank's text). In the same all-gather each
+boundary between torch stages is checked: its sender's declared output and its receiver's declared
+input both with a gradient (``output_grad``, ``input_grad``) or both without (else the one waits for
+a gradient the other never sends); and the last stage's target holds ``n`` of its declared output
+blocks along the batch. The stage (``LaneStage``) runs
 it from ``clear_runtime_states``, the first thing torch's ``step`` asks of every stage, and reads
 the step's arguments from that call's frame; at ``check="off"`` (the stage mesh's level) it is
 skipped. ``copies_sum``: a count summed over the copies, agreed the same way (the loss helpers').
@@ -87,22 +91,79 @@ def agree_step(stage, pipe) -> None:
     error = (
         _split_refusal(stages, split, (args, kwargs, target), n)
         or _refusal(stages, args, n, schedule)
+        or _target_refusal(stages, target, n, schedule)
         or _order_refusal(stages, (args, kwargs, target), n, pipe)
     )
-    extra = (zlib.crc32(str(pipe.stage).encode()), zlib.crc32(fed.encode()))
+    extra = (zlib.crc32(str(pipe.stage).encode()), zlib.crc32(fed.encode()), *_gradients_declared(stages))
     words = agreement.signature("pipeline step", what, (), error) + list(extra)
     timeout = pipe.mesh.timeout
     gather = lambda t: agreement.gather_world(t, timeout)  # noqa: E731
     table = gather(torch.tensor(words, dtype=torch.int64))
     world = tuple(range(dist.get_world_size()))
     agreement.verdict(table[:, :5], gather, world, "pipeline step", what, error, None)
+    _neighbours_agree(table[:, 7:].tolist())
     groups: dict[int, set[int]] = {}
-    for key, crc in table[:, 5:].tolist():
+    for key, crc in table[:, 5:7].tolist():
         groups.setdefault(key, set()).add(crc)
     if all(len(crcs) == 1 for crcs in groups.values()):
         return
     texts = agreement.exchange_texts(gather, f"stage mesh {pipe.stage}: {fed}")
     _raise_unlike(texts, table, pipe)
+
+
+def _gradients_declared(stages: list) -> tuple[int, int, int, int]:
+    """Four bit masks over the boundaries b (torch stage b → b + 1, b < 63): those whose sender this
+    rank holds, and whether it declared a gradient back there (``output_grad``); those whose receiver
+    it holds, and whether that declared one (``input_grad``)."""
+    sends = sends_grad = takes = takes_grad = 0
+    for s in stages:
+        if hasattr(s, "_handshake"):  # rank sets' stages agree their boundaries with their neighbours
+            continue
+        declared_in, declared_out = getattr(s, "declared", (None, None))
+        if isinstance(declared_out, torch.Tensor) and not s.is_last and s.stage_index < 63:
+            sends |= 1 << s.stage_index
+            sends_grad |= int(declared_out.requires_grad) << s.stage_index
+        if isinstance(declared_in, torch.Tensor) and not s.is_first and s.stage_index <= 63:
+            takes |= 1 << (s.stage_index - 1)
+            takes_grad |= int(declared_in.requires_grad) << (s.stage_index - 1)
+    return sends, sends_grad, takes, takes_grad
+
+
+def _neighbours_agree(rows: list[list[int]]) -> None:
+    """Refuse, on every rank alike (the same gathered table), a boundary whose sender declares a
+    gradient back (``output_grad``) and whose receiver does not (``input_grad``), or the reverse: the
+    sender would wait for a gradient never sent, or the receiver send one never received."""
+    for b in range(63):
+        sent = {(row[1] >> b) & 1 for row in rows if (row[0] >> b) & 1}
+        taken = {(row[3] >> b) & 1 for row in rows if (row[2] >> b) & 1}
+        if len(sent | taken) > 1:
+            say = {1: "with a gradient", 0: "without a gradient"}
+            raise ValueError(
+                f"pipeline step: torch stage {b} declares its output {' and '.join(say[g] for g in sorted(sent))} "
+                f"(output_grad), torch stage {b + 1} its input {' and '.join(say[g] for g in sorted(taken))} "
+                f"(input_grad): the one would wait for a gradient the other never sends. Declare them alike "
+                f"(a frozen first stage: output_grad=False beside the next stage's input_grad=False)"
+            )
+
+
+def _target_refusal(stages: list, target, n: int, schedule) -> ValueError | None:
+    """Why this rank refuses the step: its last stage's target is not ``n`` micro-batches of the
+    output block it declared (``output_shape``) along the batch, so torch would split it into
+    micro-batches of other samples (or fail on this rank alone). None if it is (or cannot be judged)."""
+    last = stages[-1]
+    if not last.is_last or not isinstance(target, torch.Tensor) or target.dim() < 1:
+        return None
+    declared = getattr(last, "declared", (None, None))[1]
+    if not isinstance(declared, torch.Tensor) or declared.dim() < 1:
+        return None
+    if target.shape[0] == n * declared.shape[0]:
+        return None
+    return ValueError(
+        f"pipeline step: rank {dist.get_rank()} feeds torch stage {last.stage_index} a target "
+        f"{agreement.describe(target)}, but {n} micro-batches of the output block it declared, "
+        f"{agreement.describe(declared)} (output_shape), hold {n * declared.shape[0]} along the batch: "
+        f"feed the target block of the same samples as the batch (scatter_batch or scatter_microbatches)"
+    )
 
 
 def _shared(pipe) -> bool:
@@ -254,7 +315,7 @@ def _raise_unlike(texts: list[str], table: torch.Tensor, pipe) -> None:
     """Raise, on every rank alike, that the ranks of a stage mesh (over its copies) are fed unlike."""
     me = dist.get_rank()
     by_key: dict[int, dict[str, list[int]]] = {}
-    for rank, (key, _) in enumerate(table[:, 5:].tolist()):
+    for rank, (key, _) in enumerate(table[:, 5:7].tolist()):
         by_key.setdefault(key, {}).setdefault(texts[rank], []).append(rank)
     unlike = next(found for found in by_key.values() if len(found) > 1)
     parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {t}" for t, rs in unlike.items())
