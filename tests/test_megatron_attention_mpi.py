@@ -171,8 +171,8 @@ class _Padded(nn.Module):
         super().__init__()
         self.encoder = encoder
 
-    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
-        return self.encoder(x, src_key_padding_mask=padding)
+    def forward(self, x: torch.Tensor, padding: torch.Tensor, is_causal: bool | None = None) -> torch.Tensor:
+        return self.encoder(x, src_key_padding_mask=padding, is_causal=is_causal)
 
 
 @pytest.mark.parametrize("mask_check", [True, False], ids=["mask_check", "no_mask_check"])
@@ -204,6 +204,10 @@ def test_an_encoder_in_eval_takes_torchs_nested_path_where_torch_does(world, mas
                 nested = not grad and (name != "inside" or not mask_check)  # torch's zeros, then its norm
                 past_end = want[-1, -1].sub(serial.encoder.norm(torch.zeros(2 * h))).abs().max()
                 assert (past_end < 1e-6) == nested, (name, grad, past_end)  # the case is the one meant
+        with torch.no_grad(), warnings.catch_warnings():  # torch's fast path on the nested tensor: no is_causal
+            warnings.simplefilter("ignore")
+            want = serial(x, at_end, True)
+            assert_close(parallel(x, at_end, True), want, 1e-5, f"is_causal, {mesh}")  # (it raised)
 
 
 def test_checkpoint_moves_between_meshes_with_split_attention(world, shared_dir):

@@ -221,8 +221,9 @@ class TransformerStack2D(nn.Module):
             names = ("src_mask", "src_key_padding_mask", "is_causal")[: len(args)]  # torch's encoder's order
             kwargs, args = {**dict(zip(names, args, strict=True)), **kwargs}, ()
             past = self._nested_padding(x, kwargs)
-            if past is not None:
+            if past is not None:  # torch's fast path on a nested tensor: no is_causal (it ignores it)
                 kwargs["src_key_padding_mask"] = past
+                kwargs.pop("is_causal", None)
         for layer in self.layers:
             x = layer(x, *args, **kwargs)
         if past is not None:

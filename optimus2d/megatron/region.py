@@ -114,11 +114,7 @@ class DenseNestedEncoder(nn.TransformerEncoder):
         past = nested_padding(self.layers[0], src, kwargs, self.mask_check) if self.use_nested_tensor else None
         if past is None:
             return super().forward(src, mask, src_key_padding_mask, is_causal)
-        layer_kwargs = (
-            {"src_key_padding_mask": past}
-            if is_causal is None
-            else {"src_key_padding_mask": past, "is_causal": is_causal}
-        )
+        layer_kwargs = {"src_key_padding_mask": past}  # torch's fast path on a nested tensor ignores is_causal
         output = src
         for layer in self.layers:
             output = layer(output, **layer_kwargs)
