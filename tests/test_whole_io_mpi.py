@@ -426,6 +426,15 @@ def test_llama_float_mask_hidden_states_and_generate_whole(world, region):
     assert_close(out.logits.detach(), serial(input_ids=ids, use_cache=False).logits, 1e-6, "logits after generate")
 
 
+class _LogitsOf(nn.Module):
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, use_cache=False).logits
+
+
 @pytest.mark.families
 def test_a_causal_lms_whole_logits_have_serials_vocabulary(world):
     """``io="whole"``: a causal LM whose vocabulary (97) the mesh does not divide gives its logits
@@ -451,6 +460,9 @@ def test_a_causal_lms_whole_logits_have_serials_vocabulary(world):
         assert_close(got.logsumexp(-1).detach(), ref.logits.logsumexp(-1), 1e-5, f"their softmax on {mesh}")
         loss, logits = parallel(input_ids=ids, labels=ids, use_cache=False, return_dict=False)[:2]
         assert logits.shape == ref_logits.shape and abs(loss.item() - ref_loss.item()) < 1e-5 * ref_loss.item()
+        logits = parallelize(_LogitsOf(copy.deepcopy(serial)), mesh, io="whole")(ids)  # the LM inside a model
+        assert logits.shape == ref.logits.shape, (logits.shape, mesh)
+        assert_close(logits.detach(), ref.logits, 1e-5, f"a wrapper's logits on {mesh}")
 
 
 def test_plan_auto_prices_whole_io_at_the_models_edges(world):

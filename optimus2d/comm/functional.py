@@ -248,7 +248,9 @@ def grad_alike(x: torch.Tensor, mesh: Mesh, axes: Sequence[str]) -> torch.Tensor
     """Note on ``x``, a block replicated over ``axes`` whose every replica takes the whole gradient
     (``all_reduce``'s output, a loss computed alike on each: attention's averaged weights, the
     per-target losses), that a boundary moving it must hand each replica the whole gradient back,
-    not the part every other block's convention gives one holder (``take_alike``). Returns ``x``."""
+    not the part every other block's convention gives one holder (``take_alike``). Returns ``x``.
+    The note is on ``x`` itself: a tensor computed from it (``x * mask``) has none, and a boundary
+    moves that as any batch block (move the marked tensor, then compute)."""
     setattr(x, ALIKE, tuple(axes))  # kept where an axis has one rank: a later boundary may meet more
     return x
 

@@ -64,6 +64,7 @@ _AS_IS = ("cache_position", "logits_to_keep")  # positions the same for every ro
 # torch.nn's attention masks, [L, S] or [b·H, L, S] (not batch-major alone): the converted attention
 # takes them whole; so does a converted nn.TransformerEncoder its ``mask``
 _TORCH_MASKS = ("attn_mask", "src_mask", "tgt_mask", "memory_mask")
+VOCABULARY = "_optimus2d_vocabulary"  # on a causal LM's logits block: its vocabulary V (families/hf_causal_lm.py)
 
 
 def io_refusal(io: object) -> Exception | None:
@@ -122,9 +123,7 @@ class WholeIO(Boundary):
 
     def after(self, module: nn.Module, args: tuple, output: object) -> object:
         try:
-            if output is None or self.paused:
-                return output
-            return _serial_vocabulary(module, super().after(module, args, output))
+            return super().after(module, args, output) if output is not None and not self.paused else output
         finally:
             self.active = False
             self._forget()
@@ -181,33 +180,12 @@ class WholeIO(Boundary):
         if t.dim() == 0 or is_whole(t):  # (whole already: CLIP's logits from gathered embeddings)
             return t
         whole = take_whole(t)
-        if whole is not None:
-            return whole
-        given = getattr(t, "_optimus2d_layout", None)
-        src = self.meshes.get(given, self.inner) if given is not None else self.inner
-        return to_whole(t, src, _kind(t))
-
-
-def _serial_vocabulary(module: nn.Module, output: object) -> object:
-    """A causal LM's whole logits ``[b, s, ⌈V/q⌉·q]`` → serial's ``[b, s, V]`` (``V``: its head's
-    classes, noted on the model by ``families/hf_causal_lm.py``): the logits field of its output, or
-    the first tensor past the loss (a 0-d tensor) of its tuple (``return_dict=False``)."""
-    vocab = module.__dict__.get("_optimus2d_vocabulary")
-    if vocab is None:
-        return output
-
-    def cut(logits: object) -> object:
-        fits = isinstance(logits, torch.Tensor) and logits.dim() >= 2 and logits.shape[-1] > vocab
-        return logits[..., :vocab] if fits else logits
-
-    if isinstance(output, Mapping):
-        if output.get("logits") is not None:
-            output["logits"] = cut(output["logits"])
-        return output
-    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-        at = 1 if output[0].dim() == 0 and len(output) > 1 else 0
-        return (*output[:at], cut(output[at]), *output[at + 1 :])
-    return output
+        if whole is None:
+            given = getattr(t, "_optimus2d_layout", None)
+            src = self.meshes.get(given, self.inner) if given is not None else self.inner
+            whole = to_whole(t, src, _kind(t))
+        vocab = getattr(t, VOCABULARY, None)  # a causal LM's logits: serial's width, the padding dropped
+        return whole[..., :vocab] if vocab is not None and whole.shape[-1] > vocab else whole
 
 
 def _map_named(obj: object, name: str, fn) -> object:

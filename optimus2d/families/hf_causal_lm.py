@@ -25,9 +25,11 @@ the global sizes already; a parameter's ``.shape`` is its local block.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import types
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,7 @@ from torch import nn
 from optimus2d.comm import gather, scatter, scatter_batch
 from optimus2d.comm.mesh import Mesh
 from optimus2d.convert.forward_reader import output_head
+from optimus2d.convert.whole_io import VOCABULARY
 from optimus2d.layers.base import serial_shape
 from optimus2d.layers.embedding import Embedding2D, TiedHead2D
 from optimus2d.layers.linear import Linear2D
@@ -77,8 +80,9 @@ def _install(lm: nn.Module) -> None:
         serial_is_causal = current is LOSS_MAPPING.get("ForCausalLM")
         lm.loss_function = types.MethodType(_causal_lm_loss if serial_is_causal else _refused_loss, lm)
     head = output_head(lm)
-    if isinstance(head, (Linear2D, TiedHead2D)):  # io="whole" gives the logits serial's width
-        lm.__dict__["_optimus2d_vocabulary"] = _head(lm, "io='whole'")[1]
+    if isinstance(head, (Linear2D, TiedHead2D)) and not getattr(lm, "_optimus2d_notes_vocabulary", False):
+        lm.register_forward_hook(functools.partial(_note_vocabulary, _head(lm, "io='whole'")[1]))
+        lm._optimus2d_notes_vocabulary = True
     for name, fn in (
         ("generate", generate),
         ("num_parameters", _num_parameters),
@@ -98,6 +102,20 @@ def _head(lm: nn.Module, what: str) -> tuple[Mesh, int]:
         f"{what} on {type(lm).__name__}: its lm_head ({type(head).__name__}) is not a Linear2D or TiedHead2D, "
         f"so which vocabulary block its logits hold is not known"
     )
+
+
+def _note_vocabulary(vocab: int, module: nn.Module, args: tuple, output: object) -> None:
+    """Note the vocabulary V on the logits block this LM returns (its output's ``logits``, or the first
+    tensor past the loss, a 0-d tensor, of its tuple): ``io="whole"`` gives them whole ``[b, s, V]``,
+    serial's width, wherever they leave the model (``convert/whole_io.py``)."""
+    if isinstance(output, Mapping):
+        logits = output.get("logits")
+    elif isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        logits = output[1 if output[0].dim() == 0 and len(output) > 1 else 0]
+    else:
+        return
+    if isinstance(logits, torch.Tensor) and logits.dim() >= 2:
+        setattr(logits, VOCABULARY, vocab)
 
 
 # ---- labels= -------------------------------------------------------------------------------------
