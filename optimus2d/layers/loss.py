@@ -41,11 +41,11 @@ def cross_entropy(
     (``"none"``: a batch block, the same on the q ranks of a row, each of which takes its whole
     gradient, as a loss computed alike from it gives; moved by ``redistribute``, ``to_whole`` or a
     boundary, still so: ``grad_alike``; not a tensor computed from it, which a boundary moves as any
-    batch block: move the losses, then weigh them). Sends: a max and a sum all-reduce over the row (1 and 2 values a target; 4 with
-    label smoothing), and for "mean"/"sum" one all-reduce of 3 values over col and depth ("none":
-    of 1); backward sends nothing. Keeps for backward the logits (their dtype) and a log-sum-exp a
-    target. Where the vocabulary is whole (q = 1) and there is no smoothing, the loss is torch's
-    ``F.cross_entropy`` (and its kernels).
+    batch block: move the losses, then weigh them). Sends: a max and a sum all-reduce over the row
+    (1 and 2 values a target; 4 with label smoothing), and for "mean"/"sum" one all-reduce of 3
+    values over col and depth ("none": of 1); backward sends nothing. Keeps for backward the logits
+    (their dtype) and a log-sum-exp a target. Where the vocabulary is whole (q = 1) and there is no
+    smoothing, the loss is torch's ``F.cross_entropy`` (and its kernels).
     """
     _check_arguments(logits_local, target_local, mesh, label_smoothing, reduction)
     per_rank = logits_local.shape[-1]
