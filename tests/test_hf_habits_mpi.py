@@ -123,10 +123,11 @@ def test_generate_gives_the_serial_tokens(mesh, family, sample, padded):
     torch.manual_seed(5)
     want = serial.generate(ids, **kwargs)
     torch.manual_seed(5)  # the same seed on every rank
+    hooks = _hooks(parallel)
     got = parallel.generate(ids, **kwargs)
     assert want.shape == (ids.shape[0], ids.shape[1] + 6)
     assert torch.equal(got, want), f"{got[:, ids.shape[1] :].tolist()} != {want[:, ids.shape[1] :].tolist()}"
-    assert not parallel._forward_pre_hooks and not parallel._forward_hooks  # removed after generate
+    assert _hooks(parallel) == hooks  # generate's own removed after it
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2_97"])
@@ -156,9 +157,14 @@ def test_generate_from_inputs_embeds(mesh):
     assert torch.equal(got, want)
 
 
+def _hooks(model) -> tuple[list, list]:
+    return list(model._forward_pre_hooks.values()), list(model._forward_hooks.values())
+
+
 def test_generate_refusals(mesh):
     _, parallel = _pair(mesh, "llama")
     ids = _ids(mesh, 96)
+    hooks = _hooks(parallel)
     with pytest.raises(ValueError, match="beam_search is not supported"):
         parallel.generate(ids, max_new_tokens=2, num_beams=2)
     with pytest.raises(ValueError, match="cache_implementation='static'"):
@@ -167,7 +173,7 @@ def test_generate_refusals(mesh):
         parallel.generate(ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)
     with pytest.raises(TypeError, match="resize the serial model"):
         parallel.resize_token_embeddings(128)
-    assert not parallel._forward_pre_hooks and not parallel._forward_hooks
+    assert _hooks(parallel) == hooks
 
 
 # ---- what HF reads from the converted modules ------------------------------------------------------
