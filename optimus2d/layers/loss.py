@@ -61,7 +61,7 @@ def cross_entropy(
         if mesh.size == 1:  # one rank: torch's cross_entropy as it is, after the same check
             loss = F.cross_entropy(flat, safe, ignore_index=ignore_index, reduction=reduction)
             _raise_if(bad.any(), vocab, mesh)
-            return loss.view(target_local.shape) if reduction == "none" else loss
+            return _per_target(loss.view(target_local.shape), mesh) if reduction == "none" else loss
         loss = F.cross_entropy(flat, safe, ignore_index=ignore_index, reduction="none")
         loss = loss.view(target_local.shape).to(compute_dtype(logits_local))
     else:
@@ -69,7 +69,15 @@ def cross_entropy(
             padded = torch.arange(start, start + per_rank, device=logits_local.device) >= vocab
             logits_local = logits_local.masked_fill(padded, float("-inf"))
         loss = _split_vocab_loss(logits_local, target_local, valid, start, mesh, label_smoothing)
-    return _reduced_loss(torch.where(valid, loss, 0.0), valid, bad, reduction, vocab, mesh).to(logits_local.dtype)
+    loss = _reduced_loss(torch.where(valid, loss, 0.0), valid, bad, reduction, vocab, mesh).to(logits_local.dtype)
+    return _per_target(loss, mesh) if reduction == "none" else loss
+
+
+def _per_target(loss: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """The per-target losses ``[b/(d·q), ...]``, the same on the row: moved as a batch block, each
+    rank of the row taking the whole gradient (``grad_alike``)."""
+    loss._optimus2d_kind = "batch"
+    return grad_alike(loss, mesh, ("row",))
 
 
 def _check_arguments(
@@ -120,8 +128,7 @@ def _reduced_loss(
     if reduction == "none":
         flag = all_reduce(bad.reshape(1), mesh, ("col", "depth"))
         _raise_if(flag[0], vocab, mesh)
-        loss._optimus2d_kind = "batch"  # [b/(d·q), ...], the same on the row: moved as a batch block
-        return grad_alike(loss, mesh, ("row",))  # each rank of the row takes the whole gradient
+        return loss
     total = all_reduce(torch.stack([loss.sum(), valid.sum().to(loss.dtype), bad]), mesh, ("col", "depth"))
     _raise_if(total[2], vocab, mesh)
     return total[0] / total[1] if reduction == "mean" else total[0]
