@@ -184,6 +184,8 @@ class Boundary:
         self.path, self.inner, self.outer = path, inner, outer
         self.meshes = {layout(m): m for m in meshes}
 
+    agrees = True  # its refusals agreed over the model's mesh (5 words a call)
+
     def install(self, module: nn.Module) -> None:
         if not isinstance(module, ShardedModule):  # a ShardedModule's __call__ calls both itself, around
             module.register_forward_pre_hook(self.before, with_kwargs=True)  # its input check and its tags
@@ -202,7 +204,7 @@ class Boundary:
                     f"whose layout cannot be known (computed by plain torch, not given by scatter, scatter_batch, "
                     f"redistribute or an optimus2d module): it cannot be moved from the model's mesh to the module's"
                 )
-        if self.outer.check != "off":  # on every rank: a tensor some ranks' data made (a mask where padded)
+        if self.agrees and self.outer.check != "off":  # on every rank: a tensor some ranks' data made
             agree(self.outer, f"{self.path}'s boundary", description=f"{count} tensors", error=error)
         elif error is not None:
             raise error
@@ -269,6 +271,8 @@ class WholeBoundary(Boundary):
     caller's activation block. ``io``: the model's ``WholeIO`` (``parallelize(io="whole")``): while
     its call runs, each whole output is kept beside its blocks, so that the model gives it whole
     without gathering it again."""
+
+    agrees = False  # a 1D region sends what torch's parallelize_module sends, nothing of its own
 
     io = None
 
