@@ -153,6 +153,29 @@ def test_compiled_llama_matches_serial_in_one_graph(mesh):
         assert_close(compiled(ids)[1], serial_loss()[1], 1e-5, "loss after the step and the refusals")
 
 
+def test_compiled_whole_io_model_matches_serial(mesh):
+    """A model converted with ``io="whole"`` compiles: whole inputs in, whole outputs out, the whole
+    input's gradient and the parameters' gradients and AdamW step the serial model's (the boundary
+    notes on each block the whole tensor it was cut from and forgets it when the call returns)."""
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 16))
+    model = parallelize(copy.deepcopy(serial), mesh, io="whole")
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(2 * mesh.depth * mesh.q, 3, 16)
+    probe = torch.randn(x.shape)
+    want_x = x.clone().requires_grad_()
+    (serial(want_x) * probe).sum().backward()
+    for _ in range(2):  # the first call compiles, the second runs the cached graph
+        model.zero_grad(set_to_none=True)
+        got_x = x.clone().requires_grad_()
+        y = compiled(got_x)
+        assert y.shape == x.shape
+        (y * probe).sum().backward()
+        assert_close(y.detach(), serial(x).detach(), 1e-5, "output")
+        assert_close(got_x.grad, want_x.grad, 1e-5, "input grad")
+    compare_step(serial, model, mesh)  # gradients, their norm, one AdamW step
+
+
 @pytest.mark.filterwarnings("error:Dynamo does not know:UserWarning")  # it breaks where we say, not in zlib
 def test_compiled_scatter_and_gather_check_and_move_blocks(mesh):
     """``scatter`` (its checksum agreement) and ``gather`` inside the compiled function too."""

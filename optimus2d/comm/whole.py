@@ -204,5 +204,5 @@ def _bypassed(*args, **kwargs):
 
 def forget_whole(block: torch.Tensor) -> None:
     """Drop what ``keep_whole`` noted (the whole tensor is freed with its last other reference)."""
-    if hasattr(block, "_optimus2d_whole"):
-        del block._optimus2d_whole
+    if getattr(block, "_optimus2d_whole", None) is not None:
+        block._optimus2d_whole = None  # (not del: dynamo traces setting an attribute, not deleting one)
