@@ -252,6 +252,26 @@ def test_a_float_argument_of_two_dims_is_declared_or_refused(world):
         parallelize(_Weighted(h), meshes_of(world)[0], io={"weights": "replicated"})
 
 
+def test_an_activation_declared_whole_is_refused_by_the_module_taking_it(world):
+    """``io={"input": "whole"}`` on the activation: it reaches the first layer as it is, the same on
+    every rank. On 2×2 its width did not fit; on 1×1×4 every rank took the whole batch as its block
+    (the output ``[4b, s, h]``, no error). Refused by that layer on every rank of every mesh (a mask
+    declared whole still goes where masks go: ``test_torch_attention_masks_are_given_whole``)."""
+    torch.manual_seed(1)
+    x = torch.randn(2 * world.size, 3, 6 * world.size, dtype=torch.float64)
+    for mesh in meshes_of(world):
+        torch.manual_seed(0)
+        serial = nn.Sequential(nn.Linear(x.shape[-1], 12), nn.GELU(), nn.Linear(12, 6)).double()
+        parallel = parallelize(copy.deepcopy(serial), mesh, io={"input": "whole"})
+        if mesh.size == 1:
+            assert_close(parallel(x).detach(), serial(x).detach(), 1e-12, "output")
+            continue
+        with pytest.raises(ValueError, match=r"Linear2D: its input of shape \[\d+, 3, \d+\] is whole, the same"):
+            parallel(x)
+        declared = parallelize(copy.deepcopy(serial), mesh, io={"input": "activation"})
+        assert_close(declared(x).detach(), serial(x).detach(), 1e-9, "declared an activation")
+
+
 def test_plan_auto_with_whole_io_is_exact_and_times_its_copies_with_whole_tensors(world):
     """``plan=Auto(measure=step)`` with ``io="whole"``: the copies it times take what the model will
     (whole tensors: a copy taking blocks would refuse ``step``'s whole input), and the pick is exact."""

@@ -79,9 +79,14 @@ def check_call(mesh, what: str, args: tuple, kwargs: dict, error: BaseException 
     return pending, True
 
 
+WHOLE = "_optimus2d_is_whole"  # on a tensor whole on every rank, not a block (comm/whole.py's mark_whole)
+
+
 def refusal(what: str, tensors: list[torch.Tensor], mesh) -> BaseException | None:
     """Why this rank refuses a module's input, found without communicating, or None: a tensor on
-    meta (no values), a block of another mesh, an empty input."""
+    meta (no values), a block of another mesh, an empty input, a floating first input noted whole
+    (a model's input declared whole, ``io={name: "whole"}``: on 2×2 its shape is refused, on 1×1×4
+    each rank would take the whole batch as its block)."""
     for t in tensors:
         if t.is_meta:
             return TypeError(
@@ -97,6 +102,12 @@ def refusal(what: str, tensors: list[torch.Tensor], mesh) -> BaseException | Non
     if first is not None and first.numel() == 0 and first.dim() > 0:
         dim = list(first.shape).index(0)
         return ValueError(f"{what}: input of shape {list(first.shape)} is empty along dim {dim} ({mesh})")
+    if first is not None and first.is_floating_point() and mesh.size > 1 and getattr(first, WHOLE, False):
+        return ValueError(
+            f"{what}: its input of shape {list(first.shape)} is whole, the same on every rank (given to a model "
+            f"converted with io='whole' and declared 'whole' there), where it takes this rank's block ({mesh}): "
+            f"declare that input io={{name: 'activation'}} or io={{name: 'batch'}}"
+        )
     return None
 
 

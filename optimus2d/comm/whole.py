@@ -32,7 +32,7 @@ from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
 from optimus2d.comm.agreement import agree, describe
-from optimus2d.comm.calls import tag
+from optimus2d.comm.calls import WHOLE, tag
 from optimus2d.comm.functional import take_alike
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.redistribution import LAYOUTS, boxes, global_shape
@@ -154,13 +154,13 @@ def from_whole(x: torch.Tensor, mesh: Mesh, kind: str) -> torch.Tensor:
 def mark_whole(t: torch.Tensor) -> torch.Tensor:
     """Note that ``t`` is whole, the same on every rank (made so inside a model: CLIP's logits from
     gathered embeddings): ``io="whole"`` gives it as it is. Returns ``t``."""
-    t._optimus2d_is_whole = True
+    setattr(t, WHOLE, True)
     return t
 
 
 def is_whole(t: torch.Tensor) -> bool:
     """Whether ``t`` was noted whole (``mark_whole``)."""
-    return getattr(t, "_optimus2d_is_whole", False)
+    return getattr(t, WHOLE, False)
 
 
 def keep_whole(block: torch.Tensor, whole: torch.Tensor) -> None:

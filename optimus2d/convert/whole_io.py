@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from optimus2d.comm.mesh import Mesh
-from optimus2d.comm.whole import forget_whole, from_whole, is_whole, keep_whole, take_whole, to_whole
+from optimus2d.comm.whole import forget_whole, from_whole, is_whole, keep_whole, mark_whole, take_whole, to_whole
 from optimus2d.convert.layouts import Boundary, _kind, _tensors
 from optimus2d.layers.base import ShardedModule
 
@@ -154,7 +154,7 @@ class WholeIO(Boundary):
             or (kind is None and (base in _AS_IS or torch_mask))
             or (kind is None and base == "position_ids" and t.shape[0] == 1)
         ):  # the same for every row, or whole wherever it goes (a 1D region takes it as it is)
-            same = t.view_as(t)
+            same = mark_whole(t.view_as(t))  # (a module taking blocks refuses it)
             self.keep(same, t)
             return same
         if kind is not None:  # declared: this tensor itself (a container's leaves each by its path)
