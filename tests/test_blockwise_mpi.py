@@ -215,3 +215,30 @@ def test_lookalikes_of_scalar_activations_and_weightless_norms_are_refused(mesh)
     assert "1 (Tempered): holds t and has no converter" in text
     assert "2 (MaxScaled): is not known to act element by element" in text
     assert type(model[0]) is nn.Linear
+
+
+class Centered(nn.Module):  # a mean over the batch: the same on each half of the last dim, not of the batch
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+class Normalized(nn.Module):  # F.normalize over dim 1: the hidden dim of a [b, h] activation
+    def forward(self, x):
+        return F.normalize(x, dim=1)
+
+
+def test_leaves_that_mix_the_batch_or_the_hidden_dim_of_two_dim_inputs_are_refused(mesh):
+    """The probe took halves of the last dim of a ``[rows, 3, 8]`` input: a mean over the batch, a
+    softmax or a norm over dim 1 (the hidden dim of a ``[b, h]`` activation) passed, 0.2-0.7 off.
+    Halves of the first dim too, and of ``[rows, 8]``: refused, by name, in eval and in training."""
+    leaves = {"Centered": Centered(), "Normalized": Normalized(), "LogSoftmax": nn.LogSoftmax(dim=1),
+              "Softmax": nn.Softmax(dim=-2)}  # fmt: skip
+    for training in (False, True):
+        model = nn.Sequential(nn.Linear(E, E), *leaves.values(), nn.Linear(E, E)).train(training)
+        with pytest.raises(TypeError, match=r"4 module\(s\) cannot be converted") as err:
+            parallelize(model, mesh)
+        for n, name in enumerate(leaves, 1):
+            assert f"{n} ({name}): is not known to act element by element" in str(err.value)
+    torch.manual_seed(0)  # what acts element by element on any input still converts, exactly
+    serial = nn.Sequential(nn.Linear(E, E), Square(), nn.GELU(approximate="tanh"), nn.Linear(E, E))
+    check_against_serial(serial, parallelize(copy.deepcopy(serial), mesh), _x(mesh)[:, 0], mesh)

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import assert_close, check_against_serial
 from torch import nn
 
@@ -182,6 +183,76 @@ def test_a_refused_model_is_left_untouched(mesh):
     with pytest.raises(TypeError, match=r"1 \(Softmax\)"):
         parallelize(model, mesh)
     assert type(model[0]) is nn.Linear  # checked whole before anything changed
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.nn.utils.weight_norm. is deprecated:FutureWarning")
+def test_hooks_and_parametrizations_set_before_parallelize_are_refused_by_name(mesh):
+    """A hook set on a serial module was dropped with the module replaced (``out * 2`` on a Linear:
+    0.56 off) or ran on blocks on a kept one (a root's ``out - out.mean(-1)``: 0.33 off); a
+    parametrized weight became a plain one (after 3 AdamW steps 8.3e-2 off). Each is refused,
+    named, the model left as it was; inside a converted layer too; a hook set after converting runs."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    double = lambda module, args, out: out * 2  # noqa: E731
+    hooked = nn.Sequential(nn.Linear(E, E), nn.GELU(), nn.Linear(E, E))
+    hooked[0].register_forward_hook(double)
+    hooked[2].register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+    hooked.register_forward_hook(lambda module, args, out: out - out.mean(-1, keepdim=True))
+    hooked[1].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    with pytest.raises(TypeError, match=r"4 module\(s\) cannot be converted") as refused:
+        parallelize(hooked, mesh)
+    for line in ("the model itself (Sequential): has a forward hook", "0 (Linear): has a forward hook",
+                 "1 (GELU): has a backward hook", "2 (Linear): has a forward pre-hook"):  # fmt: skip
+        assert line in str(refused.value)
+    assert type(hooked[0]) is nn.Linear
+    layer = nn.TransformerEncoderLayer(E, 2, 2 * E, dropout=0.0, batch_first=True)
+    layer.linear1.register_forward_hook(double)  # inside a layer whose converter takes its children
+    with pytest.raises(TypeError, match=r"0\.linear1 \(Linear\): has a forward hook"):
+        parallelize(nn.Sequential(layer), mesh)
+    for apply in (parametrizations.weight_norm, parametrizations.orthogonal, parametrizations.spectral_norm):
+        model = nn.Sequential(nn.Linear(E, E), nn.GELU(), apply(nn.Linear(E, E)))
+        with pytest.raises(TypeError, match=r"2 \(ParametrizedLinear\): its weight is parametrized"):
+            parallelize(model, mesh)
+        assert parametrize.is_parametrized(model[2])
+    with pytest.raises(TypeError, match=r"0 \(Linear\): has a forward pre-hook WeightNorm"):
+        parallelize(nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(E, E))), mesh)
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(E, E), nn.GELU(), nn.Linear(E, E))
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    parallel[0].register_forward_hook(double)  # on the converted model: it sees blocks, and runs
+    serial[0].register_forward_hook(double)
+    check_against_serial(serial, parallel, _x(mesh, E), mesh)
+
+
+def test_a_layer_with_a_part_or_activation_torch_would_not_build_is_refused(mesh):
+    """torch's encoder layer with a part swapped after construction, or a bias on one linear alone:
+    the block is built as torch's constructor builds it, so a bias was dropped (0.10 off), a norm
+    replaced crashed half-way through the conversion (the model half converted); a softmax as the
+    activation ran on the hidden blocks (3.1e-2 off). Each refused by name, the model untouched;
+    an element-wise activation of the user's converts exactly."""
+
+    def layer(**kwargs):
+        torch.manual_seed(0)
+        return nn.TransformerEncoderLayer(E, 2, 2 * E, dropout=0.0, batch_first=True, **kwargs)
+
+    unbiased = layer(bias=False)
+    unbiased.linear2 = nn.Linear(2 * E, E)
+    swapped = layer()
+    swapped.norm2 = nn.RMSNorm(E)
+    softmax = layer(activation=lambda t: torch.softmax(t, -1))
+    set_after = layer()
+    set_after.activation = nn.Softmax(-1)
+    cases = ((unbiased, "TransformerEncoderLayer holds linear2.bias, which the converted module has no place for"),
+             (swapped, "TransformerEncoderLayer.norm2 is a RMSNorm, not the LayerNorm its constructor makes"),
+             (softmax, "its activation .*<lambda> is not known to act element by element"),
+             (set_after, "its activation Softmax is not known to act element by element"))  # fmt: skip
+    for serial, why in cases:
+        model = nn.Sequential(nn.Linear(E, E), serial)
+        with pytest.raises(TypeError, match=r"1 \(TransformerEncoderLayer\): TransformerBlock2D.from_serial: " + why):
+            parallelize(model, mesh)
+        assert type(model[0]) is nn.Linear and model[1] is serial
+    serial = layer(activation=lambda t: F.gelu(t, approximate="tanh"))
+    check_against_serial(serial, parallelize(copy.deepcopy(serial), mesh), _x(mesh, E), mesh)
 
 
 class _Centered(nn.ReLU):

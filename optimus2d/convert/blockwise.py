@@ -4,8 +4,9 @@ On the mesh the hidden dim of every activation is split (``[b/(d·q), ..., h/q]`
 whose forward is kept must act element by element on that dim, or on whole heads. ``parallelize``
 keeps a module it has no converter for only when one of these says so:
 
-- ``acts_elementwise(m)``: a leaf without tensors that, probed with a random ``[2, 3, 8]`` input,
-  gives on each half of the last dim what it gives on the whole (an activation, say);
+- ``acts_elementwise(m)``: a leaf without tensors that, probed with random ``[2, 3, 8]`` and
+  ``[2, 8]`` inputs, gives on each half of the last dim and of the first what it gives on the
+  whole (an activation, say: not a softmax or a norm over the hidden dim, nor a mean over the batch);
 - ``as_norm(m)``: a leaf holding only a 1-D ``weight`` (and ``bias``) that, probed with a random
   weight and inputs of two scales, computes RMSNorm (``w·x̂`` or Gemma's ``(1 + w)·x̂``) or
   LayerNorm with the ``eps`` it stores: it becomes an ``RMSNorm2D``/``LayerNorm2D``;
@@ -26,15 +27,25 @@ from torch import nn
 
 from optimus2d.comm import primitives as P
 from optimus2d.convert.forward_reader import forward_problems
+from optimus2d.convert.registry import elementwise
 from optimus2d.layers.base import keep_blocks_on_copy
 
-__all__ = ["acts_elementwise", "as_norm", "forward_problems", "head_problems", "independent_of_hidden", "per_head"]
+__all__ = [
+    "activation_refusal",
+    "acts_elementwise",
+    "as_norm",
+    "forward_problems",
+    "head_problems",
+    "independent_of_hidden",
+    "per_head",
+]
 
 
 def acts_elementwise(module: nn.Module, modes: tuple[bool, ...] = (False, True)) -> bool:
-    """A parameter-free leaf whose output on each half of the last dim is its output on that half,
-    in eval and in training mode (``modes``: those probed). A training-mode probe draws from a
-    fork of torch's generator, leaving the caller's stream as it was."""
+    """A parameter-free leaf whose output on each half of the last dim, and of the first, is its
+    output on that half (``_halves_agree``), in eval and in training mode (``modes``: those
+    probed). A training-mode probe draws from a fork of torch's generator, leaving the caller's
+    stream as it was."""
     if list(module.children()) or any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
         return False
     was = module.training
@@ -83,21 +94,67 @@ def acts_elementwise_with_scalars(module: nn.Module) -> bool:
     return _halves_agree(module)
 
 
+_FUNCTIONS = (F.relu, F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.leaky_relu, F.relu6, F.softplus,
+              F.hardswish, F.hardsigmoid, F.tanh, F.sigmoid, torch.relu, torch.tanh, torch.sigmoid)  # fmt: skip
+
+
+class _Called(nn.Module):
+    """A function as a module, for the probe."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def activation_refusal(activation: object) -> str | None:
+    """Why a layer's ``activation`` (``nn.TransformerEncoderLayer``'s: a function or a module, set by
+    the constructor or after) cannot be applied to the hidden blocks, or None: torch's element-wise
+    functions and modules pass, so does another callable that the probe finds element-wise (a
+    softmax, a mean over the batch do not)."""
+    if any(activation is fn for fn in _FUNCTIONS):
+        return None
+    if isinstance(activation, nn.Module):
+        if elementwise(activation) or acts_elementwise(activation):
+            return None
+    elif callable(activation) and acts_elementwise(_Called(activation)):
+        return None
+    name = getattr(activation, "__qualname__", None) or type(activation).__qualname__
+    return f"its activation {name} is not known to act element by element (a probe with a random input says not)"
+
+
 def _halves_agree(module: nn.Module) -> bool:
+    """Its output on each half of a random input is its output on that half of the whole: halves of
+    the last dim (the split hidden dim) and of the first (the split batch), of ``[rows, 3, 8]`` and
+    of ``[rows, 8]`` (where dim 1 is the hidden dim: a softmax over it); an input of 2 dims it
+    cannot take at all is not asked (a serial model never gives it one)."""
     g = torch.Generator().manual_seed(0)
     rows = 64 if module.training else 2  # in training: enough rows that draws cannot agree by chance
-    x = torch.randn(rows, 3, 8, generator=g, dtype=torch.float64) * 3
-    try:
-        with torch.no_grad():
-            whole, halves = module(x), [module(x[..., :4].clone()), module(x[..., 4:].clone())]
-    except Exception:
-        return False
-    return (
-        isinstance(whole, torch.Tensor)
-        and whole.shape == x.shape
-        and all(isinstance(h, torch.Tensor) and h.shape == (rows, 3, 4) for h in halves)
-        and torch.equal(torch.cat(halves, -1), whole)
-    )
+    for shape in ((rows, 3, 8), (rows, 8)):
+        x = torch.randn(shape, generator=g, dtype=torch.float64) * 3
+        try:
+            with torch.no_grad():
+                whole = module(x)
+        except Exception:
+            if len(shape) == 2:
+                continue
+            return False
+        if not isinstance(whole, torch.Tensor) or whole.shape != x.shape:
+            return False
+        for dim in (-1, 0):
+            try:
+                with torch.no_grad():
+                    halves = [module(part.clone()) for part in x.chunk(2, dim)]
+            except Exception:
+                return False
+            parts = x.chunk(2, dim)
+            if not all(isinstance(h, torch.Tensor) and h.shape == p.shape for h, p in zip(halves, parts, strict=True)):
+                return False
+            if not torch.allclose(torch.cat(halves, dim), whole, rtol=1e-10, atol=1e-12):  # (fp64: a kernel's
+                return False  # vector and scalar paths differ in the last bits; a mix of halves by far more)
+    return True
 
 
 def independent_of_hidden(module: nn.Module) -> bool:

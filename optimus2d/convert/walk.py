@@ -23,6 +23,7 @@ from optimus2d.comm.calls import layout
 from optimus2d.comm.mesh import Mesh
 from optimus2d.context.parallel import ContextParallel
 from optimus2d.convert import blockwise, dynamic_rope, forward_reader, layouts
+from optimus2d.convert.attached import attached
 from optimus2d.convert.instance_forward import replaced_forward
 from optimus2d.convert.registry import (
     _CONVERTERS,
@@ -116,14 +117,21 @@ def _stack(module: nn.Module, mesh: Mesh) -> nn.Module:
     return TransformerStack2D(module.layers, module.norm, serial_arguments=names)
 
 
+def _layer(cls: type, layer: nn.Module, mesh: Mesh) -> nn.Module:
+    """torch's encoder or decoder layer, its activation applied to blocks: refused unless element-wise."""
+    if (why := blockwise.activation_refusal(layer.activation)) is not None:
+        raise TypeError(f"{cls.__name__}.from_serial: {why}")
+    return cls.from_serial(layer, mesh)
+
+
 for _cls, _fn in (
     (nn.Linear, Linear2D.from_serial),
     (nn.LayerNorm, LayerNorm2D.from_serial),
     (nn.RMSNorm, RMSNorm2D.from_serial),
     (nn.Embedding, Embedding2D.from_serial),
     (nn.MultiheadAttention, MultiheadAttention2D.from_serial),
-    (nn.TransformerEncoderLayer, TransformerBlock2D.from_serial),
-    (nn.TransformerDecoderLayer, TransformerDecoderBlock2D.from_serial),
+    (nn.TransformerEncoderLayer, lambda layer, mesh: _layer(TransformerBlock2D, layer, mesh)),
+    (nn.TransformerDecoderLayer, lambda layer, mesh: _layer(TransformerDecoderBlock2D, layer, mesh)),
     (nn.TransformerEncoder, _stack),
     (nn.TransformerDecoder, _stack),
     (nn.Dropout, lambda m, mesh: Dropout2D(m.p, mesh=mesh)),
@@ -258,6 +266,7 @@ class _Walk:
         if isinstance(module, (ShardedModule, Dropout2D)) or getattr(module, "_optimus2d_mesh", None) is not None:
             return
         if isinstance(module, nn.Linear) and id(module.weight) in self.tied:
+            self._check_attached(module, path, inside=True)
             return
         how = _plan(module, parent, mesh)
         if isinstance(how, str):
@@ -266,9 +275,21 @@ class _Walk:
             self.plans[id(module)] = how
             self.seen.append(module)
         # a refused container, or one whose children convert: look inside
-        if isinstance(how, str) or how in _CONVERTS_CHILDREN or isinstance(how, _KeepAsRead):
+        inside = not (isinstance(how, str) or how in _CONVERTS_CHILDREN or isinstance(how, _KeepAsRead))
+        if not isinstance(how, str):  # (refused already: its own reason)
+            self._check_attached(module, path, inside)
+        if not inside:
             for name, child in _children(module):
                 self.check(child, f"{path}.{name}" if path else name, module, mesh, mesh if called else caller)
+
+    def _check_attached(self, module: nn.Module, path: str, inside: bool) -> None:
+        """Refuse hooks and parametrizations set on ``module`` (``attached.py``), and, where its
+        converter takes its children itself (``inside``), on those too."""
+        for rel, sub in module.named_modules() if inside else [("", module)]:
+            why = attached(sub)
+            if why is not None:
+                where = ".".join(p for p in (path, rel) if p) or "the model itself"
+                self.refused.append(f"{where} ({type(sub).__name__}): {why}")
 
     def _check_region(self, module: nn.Module, path: str, spec: Megatron, called: bool, caller: Mesh) -> None:
         """A module under 1D tensor parallelism: its refusals noted (``unfit``), its boundary made."""
@@ -351,7 +372,9 @@ class _Walk:
             if self.rehearsing:  # note every module that refuses, and go on with the others
                 try:
                     self.done[id(module)] = self._convert(module, path, on)
-                except (TypeError, ValueError) as err:
+                except (TypeError, ValueError, AttributeError) as err:  # (an attribute a converter reads: missing)
+                    if isinstance(err, AttributeError):  # a part replaced by another kind: refused, not half-converted
+                        err = TypeError(f"its converter cannot read it: {err}")
                     self.refused.append(f"{path or 'the model itself'} ({type(module).__name__}): {err}")
                     self.errors.append(err)
                     self.done[id(module)] = module

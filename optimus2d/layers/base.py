@@ -278,7 +278,17 @@ def load_serial_tensor(module: nn.Module, name: str, full: torch.Tensor) -> None
 def fill_from_serial(module: nn.Module, serial: nn.Module) -> None:
     """Fill every ``ShardedModule`` in ``module`` from the module at the same path in ``serial``:
     each declared parameter gets its block of the serial tensor of the same name, and that tensor's
-    ``requires_grad``. A parameter owned by another module (a tied head's table) is left to it."""
+    ``requires_grad``. A parameter owned by another module (a tied head's table) is left to it. A
+    parameter of ``serial`` that ``module`` has no place for (a bias given to one of a layer's
+    linears alone) is refused, not dropped."""
+    held = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    dropped = [name for name, _ in serial.named_parameters(remove_duplicate=False) if name not in held]
+    if dropped:
+        raise TypeError(
+            f"{type(module).__name__}.from_serial: {type(serial).__name__} holds {', '.join(dropped)}, which the "
+            f"converted module has no place for (it is built like torch's {type(serial).__name__} with its own "
+            f"settings): not converted, rather than dropped"
+        )
     for path, sub in module.named_modules():
         if not isinstance(sub, ShardedModule):
             continue
@@ -287,7 +297,13 @@ def fill_from_serial(module: nn.Module, serial: nn.Module) -> None:
             param = getattr(sub, name)
             if getattr(param, "_optimus2d_owner", (sub,))[0] is not sub:
                 continue
-            full = getattr(source, name)
+            full = getattr(source, name, None)
+            if not isinstance(full, torch.Tensor):
+                where = f"{path}.{name}" if path else name
+                raise TypeError(
+                    f"{type(module).__name__}.from_serial: {type(serial).__name__} has no {where} (the converted "
+                    f"module holds one: its parts' settings differ from one another)"
+                )
             load_serial_tensor(sub, name, full)
             param.requires_grad_(full.requires_grad)
 

@@ -10,7 +10,7 @@ from torch import nn
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers.attention import MultiheadAttention2D
-from optimus2d.layers.base import fill_from_serial
+from optimus2d.layers.base import fill_from_serial, runs_forward_of
 from optimus2d.layers.dropout import Dropout2D
 from optimus2d.layers.linear import Linear2D
 from optimus2d.layers.mlp import activation_fn, feed_forward
@@ -173,8 +173,26 @@ class TransformerDecoderBlock2D(nn.Module):
         return self.dropout3(feed_forward(x, self.linear1, self.activation, self.linear2, self.dropout))
 
 
+_PARTS = {  # what torch's constructors make, by name
+    nn.MultiheadAttention: ("self_attn", "multihead_attn"),
+    nn.Linear: ("linear1", "linear2"),
+    nn.LayerNorm: ("norm1", "norm2", "norm3"),
+    nn.Dropout: ("dropout", "dropout1", "dropout2", "dropout3"),
+}
+
+
 def _from_serial(cls: type, layer: nn.Module, mesh: Mesh) -> nn.Module:
-    """An encoder or decoder block built like ``layer`` on meta, then given its blocks, dropouts and eps."""
+    """An encoder or decoder block built like ``layer`` on meta, then given its blocks, dropouts and
+    eps. A part replaced after the layer was built (a norm by ``nn.Identity`` or ``nn.RMSNorm``, a
+    linear by a ``Sequential``) is refused: the block is built as torch's constructor builds it."""
+    for torch_cls, names in _PARTS.items():
+        for name in names:
+            part = getattr(layer, name, None)
+            if name in layer._modules and not runs_forward_of(part, (torch_cls,)):
+                raise TypeError(
+                    f"{cls.__name__}.from_serial: {type(layer).__name__}.{name} is a {type(part).__name__}, not the "
+                    f"{torch_cls.__name__} its constructor makes"
+                )
     MultiheadAttention2D.check_serial(layer.self_attn)
     attn, linear1 = layer.self_attn, layer.linear1
     args = (attn.embed_dim, attn.num_heads, linear1.out_features, layer.dropout.p, layer.activation)
