@@ -187,3 +187,45 @@ def test_the_mask_is_agreed_once_per_assignment(mesh):
         for _ in range(3):  # three layers
             context.attention(q, q, q, mesh, a, mask)
     assert len(counted.checks) == (1 if mesh.size > 1 else 0)
+
+
+def test_a_query_stored_transposed_gives_the_same_attention_by_either_method(mesh):
+    """A query whose last dim is not stride-1 (stored ``[.., d_h, n]``): torch's CPU flash kernel,
+    called as an operator by the ring, read it as if contiguous (2.5e306 off). The ring takes it
+    contiguous; both methods give SDPA's output and gradients."""
+    s, heads, d_h = 2 * mesh.depth * 4, 2 * mesh.q, 4
+    mask = context.causal_mask(s)
+    a = context.assign(mask, mesh.depth, "head_tail")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, heads // mesh.q, s // mesh.depth, d_h, dtype=torch.float64) for _ in range(3))
+    want = None
+    for method in ("all_gather", "ring"):
+        stored = q.transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_()  # same values, stride(-1) != 1
+        assert stored.stride(-1) != 1
+        out = context.attention(stored, k, v, mesh, a, mask, method=method)
+        out.sum().backward()
+        plain = q.clone().requires_grad_()
+        ref = context.attention(plain, k, v, mesh, a, mask, method=method)
+        ref.sum().backward()
+        assert_close(out, ref, 1e-12, f"{method} output")
+        assert_close(stored.grad, plain.grad, 1e-12, f"{method} dq")
+        want = ref if want is None else want
+        assert_close(out, want, 1e-10, "ring against all_gather")
+
+
+def test_a_method_that_differs_on_one_rank_is_refused_on_every_rank(world, mesh):
+    """The method is part of what is agreed: ring on one rank and all_gather on the others sent
+    unlike messages and waited to the timeout."""
+    if mesh.depth == 1:
+        pytest.skip("one context rank: the methods send nothing")
+    s = 2 * mesh.depth * 4
+    mask = context.causal_mask(s)
+    a = context.assign(mask, mesh.depth, "uniform")
+    q = torch.randn(1, 1, s // mesh.depth, 4)
+    method = "ring" if world.rank == world.size - 1 else "all_gather"
+    message = raises_fast(
+        ValueError,
+        r"context.attention on Mesh.*the ranks disagree.*method 'ring'",
+        lambda: context.attention(q, q, q, mesh, a, mask, method=method),
+    )
+    assert "method" in message

@@ -105,3 +105,16 @@ def test_bad_masks_are_refused():
         image_text_mask(10, [(5, 12)])
     with pytest.raises(ValueError, match=r"at least one token, got lengths \[3, 0\]"):
         document_mask([3, 0])
+
+
+def test_an_assignment_made_by_hand_is_refused_unless_a_permutation_of_equal_counts():
+    """``Assignment`` is exported: one holding a token twice and another never was silently wrong
+    (2.02 off), one of unequal counts refused on some ranks alone."""
+    from optimus2d.context import Assignment
+
+    ok = Assignment("mine", (torch.tensor([0, 3]), torch.tensor([1, 2])), (2, 2))
+    assert ok.permutation().tolist() == [0, 3, 1, 2]
+    with pytest.raises(ValueError, match=r"exactly once"):
+        Assignment("mine", (torch.tensor([0, 0]), torch.tensor([1, 2])), (2, 2))
+    with pytest.raises(ValueError, match=r"the same number of positions, got \[3, 1\]"):
+        Assignment("mine", (torch.tensor([0, 1, 2]), torch.tensor([3])), (2, 2))

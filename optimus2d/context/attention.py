@@ -104,7 +104,7 @@ def attention(
             )
     if method not in ATTENTION_METHODS:
         raise ValueError(f"attention: method {method!r} is not one of {ATTENTION_METHODS}")
-    _agree_once(mesh, assignment, mask, check)
+    _agree_once(mesh, assignment, mask, check, method)
     if method == "ring":
         rows = mask.to(q.device)[mine]
         blocks = [rows[:, p.to(q.device)] for p in assignment.positions]
@@ -133,25 +133,25 @@ def _causal_in_order(mask: torch.Tensor, assignment: Assignment) -> bool:
     return known and torch.equal(assignment.permutation(), torch.arange(s))
 
 
-def _agree_once(mesh: Mesh, assignment: Assignment, mask: torch.Tensor, check: bool | None) -> None:
-    """The mask and the assignment are the same on every rank of ``mesh``: agreed once per mask,
-    assignment and mesh (a model's layers share them), on checksums of the mask's bits (packed eight
-    to a byte) and of the permutation."""
+def _agree_once(mesh: Mesh, assignment: Assignment, mask: torch.Tensor, check: bool | None, method: str) -> None:
+    """The mask, the assignment and the method are the same on every rank of ``mesh``: agreed once
+    per mask, assignment, method and mesh (a model's layers share them), on checksums of the mask's
+    bits (packed eight to a byte) and of the permutation (ranks of two methods sent unlike messages)."""
     if check is False or (check is None and mesh.check == "off") or mesh.size == 1 or torch.compiler.is_compiling():
         return
     seen = mask.__dict__.setdefault("_optimus2d_agreed_with", set())  # {(mesh uid, the permutation's bytes)}
-    key = (mesh.uid, mask._version, assignment.permutation().numpy().tobytes())  # a mask changed in place: again
+    key = (mesh.uid, mask._version, assignment.permutation().numpy().tobytes(), method)  # changed in place: again
     if key in seen:
         return
     flat = mask.reshape(-1)
     flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 64)]).view(-1, 8).to(torch.uint8)
     packed = (flat << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8).view(torch.int64)
     words = [*fingerprint(packed), *fingerprint(assignment.permutation())]
-    content = (words[0] ^ words[2], words[1] ^ (words[3] * 3 % 2**63))
+    content = (words[0] ^ words[2], words[1] ^ (words[3] * 3 % 2**63) ^ ATTENTION_METHODS.index(method))
     agree(
         mesh,
         "context.attention",
-        description=f"mask bool{list(mask.shape)}, {assignment.method} split",
+        description=f"mask bool{list(mask.shape)}, {assignment.method} split, method {method!r}",
         content=content,
     )
     seen.add(key)

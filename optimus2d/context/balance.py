@@ -42,6 +42,21 @@ class Assignment:
     positions: tuple[torch.Tensor, ...]
     pairs: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        """One made by hand holds every position once, the same count on every rank (a token twice
+        and another never was silently wrong; unequal counts refused on some ranks alone)."""
+        counts = [int(p.numel()) for p in self.positions]
+        if len(set(counts)) > 1:
+            raise ValueError(f"Assignment: every rank holds the same number of positions, got {counts}")
+        if len(self.pairs) != len(self.positions):
+            raise ValueError(f"Assignment: {len(self.pairs)} pair counts for {len(self.positions)} ranks")
+        every = torch.cat([p.reshape(-1) for p in self.positions]).sort().values if self.positions else None
+        if every is not None and not torch.equal(every.cpu(), torch.arange(every.numel())):
+            raise ValueError(
+                f"Assignment: its positions must hold each of 0..{every.numel() - 1} exactly once (a permutation "
+                f"of the sequence), got {sorted(every.tolist())[:12]}{' ...' if every.numel() > 12 else ''}"
+            )
+
     @property
     def imbalance(self) -> float:
         """max / mean of the pairs per rank (1.0: perfectly balanced)."""

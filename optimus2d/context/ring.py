@@ -125,6 +125,9 @@ def ring_attention(
 
     forward: c − 1 shifts of K/V round the depth ring; backward: c − 1 of K/V and c of dK/dV."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
+    # torch's CPU flash kernel, called as an operator, reads its inputs as if contiguous (SDPA makes
+    # them so first): a query stored [.., d_h, n] transposed gave 2.5e306 off
+    q, k, v = (t.contiguous() for t in (q, k, v))
     if mesh.depth == 1:
         blocks = [blocks[0]]
     return _Ring.apply(q, k, v, mesh, blocks, scale)
