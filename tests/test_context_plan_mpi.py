@@ -340,8 +340,18 @@ def test_more_refusals_on_every_rank(world_mesh):
         lambda: optimus2d.parallelize(_llama(1), mesh, plan={"model": context.ContextParallel(mesh, memory=memory)}),
     )
 
+    # ids of another dtype on one rank: agreed with the shapes (the all-to-all sent messages of other
+    # sizes: MPI's error on one rank, gloo aborted), refused by name on every rank
+    own = optimus2d.comm.mesh.as_mesh(mesh)
+    if own.size > 1:
+        block = optimus2d.scatter_batch(ids, mesh)
+        mine = block.to(torch.int32) if own.rank == own.ranks[-1] else block.clone()
+        raises_fast(ValueError, r"the ranks disagree(.|\n)*'input_ids': 'int32\[", lambda: model(input_ids=mine))
+
     # last (a refusal on some ranks leaves the mesh unusable): one sample's position_ids restart
-    # (packed documents, which transformers masks apart): its rank refuses, and so does every other
+    # (packed documents, which transformers masks apart without a cache): its rank refuses, and so does
+    # every other
+    model.config.use_cache = False
     s = 2 * mesh.depth * 4
     one = torch.arange(s)[None].repeat(ids.shape[0], 1)
     one[-1, s // 2 :] -= s // 2
@@ -421,7 +431,7 @@ def test_what_context_parallel_attention_would_not_apply_is_refused_on_every_ran
         lambda: model(input_ids=local, attention_mask=optimus2d.scatter_batch(whole, mesh)),
     )
     mine = local if mesh.index("depth") else local[:, : 2 * c]  # the first rank's sequence padded otherwise
-    raises_fast(ValueError, r"the ranks disagree(.|\n)*'input_ids': \[2, \d+\]", lambda: model(input_ids=mine))
+    raises_fast(ValueError, r"the ranks disagree(.|\n)*'input_ids': 'int64\[2, \d+\]", lambda: model(input_ids=mine))
 
 
 def test_a_mask_set_anew_is_the_one_used(mesh):
@@ -443,7 +453,8 @@ def test_packed_documents_in_position_ids_follow_transformers_or_are_refused(mes
     document apart (its padding-free packing). Under the default causal mask (it attends across
     them: 0.54 off): refused on every rank, also where one sample alone is packed; under the
     documents' mask (``ContextParallel(mask=document_mask(...))``): exact; with an attention_mask of
-    ones (transformers then attends over the whole row): exact under the causal mask."""
+    ones (transformers then attends over the whole row): exact under the causal mask. With a cache
+    made (the config's ``use_cache=True``) transformers attends across them: the reverse."""
     c = mesh.depth
     s = 2 * c * 4
     serial = _llama(mesh.q)
@@ -474,3 +485,15 @@ def test_packed_documents_in_position_ids_follow_transformers_or_are_refused(mes
     assert_close(optimus2d.gather(got.logits.detach(), mesh)[..., :96], want.logits, 1e-6, "logits, documents")
     got.loss.backward()
     compare_step(serial, model, mesh, tol=1e-5)
+    # the config's default, use_cache=True: the serial call makes a cache, and transformers then attends
+    # across the documents (it looks for packing only without one): the documents' mask refused (it was
+    # 0.28 off), the causal mask exact
+    serial.config.use_cache = True
+    inputs = {"input_ids": optimus2d.scatter_batch(ids, mesh), "position_ids": optimus2d.scatter_batch(packed, mesh)}
+    apart = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": spec})
+    raises_fast(ValueError, "masks documents apart only without a cache", lambda: apart(**inputs))
+    across = optimus2d.parallelize(copy.deepcopy(serial), mesh, plan={"model": context.ContextParallel(mesh)})
+    with torch.no_grad():
+        want = serial(input_ids=ids, position_ids=packed).logits
+        got = across(**inputs).logits
+    assert_close(optimus2d.gather(got, mesh)[..., :96], want, 1e-6, "logits, a cache made")

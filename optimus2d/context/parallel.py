@@ -201,7 +201,15 @@ def _run(spec: ContextParallel, path: str, module: nn.Module, original, kwargs: 
                 f"this rank's block [b, s] {list(x.shape[:2])} of a padding mask: give the mask as "
                 f"ContextParallel(mask=...) and drop attention_mask"
             )
-        if given is not None and padding is None:
+        if given is not None and padding is None and _makes_cache(module, kwargs) and _packed(given):
+            if _crossed_documents(given, split[1]) is None:  # serial makes a cache: it attends across them
+                raise ValueError(
+                    f"{where}: position_ids restart inside a row (packed documents), and the mask given keeps them "
+                    f"apart, but transformers masks documents apart only without a cache, and this call makes one "
+                    f"(use_cache, or the config's use_cache=True): the serial model attends across them. Call it "
+                    f"with use_cache=False to keep them apart, or give the causal mask"
+                )
+        elif given is not None and padding is None:
             crossed = _crossed_documents(given, split[1])
             if crossed is not None:
                 raise ValueError(
@@ -227,8 +235,12 @@ def _run(spec: ContextParallel, path: str, module: nn.Module, original, kwargs: 
     # a refusal may read what is this rank's own (its samples' padding, a sequence padded here to
     # another length): agreed with the shapes, so that no rank is left waiting in the all-to-all
     if mesh.check != "off" and mesh.size > 1:
-        shapes = {k: list(v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        agree(mesh, "context parallel", description=f"shapes {shapes}", error=error)
+        shapes = {
+            k: f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+            for k, v in kwargs.items()
+            if isinstance(v, torch.Tensor)
+        }
+        agree(mesh, "context parallel", description=f"inputs {shapes}", error=error)
     elif error is not None:
         raise error
     assignment, mask = split
@@ -294,6 +306,21 @@ def _crossed_documents(position_ids: torch.Tensor, mask: torch.Tensor) -> tuple[
             if len(bounds) > 2 and (mask[a:b, :a].any() or mask[a:b, b:].any()):
                 return row, a
     return None
+
+
+def _makes_cache(module: nn.Module, kwargs: dict) -> bool:
+    """Whether the serial call would make a cache: ``use_cache`` given, else the config's (as
+    transformers' ``merge_with_config_defaults`` reads it). With one, transformers does not look for
+    packed documents in the position ids (``masking_utils``: only without a cache)."""
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(getattr(module, "config", None), "use_cache", False)
+    return bool(use_cache)
+
+
+def _packed(position_ids: torch.Tensor) -> bool:
+    """Some row's positions restart (go up by other than 1) after its first token."""
+    return bool((torch.diff(position_ids, dim=-1) != 1).any())
 
 
 def _note_ran(layer: nn.Module, args: tuple) -> None:
