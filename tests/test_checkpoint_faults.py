@@ -171,3 +171,32 @@ def test_async_save_where_the_default_group_has_no_cpu_backend(tmp_path):
         [sys.executable, "-c", _NO_CPU_BACKEND, str(tmp_path / "ck")], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_a_save_after_an_async_save_of_a_model_without_a_mesh_waits_for_it(tmp_path):
+    """A plain torch.nn model (no Mesh): ``async_save`` then ``save`` to the same path. The second
+    did not wait for the first, replaced the directory its background write and commit still used,
+    and the two committed each other's half-written files: 5 of 6 checkpoints unreadable, the one
+    before them lost, the Future's success false. Now it waits: both commit, in order."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def step():
+        optimizer.zero_grad()
+        model(torch.randn(4, 256)).square().mean().backward()
+        optimizer.step()
+
+    for trial in range(3):
+        path = tmp_path / f"c{trial}"
+        step()
+        checkpoint.save(path, model, optimizer)
+        step()
+        pending = checkpoint.async_save(path, model, optimizer)
+        step()
+        latest = {k: v.clone() for k, v in model.state_dict().items()}
+        checkpoint.save(path, model, optimizer)
+        pending.result()
+        read = checkpoint.read(path)["model"]
+        assert all(torch.equal(read[k], latest[k]) for k in latest)
+        assert sorted(os.listdir(tmp_path)) == [f"c{n}" for n in range(trial + 1)]

@@ -162,10 +162,11 @@ def async_save(
     background, on process groups of their own (gloo, created at the first call, collective over
     the world: a mesh over some ranks only is refused). Returns a ``Future``: ``result()`` returns
     once the checkpoint is committed, or raises ``save``'s error, on every rank. A later ``save``,
-    ``async_save`` or ``load`` on the same mesh waits for it first (and raises its error); so should
-    the end of the program. Where DCP writes alone (no mesh, or a mesh of one rank) and torch's
-    default group has no CPU backend (NCCL alone), DCP's ``async_save`` refuses: the files are
-    written before it returns, the commit behind."""
+    ``async_save`` or ``load`` on the same mesh (for a model with no Mesh, of any such model in this
+    process) waits for it first (and raises its error); so should the end of the program. Where
+    DCP writes alone (no mesh, or a mesh of one rank) and torch's default group has no CPU backend
+    (NCCL alone), DCP's ``async_save`` refuses: the files are written before it returns, the
+    commit behind."""
     start = time.perf_counter()
     entries, mesh, ranks, bar, state = _prepare(path, model, optimizer, "checkpoint.async_save", progress)
     bar.start = start
@@ -207,7 +208,14 @@ def async_save(
     threading.Thread(target=run, name="optimus2d-checkpoint", daemon=False).start()
     if mesh is not None:
         mesh.__dict__["_optimus2d_checkpoint_pending"] = future
+    else:  # a model with no Mesh (plain torch.nn, 1D DTensors): this process's own
+        _PENDING_WITHOUT_MESH.append(future)
     return future
+
+
+# async saves of models with no Mesh, still to be waited for: a later save replaced the directory the
+# background write and commit still used (the checkpoint before it lost, the Future's success false)
+_PENDING_WITHOUT_MESH: list[concurrent.futures.Future] = []
 
 
 @contextlib.contextmanager
@@ -234,13 +242,17 @@ class _SaveFuture(concurrent.futures.Future):
 
 
 def wait_for_async_save(mesh: Mesh | None) -> None:
-    """Wait for the ``async_save`` of ``mesh`` still in flight, if any; raise its error if it failed
-    and nobody asked its Future (a failed save is not lost silently)."""
-    pending = mesh.__dict__.pop("_optimus2d_checkpoint_pending", None) if mesh is not None else None
-    if pending is not None:
-        concurrent.futures.wait([pending])
-        if not pending.asked:
-            pending.result()
+    """Wait for the ``async_save`` of ``mesh`` still in flight, if any (``mesh`` None: every one of a
+    model with no Mesh in this process); raise its error if it failed and nobody asked its Future (a
+    failed save is not lost silently)."""
+    if mesh is not None:
+        pending = [mesh.__dict__.pop("_optimus2d_checkpoint_pending", None)]
+    else:
+        pending, _PENDING_WITHOUT_MESH[:] = list(_PENDING_WITHOUT_MESH), []
+    for future in (f for f in pending if f is not None):
+        concurrent.futures.wait([future])
+        if not future.asked:
+            future.result()
 
 
 def _write(state: dict, directory: str, ranks: _Ranks, how):
