@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, compare_step
+from helpers import assert_close, compare_step, raises_fast
 
 import optimus2d
 from optimus2d import context
@@ -73,3 +73,30 @@ def test_llama_with_context_parallelism_equals_serial(mesh, kind, method):
     # a 2x2 mesh with c = 1 as with c = 4), which Adam's division by |g| turns into a few 1e-6 on
     # some parameters after the step; so the step is held to the issue's float32 bound
     compare_step(serial, model, mesh, tol=1e-5)
+
+
+def test_a_padding_mask_or_missing_positions_are_refused_on_every_rank(mesh):
+    """Inside ``sequence_parallel`` transformers dropped a 2D padding mask (for a kernel it does not
+    know) and handed a 4D one to the kernel, which applies the mask given to ``sequence_parallel``
+    alone: left padding 0.15 off, a documents' 4D mask 0.26; without position_ids the tokens were
+    numbered 0.. on each rank (1.3e-3 off). Each refused on every rank, also where one rank alone
+    pads; a mask of ones is taken."""
+    c, q = mesh.depth, mesh.q
+    b, s = 2 * q, 2 * c * 4
+    mask = context.causal_mask(s)
+    a = context.assign(mask, c, "head_tail")
+    model = optimus2d.parallelize(_llama(q), mesh)
+    ids = context.scatter_batch(torch.randint(0, 96, (b, s)), mesh, a)
+    positions = context.positions(a, mesh).expand(ids.shape[0], -1)
+    padded = torch.ones_like(ids)
+    if optimus2d.comm.mesh.as_mesh(mesh).rank == optimus2d.comm.mesh.as_mesh(mesh).ranks[-1]:
+        padded[0, 0] = 0  # one rank's sample padded
+    four_d = torch.ones(ids.shape[0], 1, ids.shape[1], s, dtype=torch.bool)
+    with context.sequence_parallel(model, mesh, a, mask):
+        model(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids))  # ones: taken
+        for given in (padded, four_d):  # one rank's padding: the others raise too, naming it
+            refused = raises_fast(ValueError, "sequence_parallel", lambda given=given: model(
+                input_ids=ids, position_ids=positions, attention_mask=given
+            ))  # fmt: skip
+        assert "masks tokens" in refused  # every rank's own (the 4D mask)
+        raises_fast(ValueError, "without position_ids", lambda: model(input_ids=ids))
