@@ -80,23 +80,27 @@ def test_a_padding_mask_or_missing_positions_are_refused_on_every_rank(mesh):
     know) and handed a 4D one to the kernel, which applies the mask given to ``sequence_parallel``
     alone: left padding 0.15 off, a documents' 4D mask 0.26; without position_ids the tokens were
     numbered 0.. on each rank (1.3e-3 off). Each refused on every rank, also where one rank alone
-    pads; a mask of ones is taken."""
+    pads (last, on a mesh of its own: a refusal some ranks make leaves the mesh unusable); a mask of
+    ones is taken."""
     c, q = mesh.depth, mesh.q
     b, s = 2 * q, 2 * c * 4
     mask = context.causal_mask(s)
     a = context.assign(mask, c, "head_tail")
-    model = optimus2d.parallelize(_llama(q), mesh)
-    ids = context.scatter_batch(torch.randint(0, 96, (b, s)), mesh, a)
-    positions = context.positions(a, mesh).expand(ids.shape[0], -1)
+    own = optimus2d.Mesh(q, c) if mesh.size > 1 else mesh
+    model = optimus2d.parallelize(_llama(q), own)
+    ids = context.scatter_batch(torch.randint(0, 96, (b, s)), own, a)
+    positions = context.positions(a, own).expand(ids.shape[0], -1)
     padded = torch.ones_like(ids)
-    if optimus2d.comm.mesh.as_mesh(mesh).rank == optimus2d.comm.mesh.as_mesh(mesh).ranks[-1]:
+    if own.rank == own.ranks[-1]:
         padded[0, 0] = 0  # one rank's sample padded
     four_d = torch.ones(ids.shape[0], 1, ids.shape[1], s, dtype=torch.bool)
-    with context.sequence_parallel(model, mesh, a, mask):
+    with context.sequence_parallel(model, own, a, mask):
         model(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids))  # ones: taken
-        for given in (padded, four_d):  # one rank's padding: the others raise too, naming it
-            refused = raises_fast(ValueError, "sequence_parallel", lambda given=given: model(
-                input_ids=ids, position_ids=positions, attention_mask=given
-            ))  # fmt: skip
-        assert "masks tokens" in refused  # every rank's own (the 4D mask)
+        message = raises_fast(ValueError, "sequence_parallel", lambda: model(
+            input_ids=ids, position_ids=positions, attention_mask=four_d
+        ))  # fmt: skip
+        assert "masks tokens" in message
         raises_fast(ValueError, "without position_ids", lambda: model(input_ids=ids))
+        raises_fast(ValueError, "sequence_parallel", lambda: model(  # one rank's: the others name it
+            input_ids=ids, position_ids=positions, attention_mask=padded
+        ))  # fmt: skip

@@ -180,7 +180,8 @@ def _read_method(module: nn.Module, name: str, children: set[str], reading: Read
     env = Names(tree, module, fn, live, entry=name == "forward")
     for size in _sizes_used_as_numbers(tree, env):
         line = where.format(first + getattr(size, "lineno", 1) - 1)
-        reading.problems.append(f"{line}: uses the local size {size.id} as a number (its dim is split over the mesh)")
+        what = size.id if isinstance(size, ast.Name) else ast.unparse(size)
+        reading.problems.append(f"{line}: uses the local size {what} as a number (its dim is split over the mesh)")
     for node in live:
         line = where.format(first + getattr(node, "lineno", 1) - 1)
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
@@ -353,6 +354,8 @@ def _call_problem(node, module, children, fn, env: Names, reading: Reading, seen
             return None if env.clean(base) else _reshape_problem(node, env)
         if func.attr == "flatten" and not env.clean(base):
             return _flatten_problem(node, env.per_head(base))
+        if func.attr == "unflatten" and not env.clean(base) and not env.per_head(base) and not env.per_head(node):
+            return f"unflattens a dim that may be the split one ({ast.unparse(node)[:60]})"  # (into heads: per head)
         if isinstance(base, ast.Call) and ast.unparse(base.func) == "super":
             return f"calls super().{func.attr}(), which is not read"
         if func.attr in SAFE_METHODS:
@@ -408,13 +411,15 @@ def _function_problem(node: ast.Call, resolved, module, env: Names, reading: Rea
 _SHAPED = frozenset("view reshape expand repeat unflatten new_empty new_zeros new_ones new_full".split())
 
 
-def _sizes_used_as_numbers(tree: ast.AST, env: Names) -> list[ast.Name]:
+def _sizes_used_as_numbers(tree: ast.AST, env: Names) -> list[ast.expr]:
     """Loads of ``b, s, _ = x.shape``'s names anywhere but as sizes of a reshape (``view(b, s, -1)``,
-    ``hidden_shape = (b, s, -1, d)``): ``y / b`` divides by this rank's share of the batch."""
+    ``hidden_shape = (b, s, -1, d)``): ``y / b`` divides by this rank's share of the batch; and so
+    of ``x.shape[0]`` / ``x.size(0)`` written where they are used (``y / y.shape[0]``: 1.0 off)."""
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     found = []
     for node in ast.walk(tree):
-        if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in env.leading_sizes):
+        named = isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in env.leading_sizes
+        if not (named or _batch_size_read(node, env)):
             continue
         up = parents.get(node)
         while isinstance(up, (ast.BinOp, ast.Tuple, ast.List, ast.Starred)):
@@ -423,9 +428,24 @@ def _sizes_used_as_numbers(tree: ast.AST, env: Names) -> list[ast.Name]:
         shape_ok = isinstance(up, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id in env.reshapes for t in up.targets
         )
-        if not (call_ok or shape_ok):
+        # ``batch = x.shape[0]``: a name, followed no further (``b, s, _ = x.shape``'s are)
+        named_alone = not named and isinstance(parents.get(node), ast.Assign)
+        if not (call_ok or shape_ok or named_alone):
             found.append(node)
     return found
+
+
+def _batch_size_read(node: ast.AST, env: Names) -> bool:
+    """``x.shape[0]`` or ``x.size(0)`` of a tensor that may hold the split batch (not ids, masks or
+    positions, not ``self``'s)."""
+    if isinstance(node, ast.Subscript) and shape_of(node.value):
+        base = node.value.value if isinstance(node.value, ast.Attribute) else node.value.func.value
+        index = node.slice
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "size" and node.args:
+        base, index = node.func.value, node.args[0]
+    else:
+        return False
+    return _literal(index) == 0 and not env.clean(base) and not _rooted_at_self(base)
 
 
 def _literal(node: ast.expr):
