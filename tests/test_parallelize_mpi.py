@@ -205,7 +205,7 @@ def test_hooks_and_parametrizations_set_before_parallelize_are_refused_by_name(m
                  "1 (GELU): has a backward hook", "2 (Linear): has a forward pre-hook"):  # fmt: skip
         assert line in str(refused.value)
     assert type(hooked[0]) is nn.Linear
-    layer = nn.TransformerEncoderLayer(E, 2, 2 * E, dropout=0.0, batch_first=True)
+    layer = nn.TransformerEncoderLayer(E, HEADS, 2 * E, dropout=0.0, batch_first=True)
     layer.linear1.register_forward_hook(double)  # inside a layer whose converter takes its children
     with pytest.raises(TypeError, match=r"0\.linear1 \(Linear\): has a forward hook"):
         parallelize(nn.Sequential(layer), mesh)
@@ -233,7 +233,7 @@ def test_a_layer_with_a_part_or_activation_torch_would_not_build_is_refused(mesh
 
     def layer(**kwargs):
         torch.manual_seed(0)
-        return nn.TransformerEncoderLayer(E, 2, 2 * E, dropout=0.0, batch_first=True, **kwargs)
+        return nn.TransformerEncoderLayer(E, HEADS, 2 * E, dropout=0.0, batch_first=True, **kwargs)
 
     unbiased = layer(bias=False)
     unbiased.linear2 = nn.Linear(2 * E, E)
