@@ -275,12 +275,9 @@ def load_serial_tensor(module: nn.Module, name: str, full: torch.Tensor) -> None
             local(target).copy_(block)
 
 
-def fill_from_serial(module: nn.Module, serial: nn.Module) -> None:
-    """Fill every ``ShardedModule`` in ``module`` from the module at the same path in ``serial``:
-    each declared parameter gets its block of the serial tensor of the same name, and that tensor's
-    ``requires_grad``. A parameter owned by another module (a tied head's table) is left to it. A
-    parameter of ``serial`` that ``module`` has no place for (a bias given to one of a layer's
-    linears alone) is refused, not dropped."""
+def refuse_dropped(module: nn.Module, serial: nn.Module) -> None:
+    """Refuse a parameter of ``serial`` that ``module``, its whole conversion, has no place for (a
+    bias given to one of a torch layer's linears alone: dropped, 0.10 off), rather than drop it."""
     held = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     dropped = [name for name, _ in serial.named_parameters(remove_duplicate=False) if name not in held]
     if dropped:
@@ -289,6 +286,13 @@ def fill_from_serial(module: nn.Module, serial: nn.Module) -> None:
             f"converted module has no place for (it is built like torch's {type(serial).__name__} with its own "
             f"settings): not converted, rather than dropped"
         )
+
+
+def fill_from_serial(module: nn.Module, serial: nn.Module) -> None:
+    """Fill every ``ShardedModule`` in ``module`` from the module at the same path in ``serial``:
+    each declared parameter gets its block of the serial tensor of the same name, and that tensor's
+    ``requires_grad``. A parameter owned by another module (a tied head's table) is left to it.
+    ``serial`` may hold more (``module`` a part of it); ``refuse_dropped`` says where it may not."""
     for path, sub in module.named_modules():
         if not isinstance(sub, ShardedModule):
             continue

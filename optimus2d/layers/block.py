@@ -10,7 +10,7 @@ from torch import nn
 from optimus2d.comm import primitives as P
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers.attention import MultiheadAttention2D
-from optimus2d.layers.base import fill_from_serial, runs_forward_of
+from optimus2d.layers.base import fill_from_serial, refuse_dropped, runs_forward_of
 from optimus2d.layers.dropout import Dropout2D
 from optimus2d.layers.linear import Linear2D
 from optimus2d.layers.mlp import activation_fn, feed_forward
@@ -198,6 +198,7 @@ def _from_serial(cls: type, layer: nn.Module, mesh: Mesh) -> nn.Module:
     args = (attn.embed_dim, attn.num_heads, linear1.out_features, layer.dropout.p, layer.activation)
     args += (layer.norm1.eps, layer.norm_first, linear1.bias is not None)
     module = cls(*args, mesh=mesh, device="meta")
+    refuse_dropped(module, layer)
     fill_from_serial(module, layer)
     own = {Dropout2D: "p", MultiheadAttention2D: "dropout", LayerNorm2D: "eps"}  # one value each in torch's
     for name, sub in module.named_modules():  # constructor: kept if the layer's were changed after
