@@ -101,6 +101,8 @@ def test_a_padding_mask_or_missing_positions_are_refused_on_every_rank(mesh):
         ))  # fmt: skip
         assert "masks tokens" in message
         raises_fast(ValueError, "without position_ids", lambda: model(input_ids=ids))
+        embeds = model.model.embed_tokens(ids)  # input_ids=None beside them: still refused
+        raises_fast(ValueError, "without position_ids", lambda: model(input_ids=None, inputs_embeds=embeds))
         raises_fast(ValueError, "sequence_parallel", lambda: model(  # one rank's: the others name it
             input_ids=ids, position_ids=positions, attention_mask=padded
         ))  # fmt: skip

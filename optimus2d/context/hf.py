@@ -103,7 +103,7 @@ def _check_call(mesh: Mesh, model: nn.Module, args: tuple, kwargs: dict) -> None
         )
     elif padding is not None and not isinstance(padding, torch.Tensor):
         error = ValueError(f"sequence_parallel: attention_mask is a {type(padding).__name__}: give no attention_mask")
-    elif kwargs.get("position_ids") is None and kwargs.get("input_ids", kwargs.get("inputs_embeds")) is not None:
+    elif kwargs.get("position_ids") is None and any(kwargs.get(k) is not None for k in ("input_ids", "inputs_embeds")):
         error = ValueError(
             f"sequence_parallel: {type(model).__name__} is called without position_ids: transformers would number "
             f"this rank's tokens 0.., not their places in the sequence; give position_ids=context.positions("

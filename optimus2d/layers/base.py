@@ -305,8 +305,8 @@ def fill_from_serial(module: nn.Module, serial: nn.Module) -> None:
             if not isinstance(full, torch.Tensor):
                 where = f"{path}.{name}" if path else name
                 raise TypeError(
-                    f"{type(module).__name__}.from_serial: {type(serial).__name__} has no {where} (the converted "
-                    f"module holds one: its parts' settings differ from one another)"
+                    f"{type(module).__name__}.from_serial: {type(serial).__name__} has no {where}, which the "
+                    f"converted module holds (a bias, say, that one part has and another not)"
                 )
             load_serial_tensor(sub, name, full)
             param.requires_grad_(full.requires_grad)
