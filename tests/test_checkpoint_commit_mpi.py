@@ -207,3 +207,32 @@ def test_a_stale_temporary_directory_is_refused_then_cleaned(world, shared_dir):
             checkpoint.save(path, other, other_opt)
         assert _same(checkpoint.read(path)["model"], serial_state_dict(model))
     dist.barrier()
+
+
+def test_copies_on_each_node_load_when_alike_and_are_refused_on_every_rank_when_not(world, shared_dir, monkeypatch):
+    """A checkpoint copied to each node's own disk, read by the same relative path: the ranks of the
+    odd mesh positions stand for a second node. Copies of one checkpoint load; a second node holding
+    another checkpoint (which each rank's share of the checksums would not see: each checks its own
+    copy) is refused on every rank, nothing changed."""
+    mesh, root = _mesh(world), shared_dir
+    if mesh.coord is not None:
+        first, second = os.path.join(root, "first"), os.path.join(root, "second")
+        checkpoint.save(first, *_model(0, mesh))
+        checkpoint.save(second, *_model(1, mesh))
+        if mesh.index("mesh") == 0:
+            for node, source in (("node0", first), ("node1", first), ("node2", first), ("node3", second)):
+                shutil.copytree(source, os.path.join(root, node, "ckpt"))
+        _sync(mesh)
+        model, opt = _model(5, mesh)
+        monkeypatch.chdir(os.path.join(root, f"node{mesh.index('mesh') % 2}"))
+        checkpoint.load("ckpt", model, opt)
+        assert _same(serial_state_dict(model), checkpoint.read(first)["model"])
+        before = [p.clone() for p in model.parameters()]
+        monkeypatch.chdir(os.path.join(root, f"node{2 + mesh.index('mesh') % 2}"))
+        if mesh.size > 1:
+            with pytest.raises(RuntimeError, match=r"different checkpoints at 'ckpt': its manifest\.json differs"):
+                checkpoint.load("ckpt", model, opt)
+            for p, b in zip(model.parameters(), before, strict=True):
+                assert torch.equal(p, b)
+        _sync(mesh)
+    dist.barrier()

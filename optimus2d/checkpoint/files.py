@@ -240,16 +240,18 @@ def locate(path: str | os.PathLike) -> str:
     raise ValueError(f"optimus2d.checkpoint: no readable checkpoint at {os.fspath(path)!r}: it does not exist{hint}")
 
 
-def _check(path: str | os.PathLike, index: int, count: int, verify: bool = True) -> str:
+def _check(path: str | os.PathLike, index: int, count: int, verify: bool = True) -> tuple[str, str | None]:
     """Check the checkpoint at ``path`` against its manifest: every file's size, and the checksums of
-    files ``index::count`` (in name order). Returns its directory (only that, if not ``verify``)."""
+    files ``index::count`` (in name order). Returns its directory and its manifest's crc32 (None if
+    not ``verify``: the directory alone)."""
     directory = locate(path)
     if not verify:
-        return directory
+        return directory, None
     where = f"{os.fspath(path)!r}" + (f" (at {directory!r})" if directory != os.path.normpath(path) else "")
     try:
-        with open(os.path.join(directory, MANIFEST)) as f:
-            manifest = json.load(f)
+        with open(os.path.join(directory, MANIFEST), "rb") as f:
+            raw = f.read()
+        manifest = json.loads(raw)
         files = manifest["files"]
     except FileNotFoundError:
         raise ValueError(
@@ -281,7 +283,7 @@ def _check(path: str | os.PathLike, index: int, count: int, verify: bool = True)
                 f"optimus2d.checkpoint: could not read {where}: {os.path.join(directory, name)!r} is damaged "
                 f"(crc32 {crc}, the manifest says {files[name]['crc32']})"
             )
-    return directory
+    return directory, f"{zlib.crc32(raw):08x}"
 
 
 def verified(path: str | os.PathLike, group, no_dist: bool, verify: bool = True) -> str:
@@ -294,9 +296,18 @@ def verified(path: str | os.PathLike, group, no_dist: bool, verify: bool = True)
     verdicts = ranks.all_gather((found, failure))
     for _, f in verdicts:
         _raise(f)
-    if len({d for d, _ in verdicts}) > 1:
+    if len({d for (d, _), _ in verdicts}) > 1:
         raise RuntimeError(
             f"optimus2d.checkpoint: the ranks found different checkpoints at {os.fspath(path)!r}: "
-            f"{sorted({d for d, _ in verdicts})} (a save running at the same time?)"
+            f"{sorted({d for (d, _), _ in verdicts})} (a save running at the same time?)"
         )
-    return found
+    manifests = {m for (_, m), _ in verdicts}
+    if len(manifests) > 1:  # per-node copies of a checkpoint (each rank checksums a share of its own copy)
+        who = {m: [r for r, ((_, mm), _) in enumerate(verdicts) if mm == m] for m in sorted(manifests)}
+        raise RuntimeError(
+            f"optimus2d.checkpoint: the ranks found different checkpoints at {os.fspath(path)!r}: its "
+            f"{MANIFEST} differs ("
+            + "; ".join(f"crc32 {m} on ranks {ranks_}" for m, ranks_ in who.items())
+            + "): copies of the checkpoint on each node that are not the same"
+        )
+    return found[0]
