@@ -105,13 +105,37 @@ class FusedHeads(nn.Module):  # GPT-NeoX's habits: qkv fused per head, partial r
         return self.out(heads.reshape(b, s, -1))
 
 
+class Pair(nn.Module):  # a child that returns a tuple, as Hugging Face's layers do
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(E, E)
+
+    def forward(self, x):
+        return self.proj(x), None
+
+
+class ItemsOfOutputs(nn.Module):  # [0] of a tuple of outputs is an item, not a row; len() of a list
+    def __init__(self):
+        super().__init__()
+        self.pair, self.layers = Pair(), nn.ModuleList([nn.Linear(E, E), nn.Linear(E, E)])
+
+    def forward(self, x):
+        outputs = self.pair(x)
+        y = outputs[0]
+        for layer in self.layers[: len(self.layers)]:
+            y = layer(y)
+        return y
+
+
 def _heads(mesh):
     return 6 if mesh.q == 3 else 4
 
 
 def test_wrapping_decorators_dead_branches_and_per_head_ops_convert_exactly(mesh):
     torch.manual_seed(0)
-    serial = nn.Sequential(Decorated(), MaybeNormalised(False), FusedHeads(_heads(mesh)), Dropping(0.0))
+    serial = nn.Sequential(
+        Decorated(), MaybeNormalised(False), FusedHeads(_heads(mesh)), Dropping(0.0), ItemsOfOutputs()
+    )
     parallel = parallelize(copy.deepcopy(serial), mesh)
     assert [type(m) for m in parallel] == [type(m) for m in serial]  # each kept, its children converted
     assert isinstance(parallel[2].qkv, optimus2d.layers.Linear2D)
@@ -217,6 +241,16 @@ def _batch_row(self, x):  # rows are split over the mesh too
     return y + y[:1]
 
 
+def _batch_item(self, x):  # y[0] of a tensor is its first row, this rank's (not a tuple's first output)
+    y = F.gelu(self.proj(x)) * 2
+    return y + y[0]
+
+
+def _batch_len(self, x):  # len(y) of a tensor: the local batch
+    y = self.proj(x)
+    return y / len(y)
+
+
 def _batch_as_number(self, x):
     b, _s, _ = x.shape
     return self.proj(x) / b
@@ -300,6 +334,8 @@ def _live_branch(self, x):
         (_size_of_dim_two, "reads a size that may be the split dim's"),
         (_numel, "reads a size that may be the split dim's"),
         (_batch_row, "indexes rows"),
+        (_batch_item, "indexes rows"),
+        (_batch_len, "uses the local size len(y) as a number"),
         (_batch_as_number, "uses the local size b as a number"),
         (_batch_read_inline, "uses the local size y.shape[0] as a number"),
         (_unflattened, "unflattens a dim that may be the split one"),
@@ -325,6 +361,8 @@ def _live_branch(self, x):
         "size-2",
         "numel",
         "batch-row",
+        "batch-item",
+        "batch-len",
         "batch-number",
         "batch-inline",
         "unflatten",

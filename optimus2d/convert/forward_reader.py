@@ -247,7 +247,8 @@ def _subscript_problem(node: ast.Subscript, env: Names) -> str | None:
         return None
     if env.of_cache(node.value):  # cache.layers[self.layer_idx]: a layer of a KV cache, not a row
         return None
-    if isinstance(node.value, ast.Subscript) or (not isinstance(index, ast.Tuple) and not _plain_item(index)):
+    rows = not isinstance(index, ast.Tuple) and (not _plain_item(index) or env.holds_tensor(node.value))
+    if isinstance(node.value, ast.Subscript) or rows:  # y[:1], and y[0] of a tensor, not of a tuple of outputs
         return f"indexes rows, which are split over the mesh ({ast.unparse(node)[:60]})"
     if isinstance(index, ast.Tuple) and isinstance(last, ast.Slice) and (last.lower or last.upper or last.step):
         return f"slices the last dim ({ast.unparse(node)})"
@@ -436,13 +437,15 @@ def _sizes_used_as_numbers(tree: ast.AST, env: Names) -> list[ast.expr]:
 
 
 def _batch_size_read(node: ast.AST, env: Names) -> bool:
-    """``x.shape[0]`` or ``x.size(0)`` of a tensor that may hold the split batch (not ids, masks or
-    positions, not ``self``'s)."""
+    """``x.shape[0]``, ``x.size(0)`` or ``len(x)`` of a tensor that may hold the split batch (not ids,
+    masks or positions, not ``self``'s)."""
     if isinstance(node, ast.Subscript) and shape_of(node.value):
         base = node.value.value if isinstance(node.value, ast.Attribute) else node.value.func.value
         index = node.slice
     elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "size" and node.args:
         base, index = node.func.value, node.args[0]
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len" and node.args:
+        return "len" not in env.bound and env.holds_tensor(node.args[0])  # len(y): y's rows, this rank's share
     else:
         return False
     return _literal(index) == 0 and not env.clean(base) and not _rooted_at_self(base)

@@ -35,6 +35,10 @@ ELEMENTWISE_METHODS = frozenset(
     "sqrt rsqrt abs reciprocal clamp masked_fill".split()
 )
 SIZE_KEEPING = frozenset("softmax log_softmax cumsum cumprod flip".split())  # keep the dim's size
+# Tensor methods, and torch.nn leaves, whose result is a tuple (``y.max(-1)[0]``, ``self.lstm(x)[0]``).
+_TUPLE_METHODS = frozenset("chunk split tensor_split unbind max min topk sort median mode kthvalue aminmax".split())
+_TUPLE_METHODS |= frozenset("var_mean std_mean frexp".split())
+_TUPLE_MODULES = (nn.MultiheadAttention, nn.RNNBase, nn.AdaptiveLogSoftmaxWithLoss)
 SPLITTING = frozenset("chunk split unbind narrow".split())
 # Where a method's dim argument sits, when not first (``dims`` for roll and flip).
 DIM_POSITIONS = {"chunk": 1, "split": 1, "tensor_split": 1, "cat": 1, "roll": 1, "topk": 1, "take_along_dim": 1,
@@ -217,6 +221,42 @@ class Names:
                 if name in self._heads and not all(v is not None and self.per_head(v) for v in values):
                     self._heads.discard(name)
                     changed = True
+        self._tensors = {n for n in self.direct if n not in params}
+        changed = True
+        while changed:  # the greatest fixed point, as above: y = self.proj(x); y = y * 2
+            changed = False
+            for name in list(self._tensors):
+                if not all(v is not None and self.holds_tensor(v) for v in self.direct[name]):
+                    self._tensors.discard(name)
+                    changed = True
+
+    def holds_tensor(self, expr: ast.expr) -> bool:
+        """``expr`` is surely one tensor, not a tuple or dict of outputs (whose ``[0]`` is an item,
+        not a row): a leaf ``torch.nn`` child's output, a tensor method's or a ``torch``/``F``
+        function's result on one, arithmetic with one, or a local name only ever given such values.
+        Inputs are not followed (a module may be handed a tuple)."""
+        if isinstance(expr, ast.Name):
+            return expr.id in self._tensors
+        if isinstance(expr, ast.BinOp):
+            return self.holds_tensor(expr.left) or self.holds_tensor(expr.right)
+        if isinstance(expr, ast.UnaryOp):
+            return self.holds_tensor(expr.operand)
+        if not isinstance(expr, ast.Call):
+            return False
+        child = _self_child(expr, self.module)
+        if child is not None:
+            return not list(child.children()) and type(child).__module__.startswith("torch.nn.modules") and not (
+                isinstance(child, _TUPLE_MODULES)
+            )
+        if isinstance(expr.func, ast.Attribute) and expr.func.attr not in _TUPLE_METHODS:
+            if expr.func.attr in SAFE_METHODS | MIXING_METHODS and self.holds_tensor(expr.func.value):
+                return expr.func.attr not in ("size", "dim", "numel", "item", "tolist")
+        function = resolve(expr.func, self.fn)
+        return (
+            getattr(F, getattr(function, "__name__", ""), None) is function  # F.gelu: from torch._C, named in F
+            and function is not F.multi_head_attention_forward
+            and any(self.holds_tensor(a) for a in expr.args)
+        )
 
     def of_cache(self, expr: ast.expr) -> bool:
         """``expr`` is a KV cache's attribute (``cache.layers``, ``curr_cache.is_updated``): rooted at
