@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from optimus2d.comm import traced
-from optimus2d.comm.agreement import Posted, _gather, describe, describe_call, signature, verdict
+from optimus2d.comm.agreement import Posted, _gather, agree, describe, describe_call, signature, verdict
 
 
 class Pending:
@@ -77,6 +77,18 @@ def check_call(mesh, what: str, args: tuple, kwargs: dict, error: BaseException 
         pending.resolve()
         return None, True
     return pending, True
+
+
+def check_function_call(mesh, what: str, tensors: tuple, settings: str, error: BaseException | None) -> None:
+    """At the entry of a public function that communicates (``cross_entropy``, ``clip_grad_norm_``):
+    every rank of ``mesh`` passes tensors of the same dtypes and shapes and the same ``settings``
+    (a text), or every rank raises the same error; ``error``, this rank's refusal, is every rank's.
+    One 5-word all-gather (level "entry" and up); under ``torch.compile`` a step of the graph."""
+    if mesh.check == "off" or mesh.size == 1:
+        if error is not None:
+            raise error
+        return
+    agree(mesh, what, description=", ".join([*(describe(t) for t in tensors), settings]), error=error)
 
 
 WHOLE = "_optimus2d_is_whole"  # on a tensor whole on every rank, not a block (comm/whole.py's mark_whole)

@@ -245,8 +245,10 @@ class Names:
             return False
         child = _self_child(expr, self.module)
         if child is not None:
-            return not list(child.children()) and type(child).__module__.startswith("torch.nn.modules") and not (
-                isinstance(child, _TUPLE_MODULES)
+            return (
+                not list(child.children())
+                and type(child).__module__.startswith("torch.nn.modules")
+                and not (isinstance(child, _TUPLE_MODULES))
             )
         if isinstance(expr.func, ast.Attribute) and expr.func.attr not in _TUPLE_METHODS:
             if expr.func.attr in SAFE_METHODS | MIXING_METHODS and self.holds_tensor(expr.func.value):

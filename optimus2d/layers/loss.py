@@ -9,6 +9,7 @@ from torch.autograd.function import once_differentiable
 
 from optimus2d.comm import all_reduce
 from optimus2d.comm import primitives as P
+from optimus2d.comm.calls import check_function_call
 from optimus2d.comm.functional import grad_alike
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.traced import refuse_if
@@ -43,13 +44,22 @@ def cross_entropy(
     boundary, still so: ``grad_alike``; not a tensor computed from it, which a boundary moves as any
     batch block: move the losses, then weigh them). Sends: a max and a sum all-reduce over the row
     (1 and 2 values a target; 4 with label smoothing), and for "mean"/"sum" one all-reduce of 3
-    values over col and depth ("none": of 1); backward sends nothing. Keeps for backward the logits
-    (their dtype) and a log-sum-exp a target. Where the vocabulary is whole (q = 1) and there is no
-    smoothing, the loss is torch's ``F.cross_entropy`` (and its kernels).
+    values over col and depth ("none": of 1); backward sends nothing. Before them (check "entry" and
+    up), the ranks agree on the shapes, dtypes and arguments, or every rank raises the same error.
+    Keeps for backward the logits (their dtype) and a log-sum-exp a target. Where the vocabulary is
+    whole (q = 1) and there is no smoothing, the loss is torch's ``F.cross_entropy`` (and its kernels).
     """
-    _check_arguments(logits_local, target_local, mesh, label_smoothing, reduction)
     per_rank = logits_local.shape[-1]
-    vocab = _vocabulary(per_rank, mesh, num_classes)
+    error, vocab = None, per_rank * mesh.q
+    try:
+        _check_arguments(logits_local, target_local, mesh, label_smoothing, reduction)
+        vocab = _vocabulary(per_rank, mesh, num_classes)
+    except (ValueError, TypeError) as err:
+        error = err
+    # The ranks' shapes and arguments agree first (one 5-word all-gather): a rank whose targets are
+    # shorter or whose smoothing differs sent an all-reduce of another size (over MPI: NaN, no error).
+    settings = (ignore_index, float(label_smoothing), reduction, num_classes)
+    check_function_call(mesh, "cross_entropy", (logits_local, target_local), f"{settings!r}", error)
     start = mesh.index("row") * per_rank
     valid = target_local != ignore_index
     # Targets are the same across the row; a bad one is reported on every rank at once (the
