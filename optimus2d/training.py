@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from optimus2d.comm import all_reduce
 from optimus2d.comm import primitives as P
+from optimus2d.comm.calls import check_function_call
 from optimus2d.comm.dtensor import DTensor, local
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers.base import param_sharding
@@ -90,7 +91,8 @@ def clip_grad_norm_(
     ``parameters``: a model (its parameters), or parameters, or one tensor. Each block of a sharded
     parameter counts once; a parameter replicated over some axes (a bias over col and depth, a
     plain torch parameter everywhere) counts once, not once per replica. One all-reduce over the
-    mesh (a max for ``norm_type=inf``). Returns the total norm, the same on every rank.
+    mesh (a max for ``norm_type=inf``), after the ranks agree on ``max_norm``, ``norm_type`` and the
+    number of parameters (or every rank raises). Returns the total norm, the same on every rank.
 
     ``mesh``: found from the parameters when not given (``parallelize`` and every layer mark
     theirs; the meshes of a ``plan=`` are over the same ranks, and each parameter's replicas are
@@ -138,20 +140,31 @@ def clip_over(
     ``copies``: parameters whose gradient that many ranks of the lane hold alike (a tied table's
     copies on the first and last stages), each counted 1/copies times so the table counts once."""
     copies = {id(p): n for p, n in (copies or {}).items()}
-    own = [_own_mesh(p, mesh) for p in params]  # every parameter's checked, with a gradient or not
+    error, own = None, []
+    try:
+        own = [_own_mesh(p, mesh) for p in params]  # every parameter's checked, with a gradient or not
+    except ValueError as err:
+        error = err
+    if not (norm_type > 0 or norm_type == float("-inf")):
+        error = ValueError(f"clip_grad_norm_: norm_type={norm_type} is not taken (a p-norm with p > 0, inf or -inf)")
+    # The ranks agree first: one rank's other norm_type sent a max where the others summed (over MPI
+    # a norm that differs by rank, no error); its other max_norm clipped its blocks alone.
+    settings = f"max_norm={float(max_norm)!r}, norm_type={float(norm_type)!r}, {len(params)} parameters"
+    check_function_call(mesh, "clip_grad_norm_", (), settings, error)
     grads = [
         (local(p.grad), _replicas(p, m) * copies.get(id(p), 1))
         for p, m in zip(params, own, strict=True)
         if p.grad is not None
     ]
     device = grads[0][0].device if grads else torch.device("cpu")
-    if norm_type == float("inf"):
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        mine = max((g.detach().abs().max().double() for g, _ in grads), default=zero)
-        total = mine.reshape(1).clone()
+    if abs(norm_type) == float("inf"):  # the largest (or, -inf, the smallest) |g|: a max of -|g| for it
+        sign = 1.0 if norm_type > 0 else -1.0
+        ends = [(g.detach().abs().amax() if sign > 0 else g.detach().abs().amin()).double() * sign for g, _ in grads]
+        none = torch.full((), 0.0 if sign > 0 else -math.inf, dtype=torch.float64, device=device)
+        total = max(ends, default=none).reshape(1).clone()
         P.all_reduce_max(total, mesh, "mesh")
         P.all_reduce_group(total, mesh, lane, "lane", op=dist.ReduceOp.MAX)
-        total = total[0]
+        total = sign * total[0]
     else:
         mine = torch.zeros((), dtype=torch.float64, device=device)
         for g, replicas in grads:

@@ -35,13 +35,35 @@ def test_clip_grad_norm_is_the_serial_norm(mesh):
     norm = clip_grad_norm_(parallel.parameters(), max_norm=0.5)  # the mesh found from the parameters
     inf_ref = max(p.grad.abs().max() for p in serial.parameters())  # after clipping, both sides
     inf = clip_grad_norm_(parallel.parameters(), max_norm=1e9, mesh=mesh, norm_type=float("inf"))
+    least_ref = torch.nn.utils.clip_grad_norm_(serial.parameters(), max_norm=1e9, norm_type=float("-inf"))
+    least = clip_grad_norm_(parallel.parameters(), max_norm=1e9, norm_type=float("-inf"))  # was 1.0
+    with pytest.raises(ValueError, match=r"norm_type=0 is not taken"):
+        clip_grad_norm_(parallel.parameters(), max_norm=1e9, norm_type=0)
     torch.optim.SGD(serial.parameters(), lr=1.0).step()
     torch.optim.SGD(parallel.parameters(), lr=1.0).step()
     state = serial_state_dict(parallel)
     assert norm_ref > 0.5  # clipping did happen
     assert_close(norm, norm_ref, what="total norm")
     assert_close(inf, inf_ref, what="inf norm")
+    assert abs(least - least_ref) <= 1e-5 * inf_ref, (least, least_ref)  # the smallest |g|: rounding's scale
     assert_state_close(state, serial.state_dict())
+
+
+def test_clip_grad_norm_refuses_on_every_rank_settings_one_rank_changes(mesh):
+    """One rank's norm_type=inf was a max all-reduce against the others' sums (over MPI: norms that
+    differ by rank, no error); its own max_norm clipped its blocks alone. Refused, nothing clipped."""
+    if mesh.size == 1:
+        pytest.skip("one rank agrees with itself")
+    parallel = TransformerBlock2D.from_serial(_serial_block(), mesh)
+    parallel(scatter(torch.randn(2 * mesh.depth * mesh.q, SEQ, E), mesh)).square().sum().backward()
+    grads = [p.grad.clone() for p in parallel.parameters()]
+    odd = mesh.index("mesh") == mesh.size - 1
+    params = list(parallel.parameters())
+    for kwargs in ({"norm_type": float("inf") if odd else 2.0}, {"max_norm": 0.01 if odd else 0.1}, {"n": odd}):
+        n = kwargs.pop("n", 0)
+        with pytest.raises(ValueError, match=r"clip_grad_norm_ on Mesh"):
+            clip_grad_norm_(params[n:], **{"max_norm": 0.1, "mesh": mesh, **kwargs})
+    assert all(torch.equal(p.grad, g) for p, g in zip(parallel.parameters(), grads, strict=True))
 
 
 def test_clip_grad_norm_finds_the_meshes_of_its_parameters(mesh):
