@@ -201,6 +201,30 @@ def test_fused_qkv_and_a_padded_vocabulary_go_through_dcp_as_serial_tensors(mesh
         assert_close(got[..., :vocab], serial(input_ids=ids).logits, 1e-6, "logits")
 
 
+@pytest.mark.parametrize("vocab", [96, 97])
+def test_an_optimizer_state_dict_loads_into_a_fresh_optimizer_before_its_first_step(mesh, vocab):
+    """The usual resume by torch alone: ``load_state_dict`` of a saved ``opt.state_dict()`` into a
+    fresh optimizer, then a step. Its hooks came at the first step, after the load: the serial
+    layout's moments of the fused q/k/v went into the blocks as they were (c_attn.bias 0.56 off)."""
+    serial = _gpt2(vocab=vocab)
+    model = parallelize(copy.deepcopy(serial), mesh)
+    opt_ref = torch.optim.AdamW(serial.parameters(), **ADAM, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), **ADAM, foreach=True)
+    torch.manual_seed(1)
+    batches = [torch.randint(0, vocab, (2 * mesh.size, 6)) for _ in range(2)]
+    _step(serial, opt_ref, None, batches[0])
+    _step(model, opt, None, batches[0], mesh)
+    saved = copy.deepcopy(opt.state_dict())
+    _step(serial, opt_ref, None, batches[1])
+    other = parallelize(_gpt2(seed=3, vocab=vocab), mesh)
+    other.load_state_dict(model.state_dict())
+    fresh = torch.optim.AdamW(other.parameters(), **ADAM, foreach=True)
+    fresh.load_state_dict(saved)
+    _step(other, fresh, None, batches[1], mesh)
+    for key, value in serial_state_dict(other).items():
+        assert_close(value, serial.state_dict()[key], 1e-6, f"{key} after the resumed step")
+
+
 def test_a_state_dict_loads_into_a_model_on_another_mesh(mesh):
     """torch's own ``load_state_dict`` of one converted model's ``state_dict()`` into another's, on
     another mesh shape: a DTensor of another mesh is taken back to this mesh's blocks."""

@@ -5,7 +5,8 @@ q/k/v: marked ``_optimus2d_layout`` by ``convert/dtensor_params.py``) has optimi
 like it, in the stored layout. Before an optimizer's first step (torch's ``get_state_dict`` and
 ``set_state_dict`` take one on an optimizer without state), one holding such a parameter gets two
 hooks: ``state_dict()`` gives that state as the serial tensor's DTensor, and ``load_state_dict``
-takes the serial tensor (or any DTensor of it) back to blocks.
+takes the serial tensor (or any DTensor of it) back to blocks. State loaded before the first step
+(into a fresh optimizer, without the hooks) is taken to blocks at that step, before it runs.
 """
 
 from __future__ import annotations
@@ -47,6 +48,23 @@ def _attach_to_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None
         _ATTACHED.add(optimizer)
         optimizer.register_state_dict_post_hook(_optimizer_serial_state)
         optimizer.register_load_state_dict_pre_hook(_optimizer_blocks)
+        # State before the first step was loaded without these hooks (``load_state_dict`` into a
+        # fresh optimizer, the usual resume): it is in the serial layout, as every ``state_dict()``
+        # gives it (an optimizer is attached at its first step, before it has state of its own).
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                layout = p.__dict__.get("_optimus2d_layout")
+                if layout is not None and p in optimizer.state:
+                    optimizer.state[p] = {k: _to_blocks(p, *layout, v) for k, v in optimizer.state[p].items()}
+
+
+def _to_blocks(p: torch.Tensor, sharding, mesh, v: object) -> object:
+    """``v``, a state tensor of ``p`` in the serial layout (a DTensor of the serial tensor, or the
+    serial tensor: a serial optimizer's), as blocks laid out like ``p``; anything else as it is."""
+    if isinstance(v, torch.Tensor) and tuple(v.shape) == sharding.full_shape:
+        whole = v.full_tensor() if isinstance(v, DTensor) else v
+        return like(p, shard(whole, mesh, sharding).to(local(p)).contiguous())
+    return v
 
 
 def _laid_out(optimizer: torch.optim.Optimizer, state: dict):
@@ -77,12 +95,7 @@ def _optimizer_serial_state(optimizer: torch.optim.Optimizer, state: dict) -> di
 
 def _optimizer_blocks(optimizer: torch.optim.Optimizer, state: dict) -> dict:
     for index, p, (sharding, mesh), per in list(_laid_out(optimizer, state)):
-        out = {}
-        for k, v in per.items():
-            if isinstance(v, DTensor) and tuple(v.shape) == sharding.full_shape:
-                v = like(p, shard(v.full_tensor(), mesh, sharding).to(local(p)).contiguous())
-            out[k] = v
-        state["state"][index] = out
+        state["state"][index] = {k: _to_blocks(p, sharding, mesh, v) for k, v in per.items()}
     return state
 
 
