@@ -236,3 +236,26 @@ def test_copies_on_each_node_load_when_alike_and_are_refused_on_every_rank_when_
                 assert torch.equal(p, b)
         _sync(mesh)
     dist.barrier()
+
+
+def test_an_optimizer_given_on_some_ranks_only_is_refused_on_every_rank(world, shared_dir):
+    """One rank's save or load without the optimizer: a load left that rank's optimizer state fresh
+    (its blocks then stepped unlike the others'), a save ended in DCP's own error. Refused first."""
+    mesh, path = _mesh(world), os.path.join(shared_dir, "ckpt")
+    if mesh.coord is not None:
+        model, opt = _model(0, mesh)
+        checkpoint.save(path, model, opt)
+        odd = mesh.index("mesh") == mesh.size - 1
+        other, other_opt = _model(5, mesh)
+        state_before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in other_opt.state.items()}
+        if mesh.size > 1:
+            with pytest.raises(ValueError, match=r"checkpoint\.load on Mesh.*no optimizer"):
+                checkpoint.load(path, other, None if odd else other_opt)
+            with pytest.raises(ValueError, match=r"checkpoint\.save on Mesh.*no optimizer"):
+                checkpoint.save(os.path.join(shared_dir, "other"), other, None if odd else other_opt)
+            assert not os.path.exists(os.path.join(shared_dir, "other"))
+            for p, s in other_opt.state.items():
+                assert all(torch.equal(v, state_before[id(p)][k]) for k, v in s.items())
+        checkpoint.load(path, other, other_opt)  # alike on every rank: loads
+        assert _same(serial_state_dict(other), checkpoint.read(path)["model"])
+    dist.barrier()

@@ -286,15 +286,32 @@ def agree_identity(mesh, path: str, checked: Checked | None) -> None:
     raise first
 
 
-def agree_path(mesh, what: str, path: str) -> None:
-    """Every rank that saves with ``mesh`` names the same directory (its absolute, normalised path),
-    or every rank raises ``ValueError`` naming each rank's, before anything is written. Over the
-    mesh; over the world where the mesh is one of several data-parallel replicas (they commit
-    together). Collective."""
+def agree_path(mesh, what: str, path: str, optimizer=None) -> None:
+    """Every rank that saves with ``mesh`` names the same directory (its absolute, normalised path)
+    and passes an optimizer alike (``describe_optimizer``), or every rank raises ``ValueError``
+    naming each rank's, before anything is written. Over the mesh; over the world where the mesh is
+    one of several data-parallel replicas (they commit together). Collective."""
     if mesh is None:
         return
-    description = f"the directory {os.path.abspath(os.fspath(path))!r}"
+    description = f"the directory {os.path.abspath(os.fspath(path))!r}, {describe_optimizer(optimizer)}"
     if dist.is_available() and dist.is_initialized() and len(getattr(mesh, "replicas", ()) or ()) > 1:
         replicas.agree_world(f"{what} over replica meshes", description, None, mesh.timeout)
     elif mesh.size > 1:
         agree(mesh, what, description=description)
+
+
+def describe_optimizer(optimizer) -> str:
+    """``"optimizer AdamW (2 groups, 8 parameters)"``, or ``"no optimizer"``: what every rank of a
+    save or load must pass alike (one rank's missing optimizer was left fresh by a load)."""
+    if optimizer is None:
+        return "no optimizer"
+    groups = getattr(optimizer, "param_groups", [])
+    count = sum(len(g.get("params", ())) for g in groups)
+    return f"optimizer {type(optimizer).__name__} ({len(groups)} groups, {count} parameters)"
+
+
+def agree_optimizer(mesh, what: str, optimizer) -> None:
+    """Every rank of ``mesh`` passes ``what`` an optimizer alike (``describe_optimizer``), or every
+    rank raises ``ValueError`` naming each rank's. Collective over the mesh."""
+    if mesh is not None and mesh.size > 1:
+        agree(mesh, what, description=describe_optimizer(optimizer))

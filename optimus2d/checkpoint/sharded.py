@@ -113,7 +113,7 @@ def _prepare(path, model, optimizer, what: str, progress):
     entries = torch_state.held(mods)
     mesh = torch_state.model_mesh(entries)
     wait_for_async_save(mesh)  # one of this mesh still in flight commits first
-    integrity.agree_path(mesh, what, path)  # the same directory on every rank, before anything is written
+    integrity.agree_path(mesh, what, path, optimizer)  # the same directory on every rank, before anything is written
     if mesh is not None and dist.is_initialized() and len(mesh.replicas) > 1:
         _agree_replicas(entries, mesh)
     bar = Progress(what, len(entries) + 1, mesh, progress)
@@ -383,6 +383,7 @@ def load(
     entries = torch_state.held(mods)
     mesh = torch_state.model_mesh(entries)
     wait_for_async_save(mesh)
+    integrity.agree_optimizer(mesh, "checkpoint.load", optimizer)  # one rank's None: its state left fresh
     ranks = _Ranks(entries, mesh)
     try:
         path = _files.verified(path, ranks.read, ranks.read_alone, verify)  # collective; the directory to read
