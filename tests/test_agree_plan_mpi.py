@@ -49,6 +49,37 @@ def test_a_plan_that_differs_on_one_rank(world, world_mesh, how):
         assert "refused: ValueError: parallelize: plan= names no module of the model at 'nope'" in message
 
 
+@pytest.mark.parametrize("how", ["heads", "activation", "eps", "config"])
+def test_a_module_set_otherwise_on_one_rank_is_refused_on_every_rank(world, world_mesh, how):
+    """Weights alike, settings not: one rank's nhead, activation or eps was converted and ran (0.32,
+    0.07, 0.78 off, no error); so was a Hugging Face config entry. Named on every rank."""
+    if world_mesh.size == 1:
+        pytest.skip("one rank agrees with itself")
+    odd, q = _last(world), world_mesh.q
+    torch.manual_seed(0)
+    if how == "config":
+        transformers = pytest.importorskip("transformers")
+        config = transformers.LlamaConfig(
+            vocab_size=32, hidden_size=8 * q, intermediate_size=16 * q, num_hidden_layers=1,
+            num_attention_heads=2 * q, num_key_value_heads=2 * q, rms_norm_eps=1e-2 if odd else 1e-6,
+        )  # fmt: skip
+        model, named = transformers.LlamaForCausalLM(config), "between ranks: (the model), model, "
+    else:
+        heads = 4 * q if how == "heads" and odd else 2 * q
+        activation = "relu" if how == "activation" and odd else "gelu"
+        model = nn.Sequential(
+            nn.TransformerEncoderLayer(8 * q, heads, 16 * q, dropout=0.0, activation=activation, batch_first=True),
+            nn.LayerNorm(8 * q, eps=1.0 if how == "eps" and odd else 1e-5),
+        )
+        named = {"heads": "ranks: 0.self_attn.", "activation": "ranks: 0.", "eps": "ranks: 1."}[how]
+    message = raises_fast(
+        ValueError,
+        r"parallelize: the serial modules' settings on Mesh.*differ between ranks",
+        lambda: optimus2d.parallelize(model, world_mesh),
+    )
+    assert named in message, message
+
+
 def test_a_plan_refused_by_every_rank_keeps_its_error(world, world_mesh):
     flat = Mesh(1, world.size)
     model = nn.Sequential(nn.Linear(4, 4))

@@ -229,17 +229,31 @@ def check_same_tensors(mesh, what: str, named: list[tuple[str, torch.Tensor]], c
     prints = torch.tensor([fingerprint(t) for _, t in named], dtype=torch.int64).reshape(-1, 2)
     layout = _crc(";".join(f"{name}:{describe(t)}" for name, t in named))
     description = f"{len(named)} tensors (names, dtypes and shapes {layout:08x})"
+    advice = "Build the model from the same seed on every rank (torch.manual_seed) or load the same weights"
+    _check_same(mesh, what, [name for name, _ in named], prints, description, "tensors", advice)
+
+
+def check_same_texts(mesh, what: str, named: list[tuple[str, str]], advice: str, check: bool | None = None) -> None:
+    """Every rank of ``mesh`` holds the same ``named`` texts (a module's class and settings): as
+    ``check_same_tensors``, naming those that differ."""
+    if check is False or (check is None and mesh.check == "off") or mesh.size == 1:
+        return
+    prints = torch.tensor([(_crc(text), len(text)) for _, text in named], dtype=torch.int64).reshape(-1, 2)
+    description = f"{len(named)} modules (names {_crc(';'.join(name for name, _ in named)):08x})"
+    _check_same(mesh, what, [name for name, _ in named], prints, description, "modules' settings", advice)
+
+
+def _check_same(mesh, what: str, names: list[str], prints: torch.Tensor, description: str, kind: str, advice: str):
     try:
         agree(mesh, what, description=description, content=(_mix(prints[:, 0]), _mix(prints[:, 1])))
     except ValueError as err:
         if "checksums differ" not in str(err):
             raise
         table = _gather(mesh, "mesh", prints.reshape(-1)).view(mesh.size, -1, 2)
-        differ = [name for n, (name, _) in enumerate(named) if not bool((table[:, n] == table[0, n]).all())]
+        differ = [name for n, name in enumerate(names) if not bool((table[:, n] == table[0, n]).all())]
         listed = ", ".join(differ[:20]) + (f" and {len(differ) - 20} more" if len(differ) > 20 else "")
         raise ValueError(
-            f"{what} on {mesh}: {len(differ)} of {len(named)} tensors differ between ranks: {listed}. Build the "
-            f"model from the same seed on every rank (torch.manual_seed) or load the same weights"
+            f"{what} on {mesh}: {len(differ)} of {len(names)} {kind} differ between ranks: {listed}. {advice}"
         ) from None
 
 

@@ -32,6 +32,7 @@ from optimus2d.convert.registry import (
     register_library,
     register_recogniser,
 )
+from optimus2d.convert.settings import agree_settings
 from optimus2d.convert.tied import tied_embeddings
 from optimus2d.convert.walk import _current, _rehearse, _Walk, convert_children, keep, register_converter
 from optimus2d.convert.whole_io import WholeIO, io_refusal
@@ -172,6 +173,7 @@ def _checked(
         # blocks of a part converted already differ by rank: only the serial tensors must agree
         tensors = [(name, t) for name, t in named if getattr(t, "_optimus2d_mesh", None) is None]
         check_same_tensors(mesh, "parallelize: the serial weights", tensors, check)
+        agree_settings(mesh, module, check)  # and what each module is set to: one rank's nhead, eps, activation
     return plan, walk, records
 
 
