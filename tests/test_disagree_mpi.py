@@ -74,6 +74,33 @@ def test_a_dtype_that_differs_on_one_rank(world, world_mesh):
     raises_fast(ValueError, r"float64\[2, 3, 4\]", lambda: layer(x))
 
 
+@pytest.mark.parametrize("how", ["input requires grad", "no grad", "eval"])
+def test_grad_mode_and_training_that_differ_on_one_rank(world, world_mesh, how):
+    """A layer picks its algorithm (and its backward its collectives) by whether its input needs a
+    gradient and the grad mode: one rank's other choice waited to the timeout. One rank's eval()
+    ran without its dropout (1.02 off). Each is refused on every rank at once."""
+    layer, x = _block_linear(world_mesh)
+    odd = _last(world)
+    if how == "eval":
+        layer.train(not odd)
+    x = x.requires_grad_() if how == "input requires grad" and odd else x
+    with torch.set_grad_enabled(not (how == "no grad" and odd)):
+        pattern = r"training (True|False)" if how == "eval" else r"requires grad|grad mode"
+        raises_fast(ValueError, rf"Linear2D on Mesh.*({pattern})", lambda: layer(x))
+
+
+def test_cross_entropy_refused_by_one_rank_is_refused_by_all(world, world_mesh):
+    q = world_mesh.q
+    logits = optimus2d.scatter(torch.zeros(2 * world_mesh.size, 3, 4 * q), world_mesh)
+    target = optimus2d.scatter_batch(torch.zeros(2 * world_mesh.size, 3, dtype=torch.long), world_mesh)
+    target = target[:, :2] if _last(world) else target  # another shape than its logits': refused there
+    raises_fast(
+        ValueError,
+        r"cross_entropy on Mesh.*rank \d+ refused it: ValueError: cross_entropy: target of shape",
+        lambda: optimus2d.cross_entropy(logits, target, world_mesh),
+    )
+
+
 def test_token_ids_of_another_length_on_one_rank(world, world_mesh):
     embedding = optimus2d.layers.Embedding2D(10, 4 * world_mesh.q, mesh=world_mesh)
     ids = torch.zeros(2, 5 if _last(world) else 4, dtype=torch.long)

@@ -130,6 +130,20 @@ def test_refusals_on_every_rank(world):
         redistribute(scatter(y, big), big, small)
 
 
+def test_a_destination_over_other_ranks_on_one_rank_is_refused_on_every_rank(world):
+    """One rank's dst of the same shape over the ranks in another order: the others took it as the
+    same mesh and returned, that rank waited to the timeout. Refused at once on every rank."""
+    if world.size == 1:
+        pytest.skip("one rank agrees with itself")
+    q = max(q for q, d in mesh_shapes(world.size) if d == world.size // q**2)
+    src, d = Mesh(q, world.size // q**2), world.size // q**2
+    other = Mesh(q, d, list(reversed(range(world.size))))
+    torch.manual_seed(0)
+    x = scatter(torch.randn(2 * world.size, 3, 4 * q), src)
+    with pytest.raises(ValueError, match=r"redistribute on Mesh.*ranks="):
+        redistribute(x, src, other if world.rank == world.size - 1 else src)
+
+
 def test_integer_batch_and_global_shape(world):
     """Token ids move like any batch tensor (no gradient); ``global_shape`` reads the layout."""
     meshes = _meshes_of(world)

@@ -55,11 +55,16 @@ class Pending:
         verdict(table, gather, self.mesh.members("mesh"), self.where, self.description, self.error, self.mesh)
 
 
-def check_call(mesh, what: str, args: tuple, kwargs: dict, error: BaseException | None = None):
+def check_call(
+    mesh, what: str, args: tuple, kwargs: dict, error: BaseException | None = None, training: bool | None = None
+):
     """At the entry of an outermost module call on ``mesh``: ``(pending, agreed)``, the ``Pending``
     agreement to resolve at the module's exit (None: settled already, or none) and whether the
     outputs are agreed (then ``tag`` marks them so). ``error``: this rank's refusal of its input,
-    found by the caller (``refusal``); raised on every rank."""
+    found by the caller (``refusal``); raised on every rank. Agreed with the inputs' dtypes and
+    shapes: which of them require grad, the grad mode (a layer picks its algorithm, and its
+    backward its collectives, by them: one rank's differing waited to the timeout) and the
+    module's ``training`` (one rank's ``eval()`` ran without its dropout, silently)."""
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     fresh = _fresh(tensors, mesh)
     if not torch.compiler.is_compiling():  # (a graph's guards would read the count: one graph per call)
@@ -68,7 +73,9 @@ def check_call(mesh, what: str, args: tuple, kwargs: dict, error: BaseException 
         if error is not None:
             raise error
         return None, fresh or mesh.size == 1
-    description = describe_call(args, kwargs)
+    grads = "".join("g" if t.requires_grad else "-" for t in tensors)
+    mode = f"; requires grad {grads or 'none'}, grad mode {'on' if torch.is_grad_enabled() else 'off'}"
+    description = describe_call(args, kwargs) + mode + ("" if training is None else f", training {training}")
     if torch.compiler.is_compiling():  # a step of the graph, settled before the module's collectives
         traced.agree(mesh, what, "mesh", description, None, error)
         return None, True

@@ -198,7 +198,10 @@ def redistribute(x: torch.Tensor, src: Mesh, dst: Mesh, *, layout: str | None = 
     error = _refusal(x, src, dst, kind)
     if src.check != "off" and src.size > 1:
         agree(
-            src, "redistribute", description=f"{kind} {describe(x)} to Mesh(q={dst.q}, depth={dst.depth})", error=error
+            src,
+            "redistribute",
+            description=f"{kind} {describe(x)} to Mesh(q={dst.q}, depth={dst.depth}, ranks={list(dst.ranks)})",
+            error=error,
         )
     elif error is not None:
         raise error

@@ -100,7 +100,8 @@ class ShardedModule(nn.Module):
             return self._traced_call(args, kwargs)
         if _inside.get():
             return super().__call__(*args, **kwargs)
-        pending, agreed = check_call(self.mesh, type(self).__name__, args, kwargs, self._refusal(args, kwargs))
+        refused = self._refusal(args, kwargs)
+        pending, agreed = check_call(self.mesh, type(self).__name__, args, kwargs, refused, self.training)
         token = _inside.set(True)
         try:
             out = super().__call__(*args, **kwargs)
@@ -135,7 +136,7 @@ class ShardedModule(nn.Module):
         before any collective of the module)."""
         if _traced_depth:
             return super().__call__(*args, **kwargs)
-        _, agreed = check_call(self.mesh, type(self).__name__, args, kwargs, self._refusal(args, kwargs))
+        _, agreed = check_call(self.mesh, type(self).__name__, args, kwargs, self._refusal(args, kwargs), self.training)
         _traced_depth.append(self)
         try:
             out = super().__call__(*args, **kwargs)
