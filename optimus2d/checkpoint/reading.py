@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from optimus2d.checkpoint import torch_state
 from optimus2d.comm.dtensor import like, local
+from optimus2d.convert import dtensor_optimizer
 
 
 class Format3:
@@ -318,6 +319,7 @@ class Reading:
                 e.block.copy_(block)
         if self.optimizer is None:
             return
+        dtensor_optimizer.attach(self.optimizer)  # the state goes in as blocks: not the serial layout's
         for group in self.optimizer.param_groups:  # the checkpoint's state replaces all of the old one
             for p in group["params"]:
                 self.optimizer.state.pop(p, None)

@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from optimus2d.comm.dtensor import STORED, like, local, placements, serial_dtensor
 from optimus2d.comm.sharding import shard
 
-__all__ = ["not_resharded"]
+__all__ = ["attach", "not_resharded"]
 
 # Optimizers given the hooks (weakly: an optimizer's life is its own)
 _ATTACHED: weakref.WeakSet = weakref.WeakSet()
@@ -36,6 +36,12 @@ def not_resharded(key: str, t: DTensor, sharding) -> None:
             f"{t.device_mesh}; its serial layout cannot be given. Use a vocabulary that divides the mesh, or "
             f"leave that module out of fully_shard"
         )
+
+
+def attach(optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` its hooks now, before a load that puts state in as blocks
+    (``checkpoint.load``): its first step then takes that state as it is, not as the serial layout."""
+    _attach_to_optimizer(optimizer, (), {})
 
 
 def _attach_to_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
