@@ -85,6 +85,8 @@ def clip_grad_norm_(
     *,
     pipe: StageMesh | None = None,
     copies: Mapping[torch.Tensor, int] | None = None,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a model on the mesh: the norm of the serial gradient.
 
@@ -102,7 +104,16 @@ def clip_grad_norm_(
     is then the whole serial model's, over every stage (one more all-reduce of one float, over the
     lane). ``copies``: parameters whose gradient other stages hold too, with how many copies the
     pipeline holds (GPT-2's tied table after ``sum_tied_grads``: ``shared_copies``), counted once.
+    ``error_if_nonfinite``: as torch's, a ``RuntimeError`` on every rank (the norm is every rank's);
+    ``foreach``: taken for torch's signature, unused. Note the order: ``mesh`` comes third, before
+    ``norm_type`` (torch's third): ``clip_grad_norm_(params, 1.0, norm_type=1.0)``.
     """
+    del foreach  # one fused sum per parameter already; torch's choice of kernels does not apply
+    if mesh is not None and not isinstance(mesh, (Mesh, DeviceMesh)) and not hasattr(mesh, "mesh"):
+        raise TypeError(
+            f"clip_grad_norm_: mesh={mesh!r} is not a Mesh, DeviceMesh or StageMesh (optimus2d's third argument "
+            f"is the mesh; torch's is norm_type: pass norm_type={mesh!r})"
+        )
     if isinstance(parameters, nn.Module):
         parameters = parameters.parameters()
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -113,7 +124,7 @@ def clip_grad_norm_(
     if pipe is not None:
         if mesh is not None and mesh is not pipe.mesh:
             raise ValueError(f"clip_grad_norm_: mesh={mesh} is not the stage's mesh {pipe.mesh}; give one of them")
-        return clip_over(params, max_norm, pipe.mesh, norm_type, pipe.lane, copies)
+        return clip_over(params, max_norm, pipe.mesh, norm_type, pipe.lane, copies, error_if_nonfinite)
     if mesh is None:
         mesh = _mesh_of(params)
         if mesh is None and any(isinstance(p, DTensor) for p in params):
@@ -123,8 +134,8 @@ def clip_grad_norm_(
                 "sharded by FSDP (fully_shard), use torch.nn.utils.clip_grad_norm_"
             )
         if mesh is None:  # plain torch parameters only: nothing is split
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-    return clip_over(params, max_norm, mesh, norm_type, None, copies)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+    return clip_over(params, max_norm, mesh, norm_type, None, copies, error_if_nonfinite)
 
 
 def clip_over(
@@ -134,6 +145,7 @@ def clip_over(
     norm_type: float = 2.0,
     lane: dist.ProcessGroup | None = None,
     copies: Mapping[torch.Tensor, int] | None = None,
+    error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """``clip_grad_norm_`` over ``mesh`` and, given ``lane`` (a pipeline's: one rank of each stage
     mesh), over every stage: the mesh-wide sums (or max) then one all-reduce over the lane.
@@ -150,6 +162,7 @@ def clip_over(
     # The ranks agree first: one rank's other norm_type sent a max where the others summed (over MPI
     # a norm that differs by rank, no error); its other max_norm clipped its blocks alone.
     settings = f"max_norm={float(max_norm)!r}, norm_type={float(norm_type)!r}, {len(params)} parameters"
+    settings += ", error if non-finite" if error_if_nonfinite else ""
     check_function_call(mesh, "clip_grad_norm_", (), settings, error)
     grads = [
         (local(p.grad), _replicas(p, m) * copies.get(id(p), 1))
@@ -172,6 +185,11 @@ def clip_over(
         total = all_reduce(mine.reshape(1), mesh, ("mesh",))
         P.all_reduce_group(total, mesh, lane, "lane")
         total = total[0] ** (1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):  # the same total on every rank: all raise
+        raise RuntimeError(
+            f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite ({float(total)}), "
+            f"so it cannot be clipped (as torch.nn.utils.clip_grad_norm_ with error_if_nonfinite=True)"
+        )
     clip = max_norm / (total + 1e-6)  # in float64, rounded once to each gradient's dtype
     if not clip >= 1:  # a NaN norm too: every gradient becomes NaN, as torch's clamp and multiply make it
         for g, _ in grads:

@@ -58,6 +58,30 @@ def test_llama_logits_and_one_training_step(mesh):
         assert_close(state[key], value, 1e-4, key)
 
 
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+def test_gpt2_attention_dropout_draws_a_mask_per_shard(mesh, kernel):
+    """GPT-2's attention hands attn_dropout.p to its kernel (F.dropout, SDPA's dropout_p) and never
+    calls the module: it ran outside shard_rng, each rank's heads under the same mask (the default
+    attn_pdrop=0.1). Its forward now runs in shard_rng: a seed per rank, the same for a seed."""
+    from mpi4py import MPI
+
+    config = transformers.GPT2Config(
+        vocab_size=96, n_positions=32, n_embd=48, n_layer=1, n_head=6, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.5, attn_implementation=kernel,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    parallel = parallelize(transformers.GPT2LMHeadModel(config), mesh).train()
+    seeds = []
+    parallel.transformer.h[0].attn.c_proj.register_forward_pre_hook(lambda *_: seeds.append(torch.initial_seed()))
+    ids = scatter_batch(torch.randint(0, 96, (2 * mesh.depth * mesh.q, 9)), mesh)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        outs.append(parallel(input_ids=ids).logits.detach())
+    assert torch.equal(outs[0], outs[1]) and seeds[0] == seeds[1]  # reproducible for a seed
+    assert len(set(MPI.COMM_WORLD.allgather(seeds[0]))) == MPI.COMM_WORLD.size  # a seed of its own
+
+
 @pytest.mark.parametrize("vocab", [96, 97], ids=["vocab96", "vocab97"])  # 97: padded inside on q = 2, 3
 def test_gpt2_logits_and_one_training_step(mesh, vocab):
     config = transformers.GPT2Config(

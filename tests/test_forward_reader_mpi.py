@@ -165,6 +165,23 @@ def test_a_flag_changed_after_conversion_stops_the_forward(mesh):
         parallel(scatter(_x(mesh), mesh))
 
 
+def test_an_attention_dropout_set_after_conversion_stops_the_forward(mesh):
+    """LLaMA hands ``self.attention_dropout`` to its kernel: 0 when converted, so its forward was not
+    put in shard_rng; set to 0.5 after, every rank drew the same mask. Now a guard, as for if-tests."""
+    heads = 6 if mesh.q == 3 else 4
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=8 * heads, intermediate_size=96, num_hidden_layers=1, num_attention_heads=heads,
+        num_key_value_heads=heads, attention_dropout=0.0, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    parallel = parallelize(transformers.LlamaForCausalLM(config), mesh).train()
+    ids = scatter_batch(torch.randint(0, 96, (2 * mesh.depth * mesh.q, 5)), mesh)
+    parallel(input_ids=ids)
+    parallel.model.layers[0].self_attn.attention_dropout = 0.5
+    with pytest.raises(RuntimeError, match=r"self.attention_dropout\) == 0` True; it is now"):
+        parallel(input_ids=ids)
+
+
 def test_dropout_that_may_draw_draws_a_mask_per_shard(mesh):
     torch.manual_seed(0)
     serial = Dropping(0.5)

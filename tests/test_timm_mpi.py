@@ -53,3 +53,24 @@ def test_vit_logits_and_one_training_step(mesh):
     assert list(state) == list(serial.state_dict())
     for key, value in serial.state_dict().items():
         assert_close(state[key], value, 1e-4, key)
+
+
+def test_vit_attention_dropout_draws_a_mask_per_shard(mesh):
+    """timm's fused attention hands attn_drop.p to SDPA (dropout_p) and never calls the module: it
+    ran outside shard_rng, each rank's heads under the same mask. Now a seed per rank, the same
+    for a seed."""
+    from mpi4py import MPI
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    serial = VisionTransformer(img_size=16, patch_size=4, embed_dim=48, depth=1, num_heads=6, attn_drop_rate=0.5)
+    parallel = parallelize(serial, mesh).train()
+    seeds = []
+    parallel.blocks[0].attn.proj.register_forward_pre_hook(lambda *_: seeds.append(torch.initial_seed()))
+    images = torch.randn(2 * mesh.depth * mesh.q, 3, 16, 16)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        outs.append(parallel(images).detach())
+    assert torch.equal(outs[0], outs[1]) and seeds[0] == seeds[1]  # reproducible for a seed
+    assert len(set(MPI.COMM_WORLD.allgather(seeds[0]))) == MPI.COMM_WORLD.size  # a seed of its own

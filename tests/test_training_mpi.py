@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import assert_close, assert_state_close
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import optimus2d
 from optimus2d import clip_grad_norm_, gather, scatter, serial_state_dict
 from optimus2d.cost.memory import saved_activation_bytes
 from optimus2d.layers import Dropout2D, TransformerBlock2D
@@ -39,6 +42,8 @@ def test_clip_grad_norm_is_the_serial_norm(mesh):
     least = clip_grad_norm_(parallel.parameters(), max_norm=1e9, norm_type=float("-inf"))  # was 1.0
     with pytest.raises(ValueError, match=r"norm_type=0 is not taken"):
         clip_grad_norm_(parallel.parameters(), max_norm=1e9, norm_type=0)
+    with pytest.raises(TypeError, match=r"mesh=1\.0 is not a Mesh.*pass norm_type=1\.0"):  # torch's order
+        clip_grad_norm_(parallel.parameters(), 1e9, 1.0)
     torch.optim.SGD(serial.parameters(), lr=1.0).step()
     torch.optim.SGD(parallel.parameters(), lr=1.0).step()
     state = serial_state_dict(parallel)
@@ -47,6 +52,9 @@ def test_clip_grad_norm_is_the_serial_norm(mesh):
     assert_close(inf, inf_ref, what="inf norm")
     assert abs(least - least_ref) <= 1e-5 * inf_ref, (least, least_ref)  # the smallest |g|: rounding's scale
     assert_state_close(state, serial.state_dict())
+    next(iter(parallel.parameters())).grad[0, 0] = float("nan") if mesh.index("mesh") == 0 else 0.0
+    with pytest.raises(RuntimeError, match=r"total norm of order 2.0 of the gradients is non-finite"):
+        clip_grad_norm_(parallel.parameters(), 1e9, error_if_nonfinite=True, foreach=True)  # on every rank
 
 
 def test_clip_grad_norm_refuses_on_every_rank_settings_one_rank_changes(mesh):
@@ -104,6 +112,21 @@ def test_dropout_masks_differ_between_shards_and_repeat_for_a_seed(mesh):
         shards = [first[r * b : (r + 1) * b, :, :h] for r in range(mesh.depth * mesh.q)]
         shards += [first[:b, :, c * h : (c + 1) * h] for c in range(1, mesh.q)]
         assert len({tuple(s.flatten().tolist()) for s in shards}) == len(shards)
+
+
+def test_dropout_turned_off_by_walking_the_modules_is_off(mesh):
+    """``m.p = 0`` for every ``nn.Dropout`` (TRL's disable_dropout_in_model) after parallelize: the
+    converted dropouts were not nn.Dropout, kept dropping (0.79 off serial, 30 % of outputs zero)."""
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(E, 2 * E), nn.Dropout(0.3), nn.GELU(), nn.Linear(2 * E, E), nn.Dropout(0.3))
+    parallel = optimus2d.parallelize(copy.deepcopy(serial), mesh).train()
+    for model in (serial, parallel):
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+    assert sum(isinstance(m, Dropout2D) for m in parallel.modules()) == 2
+    x = torch.randn(2 * mesh.depth * mesh.q, SEQ, E)
+    assert_close(gather(parallel(scatter(x, mesh)).detach(), mesh), serial.train()(x), what="without dropout")
 
 
 def test_activation_checkpointing_replays_collectives_and_dropout(mesh):

@@ -321,6 +321,9 @@ def _call_problem(node, module, children, fn, env: Names, reading: Reading, seen
     for keyword in node.keywords:  # attention_interface(..., dropout=self.attention_dropout)
         if keyword.arg in ("dropout", "dropout_p") and static_value(keyword.value, module) != 0:
             reading.draws = True
+        elif keyword.arg in ("dropout", "dropout_p") and not isinstance(keyword.value, ast.Constant):
+            zero = ast.Compare(keyword.value, [ast.Eq()], [ast.Constant(0)])  # 0 now: a later p must draw per shard
+            reading.guards.append((ast.unparse(zero), zero, True))
     if isinstance(func, ast.Attribute):
         base = func.value
         if isinstance(base, ast.Name) and base.id == "self":

@@ -78,6 +78,9 @@ def _gpt2_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
     attn.attn_dropout = Dropout2D(attn.attn_dropout.p, mesh=mesh)
     attn.resid_dropout = Dropout2D(attn.resid_dropout.p, mesh=mesh)
     attn.split_size = e // mesh.q  # forward splits the fused output by this: local q, k, v
+    # its forward hands attn_dropout.p to the attention kernel (F.dropout, SDPA's dropout_p), not
+    # calling the module: without shard_rng every rank drew the same mask for its own heads
+    draw_per_shard(attn, mesh)
     return attn
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from optimus2d.comm import scatter
 from optimus2d.comm.mesh import Mesh
+from optimus2d.convert.forward_reader import draw_per_shard
 from optimus2d.convert.parallelizer import convert_children, parallelize, register_converter
 from optimus2d.families.vision import split_hidden, with_forward
 from optimus2d.layers import LayerNorm2D, Linear2D
@@ -49,6 +50,7 @@ def _timm_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
     attn.num_heads //= mesh.q
     if hasattr(attn, "attn_dim"):
         attn.attn_dim //= mesh.q
+    draw_per_shard(attn, mesh)  # fused: SDPA's dropout_p=attn_drop.p, not the module (one mask on every rank)
     return attn
 
 
