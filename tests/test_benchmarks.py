@@ -222,8 +222,8 @@ def test_checks_benchmark_counts_the_agreement_exchanges_then_reports(tmp_path):
     llama = {r["peer"]: r for r in json.loads((tmp_path / "checks-llama-p4-q2d1.json").read_text())["rows"]}
     # scatter_batch, then every outermost module call: the embedding; per layer the two norms, q, k, v,
     # o, gate, up and down; the final norm and the head (those whose inputs come unchanged from the
-    # call before ride beside its collectives, over gloo too: comm/calls.py)
-    assert llama["check=entry"]["check_exchanges"] == 1 + 1 + 9 * 2 + 2
+    # call before ride beside its collectives, over gloo too: comm/calls.py); cross_entropy's arguments
+    assert llama["check=entry"]["check_exchanges"] == 1 + 1 + 9 * 2 + 2 + 1
     assert "| check=entry |" in _report(tmp_path)
 
 
