@@ -74,18 +74,24 @@ def test_a_dtype_that_differs_on_one_rank(world, world_mesh):
     raises_fast(ValueError, r"float64\[2, 3, 4\]", lambda: layer(x))
 
 
-@pytest.mark.parametrize("how", ["input requires grad", "no grad", "eval"])
+@pytest.mark.parametrize("how", ["input requires grad", "no grad", "eval", "weight frozen"])
 def test_grad_mode_and_training_that_differ_on_one_rank(world, world_mesh, how):
     """A layer picks its algorithm (and its backward its collectives) by whether its input needs a
     gradient and the grad mode: one rank's other choice waited to the timeout. One rank's eval()
-    ran without its dropout (1.02 off). Each is refused on every rank at once."""
+    ran without its dropout (1.02 off). A weight frozen on one rank skipped its gradient's
+    collectives: the peers waited to the timeout. Each is refused on every rank at once."""
     layer, x = _block_linear(world_mesh)
     odd = _last(world)
     if how == "eval":
         layer.train(not odd)
+    if how == "weight frozen":
+        layer.weight.requires_grad_(not odd)
+        x.requires_grad_()
     x = x.requires_grad_() if how == "input requires grad" and odd else x
     with torch.set_grad_enabled(not (how == "no grad" and odd)):
-        pattern = r"training (True|False)" if how == "eval" else r"requires grad|grad mode"
+        pattern = {"eval": r"training (True|False)", "weight frozen": "frozen weight"}.get(
+            how, "requires grad|grad mode"
+        )
         raises_fast(ValueError, rf"Linear2D on Mesh.*({pattern})", lambda: layer(x))
 
 

@@ -56,7 +56,13 @@ class Pending:
 
 
 def check_call(
-    mesh, what: str, args: tuple, kwargs: dict, error: BaseException | None = None, training: bool | None = None
+    mesh,
+    what: str,
+    args: tuple,
+    kwargs: dict,
+    error: BaseException | None = None,
+    training: bool | None = None,
+    frozen: tuple[str, ...] = (),
 ):
     """At the entry of an outermost module call on ``mesh``: ``(pending, agreed)``, the ``Pending``
     agreement to resolve at the module's exit (None: settled already, or none) and whether the
@@ -64,7 +70,10 @@ def check_call(
     found by the caller (``refusal``); raised on every rank. Agreed with the inputs' dtypes and
     shapes: which of them require grad, the grad mode (a layer picks its algorithm, and its
     backward its collectives, by them: one rank's differing waited to the timeout) and the
-    module's ``training`` (one rank's ``eval()`` ran without its dropout, silently)."""
+    module's ``training`` (one rank's ``eval()`` ran without its dropout, silently) and its
+    ``frozen`` parameters, those that do not require grad (a weight frozen on one rank skipped the
+    collectives of its gradient: its peers waited to the timeout, and one returned another input
+    gradient)."""
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     fresh = _fresh(tensors, mesh)
     if not torch.compiler.is_compiling():  # (a graph's guards would read the count: one graph per call)
@@ -76,6 +85,7 @@ def check_call(
     grads = "".join("g" if t.requires_grad else "-" for t in tensors)
     mode = f"; requires grad {grads or 'none'}, grad mode {'on' if torch.is_grad_enabled() else 'off'}"
     description = describe_call(args, kwargs) + mode + ("" if training is None else f", training {training}")
+    description += f", frozen {', '.join(frozen) or 'none'}"
     if torch.compiler.is_compiling():  # a step of the graph, settled before the module's collectives
         traced.agree(mesh, what, "mesh", description, None, error)
         return None, True

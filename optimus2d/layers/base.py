@@ -95,13 +95,19 @@ class ShardedModule(nn.Module):
                 )
         return error if error is not None else self.input_refusal(args, kwargs)
 
+    def _frozen(self) -> tuple[str, ...]:
+        """The names of this module's parameters that do not require grad (agreed at each call)."""
+        return tuple(name for name, p in self.named_parameters() if not p.requires_grad)
+
     def _checked_call(self, args: tuple, kwargs: dict):
         if torch.compiler.is_compiling():
             return self._traced_call(args, kwargs)
         if _inside.get():
             return super().__call__(*args, **kwargs)
         refused = self._refusal(args, kwargs)
-        pending, agreed = check_call(self.mesh, type(self).__name__, args, kwargs, refused, self.training)
+        pending, agreed = check_call(
+            self.mesh, type(self).__name__, args, kwargs, refused, self.training, self._frozen()
+        )
         token = _inside.set(True)
         try:
             out = super().__call__(*args, **kwargs)
@@ -136,7 +142,8 @@ class ShardedModule(nn.Module):
         before any collective of the module)."""
         if _traced_depth:
             return super().__call__(*args, **kwargs)
-        _, agreed = check_call(self.mesh, type(self).__name__, args, kwargs, self._refusal(args, kwargs), self.training)
+        refused = self._refusal(args, kwargs)
+        _, agreed = check_call(self.mesh, type(self).__name__, args, kwargs, refused, self.training, self._frozen())
         _traced_depth.append(self)
         try:
             out = super().__call__(*args, **kwargs)
