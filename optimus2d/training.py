@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from optimus2d.comm import all_reduce
 from optimus2d.comm import primitives as P
+from optimus2d.comm.agreement import agree_group
 from optimus2d.comm.calls import check_function_call
 from optimus2d.comm.dtensor import DTensor, local
 from optimus2d.comm.mesh import Mesh
@@ -161,9 +162,18 @@ def clip_over(
         error = ValueError(f"clip_grad_norm_: norm_type={norm_type} is not taken (a p-norm with p > 0, inf or -inf)")
     # The ranks agree first: one rank's other norm_type sent a max where the others summed (over MPI
     # a norm that differs by rank, no error); its other max_norm clipped its blocks alone.
-    settings = f"max_norm={float(max_norm)!r}, norm_type={float(norm_type)!r}, {len(params)} parameters"
-    settings += ", error if non-finite" if error_if_nonfinite else ""
-    check_function_call(mesh, "clip_grad_norm_", (), settings, error)
+    agreed = f"max_norm={float(max_norm)!r}, norm_type={float(norm_type)!r}"
+    agreed += ", error if non-finite" if error_if_nonfinite else ""
+    try:
+        check_function_call(mesh, "clip_grad_norm_", (), f"{agreed}, {len(params)} parameters", error)
+        error = None
+    except (ValueError, TypeError) as err:  # raised on every rank of this stage mesh: on every stage's too
+        if lane is None:
+            raise
+        error = err
+    # The stages agree too (one stage's other max_norm clipped its gradients alone; its other norm_type
+    # sent a max over the lane where the others summed) and hear a refusal on one stage
+    agree_group(mesh, lane, "clip_grad_norm_", agreed, error)
     grads = [
         (local(p.grad), _replicas(p, m) * copies.get(id(p), 1))
         for p, m in zip(params, own, strict=True)

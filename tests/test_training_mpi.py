@@ -74,6 +74,32 @@ def test_clip_grad_norm_refuses_on_every_rank_settings_one_rank_changes(mesh):
     assert all(torch.equal(p.grad, g) for p, g in zip(parallel.parameters(), grads, strict=True))
 
 
+@pytest.mark.parametrize("odd", ["max_norm", "norm_type", "refusal"])
+def test_clip_grad_norm_over_stages_agrees_the_settings_of_every_stage(world, odd):
+    """With a pipeline's ``StageMesh``: one stage's other max_norm clipped its gradients alone, its
+    other norm_type sent a max over the lane where the others summed, and a refusal on one stage
+    left the others waiting in the lane's all-reduce. Each is raised on every rank of every stage
+    at once, nothing clipped."""
+    from helpers import raises_fast, stage_pipe
+
+    if world.size not in (2, 4, 8):
+        pytest.skip("2 stages of 1, 1×1×2 or 2×2")
+    pipe = stage_pipe(2, *{2: (1, 1), 4: (1, 2), 8: (2, 1)}[world.size])
+    torch.manual_seed(pipe.stage)
+    layer = optimus2d.layers.Linear2D.from_serial(nn.Linear(4 * pipe.mesh.q, 4 * pipe.mesh.q), pipe.mesh)
+    layer(scatter(torch.randn(2 * pipe.mesh.size, 3, 4 * pipe.mesh.q), pipe.mesh)).square().sum().backward()
+    grads = [p.grad.clone() for p in layer.parameters()]
+    last = pipe.stage == pipe.stages - 1
+    kwargs = {"max_norm": 0.1, "norm_type": 2.0}
+    if last and odd != "refusal":
+        kwargs[odd] = {"max_norm": 0.01, "norm_type": float("inf")}[odd]
+    if last and odd == "refusal":
+        kwargs["norm_type"] = 0.0
+    message = r"norm_type=0.0 is not taken" if odd == "refusal" else r"clip_grad_norm_ over the ranks .*disagree"
+    raises_fast(ValueError, message, lambda: clip_grad_norm_(list(layer.parameters()), pipe=pipe, **kwargs))
+    assert all(torch.equal(p.grad, g) for p, g in zip(layer.parameters(), grads, strict=True))
+
+
 def test_clip_grad_norm_finds_the_meshes_of_its_parameters(mesh):
     plain = nn.Linear(3, 4)
     plain(torch.ones(2, 3)).sum().backward()

@@ -129,6 +129,21 @@ def agree(
     decide(gather, mesh.members(axis), where, f"{what} of {description}", content, error, mesh, ident)
 
 
+def agree_group(mesh, group, what: str, description: str, error: BaseException | None) -> None:
+    """``agree`` over ``group``, a torch process group across meshes (a pipeline's lane: one rank of
+    each stage mesh; None, one rank, checks nothing): every member passes the same ``description``
+    and no ``error``, or every member raises. Waited on like ``mesh``'s collectives; a refusal is
+    not reported to ``mesh`` (its members raised it already, or agree here)."""
+    if group is None or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    ranks = tuple(dist.get_process_group_ranks(group))
+    where = f"{what} over the ranks {list(ranks)}"
+    gather = lambda t: gather_group(t, group, mesh, where)  # noqa: E731
+    decide(gather, ranks, where, f"{what} of {description}", (), error, None, f"{what} over a group")
+
+
 @torch.compiler.disable  # its answer steers the caller's Python: a graph break, taken here and not in zlib
 def agree_distinct(mesh, what: str, description: str, error: BaseException | None, t: torch.Tensor | None) -> bool:
     """``agree`` on ``what`` over the mesh, in the same one all-gather also asking whether every rank
