@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import FAST_S, raises_fast
+from helpers import FAST_S, assert_close, raises_fast
 from torch import nn
 
 import optimus2d
@@ -96,15 +96,22 @@ def test_grad_mode_and_training_that_differ_on_one_rank(world, world_mesh, how):
 
 
 def test_cross_entropy_refused_by_one_rank_is_refused_by_all(world, world_mesh):
+    """Refused on every rank, and the mesh stays usable: a loop that catches the refusal and skips
+    the batch goes on (the refusal was reported as a failure: the next wait of over a second, a
+    peer late from its data loader, raised PeerFailedError)."""
     q = world_mesh.q
     logits = optimus2d.scatter(torch.zeros(2 * world_mesh.size, 3, 4 * q), world_mesh)
     target = optimus2d.scatter_batch(torch.zeros(2 * world_mesh.size, 3, dtype=torch.long), world_mesh)
-    target = target[:, :2] if _last(world) else target  # another shape than its logits': refused there
+    short = target[:, :2] if _last(world) else target  # another shape than its logits': refused there
     raises_fast(
         ValueError,
         r"cross_entropy on Mesh.*rank \d+ refused it: ValueError: cross_entropy: target of shape",
-        lambda: optimus2d.cross_entropy(logits, target, world_mesh),
+        lambda: optimus2d.cross_entropy(logits, short, world_mesh),
     )
+    if world.rank == 0:
+        time.sleep(2.0)  # longer than a wait takes to hear a failure reported (0.2 s, then 1 s of grace)
+    loss = optimus2d.cross_entropy(logits, target, world_mesh)
+    assert_close(loss, torch.tensor(math.log(4 * q)), 1e-6, "the next loss")
 
 
 def test_token_ids_of_another_length_on_one_rank(world, world_mesh):

@@ -126,7 +126,9 @@ def agree(
     where = f"{what} over {axis} of {mesh}" if axis != "mesh" else f"{what} on {mesh}"
     ident = f"{what} over {axis} of mesh #{mesh.uid}"  # where, without this rank's coordinates
     gather = lambda t: _gather(mesh, axis, t)  # noqa: E731
-    decide(gather, mesh.members(axis), where, f"{what} of {description}", content, error, mesh, ident)
+    # A refusal caught (a training loop skipping a bad batch) leaves the mesh usable: reported, it
+    # killed the mesh for its next wait of over a second (PeerFailedError)
+    decide(gather, mesh.members(axis), where, f"{what} of {description}", content, error, ident)
 
 
 def agree_group(mesh, group, what: str, description: str, error: BaseException | None) -> None:
@@ -141,7 +143,7 @@ def agree_group(mesh, group, what: str, description: str, error: BaseException |
     ranks = tuple(dist.get_process_group_ranks(group))
     where = f"{what} over the ranks {list(ranks)}"
     gather = lambda t: gather_group(t, group, mesh, where)  # noqa: E731
-    decide(gather, ranks, where, f"{what} of {description}", (), error, None, f"{what} over a group")
+    decide(gather, ranks, where, f"{what} of {description}", (), error, f"{what} over a group")
 
 
 @torch.compiler.disable  # its answer steers the caller's Python: a graph break, taken here and not in zlib
@@ -158,7 +160,7 @@ def agree_distinct(mesh, what: str, description: str, error: BaseException | Non
     table = _gather(mesh, "mesh", torch.tensor(words, dtype=torch.int64))
     agreed = torch.cat([table[:, :3], torch.zeros_like(table[:, :2])], 1)  # the checksums are not to agree
     gather = lambda x: _gather(mesh, "mesh", x)  # noqa: E731
-    verdict(agreed, gather, mesh.members("mesh"), f"{what} on {mesh}", f"{what} of {description}", error, mesh)
+    verdict(agreed, gather, mesh.members("mesh"), f"{what} on {mesh}", f"{what} of {description}", error, None)
     return bool((table[:, 3] == 1).all()) and bool((table[:, 4:] == table[0, 4:]).all())
 
 
@@ -169,13 +171,13 @@ def decide(
     description: str,
     content: tuple[int, ...],
     error: BaseException | None,
-    mesh=None,
     ident: str | None = None,
 ) -> None:
-    """``agree``'s logic over any all-gather (a mesh axis, or the default group for ``Mesh``);
-    ``ident`` (default ``where``) names the operation alike on every rank."""
+    """``agree``'s logic over any all-gather (a mesh axis, a group across meshes); ``ident`` (default
+    ``where``) names the operation alike on every rank. Every member reads the same table and raises
+    the same error, none is left in a collective: the mesh stays usable (nothing is reported)."""
     table = gather(torch.tensor(signature(ident or where, description, content, error), dtype=torch.int64))
-    verdict(table, gather, ranks, where, description, error, mesh)
+    verdict(table, gather, ranks, where, description, error, None)
 
 
 def signature(ident: str, description: str, content: tuple[int, ...], error: BaseException | None) -> list[int]:
