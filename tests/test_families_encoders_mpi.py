@@ -290,6 +290,13 @@ def test_refusals_before_any_change(mesh):
         with pytest.raises(ValueError, match=rf"{path} \(\w+\): \w*heads={heads}"):
             parallelize(serial, mesh)
         assert not any(isinstance(m, optimus2d.layers.base.ShardedModule) for m in serial.modules())
+    # an attention the forward reader keeps (RoBERTa's holds attention_head_size, no head_dim): it was
+    # taken and failed in torch's view at the forward; now refused by its heads too
+    roberta = transformers.RobertaModel(
+        transformers.RobertaConfig(vocab_size=97, **{**BERT, "num_attention_heads": heads})
+    )
+    with pytest.raises(TypeError, match=rf"self \(RobertaSelfAttention\).*num_attention_heads={heads}, not divisible"):
+        parallelize(roberta.encoder.layer[0].attention, mesh)
 
 
 class _TwoTables(nn.Module):

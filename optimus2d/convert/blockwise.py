@@ -27,6 +27,7 @@ from torch import nn
 
 from optimus2d.comm import primitives as P
 from optimus2d.convert.forward_reader import forward_problems
+from optimus2d.convert.forward_values import HEAD_SIZES
 from optimus2d.convert.registry import elementwise
 from optimus2d.layers.base import keep_blocks_on_copy
 
@@ -311,13 +312,24 @@ def _summed_over_mesh(grad: torch.Tensor, mesh) -> torch.Tensor:
 
 
 def head_problems(module: nn.Module, mesh) -> list[str]:
-    """Head counts of ``module``'s config that do not divide over the q columns of ``mesh``."""
-    config = getattr(module, "config", None)
-    if getattr(module, "head_dim", None) is None or config is None:
+    """Head counts of ``module`` (its own, else its config's) that do not divide over the q columns of
+    ``mesh``, for a module that holds a head size (``head_dim``, ``attention_head_size``, ...): its
+    projections' columns split the heads. (RoBERTa's and DistilBERT's attention, which hold
+    ``attention_head_size``, took 3 heads on q = 2 and failed in torch's view at the forward.)"""
+    if not any(_count(getattr(module, name, None)) for name in HEAD_SIZES):
         return []
-    counts = {name: getattr(config, name, None) for name in ("num_attention_heads", "num_key_value_heads")}
-    return [
-        f"has {name}={n}, not divisible by q={mesh.q} ({mesh})"
-        for name, n in counts.items()
-        if isinstance(n, int) and n % mesh.q
-    ]
+    config = getattr(module, "config", None)
+    counts = {}
+    for name in _HEAD_COUNTS:
+        n = _count(getattr(module, name, None)) or _count(getattr(config, name, None))
+        if n:
+            counts[name] = n
+    return [f"has {name}={n}, not divisible by q={mesh.q} ({mesh})" for name, n in counts.items() if n % mesh.q]
+
+
+_HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "num_heads", "n_head", "n_heads")
+
+
+def _count(value: object) -> int | None:
+    """``value`` if it is a positive int (not a flag), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
