@@ -348,6 +348,34 @@ def test_other_shared_parameters_are_refused(mesh):
         parallelize(nn.Sequential(a, b), mesh)
 
 
+def test_a_parameter_also_held_outside_the_model_given_is_guarded(mesh):
+    """A base model converted alone, its tied head left outside it (``BertForPreTraining``'s decoder
+    is its embedding table; the whole class is refused): the model held blocks, the head the serial
+    tensor, and training went 0.14 off in one step, silently. The head now raises when called, on
+    every rank, and a later ``parallelize`` of it refuses; an untied copy runs as serial."""
+    from optimus2d.convert.tied import ELSEWHERE
+
+    torch.manual_seed(0)
+    outer = nn.Module()
+    outer.base = nn.Sequential(nn.Embedding(13, 4 * mesh.q), nn.Linear(4 * mesh.q, 4 * mesh.q))
+    outer.head = nn.Linear(4 * mesh.q, 13, bias=False)
+    outer.head.weight = outer.base[0].weight
+    untied = nn.Linear(4 * mesh.q, 13, bias=False)
+    untied.weight = nn.Parameter(outer.base[0].weight.detach().clone())
+    serial_base = copy.deepcopy(outer.base)
+    base = parallelize(outer.base, mesh, io="whole")
+    ids = torch.randint(0, 13, (2 * mesh.depth * mesh.q, SEQ))
+    hidden = base(ids)
+    assert_close(hidden, serial_base(ids), what="the base model, converted")
+    assert outer.head.weight is not base[0].weight  # a new parameter, at one rank too
+    with pytest.raises(ValueError, match=r"Linear: its weight is the 0\.weight of Sequential.*tie is broken"):
+        outer.head(hidden)
+    with pytest.raises(TypeError, match=r"weight \(tied to 0\.weight of Sequential\)"):
+        parallelize(outer.head, mesh)
+    assert getattr(untied.weight, ELSEWHERE, None) is None
+    assert_close(untied(hidden), F.linear(serial_base(ids), serial_base[0].weight), what="an untied head")
+
+
 class _Everything(nn.Module):
     """One of every module parallelize converts from torch.nn, in a chain."""
 

@@ -33,7 +33,7 @@ from optimus2d.convert.registry import (
     register_recogniser,
 )
 from optimus2d.convert.settings import agree_settings
-from optimus2d.convert.tied import tied_embeddings
+from optimus2d.convert.tied import guard_outside, held_outside, tied_embeddings
 from optimus2d.convert.walk import _current, _rehearse, _Walk, convert_children, keep, register_converter
 from optimus2d.convert.whole_io import WholeIO, io_refusal
 from optimus2d.cost.auto import Choice
@@ -113,6 +113,7 @@ def parallelize(
         _current.reset(token)
     if modes is not None:
         keep_modes(out, modes)
+    guard_outside(walk.outside, module, mesh)  # modules outside it that held its serial parameters
     if _current.get() is None:
         for _, (register, finish) in sorted(_LIBRARIES.items()):
             if register is None and finish is not None:  # a library whose modules were met
@@ -147,7 +148,9 @@ def _checked(
     try:
         if (refused := io_refusal(io)) is not None:
             raise refused
+        outside = held_outside(module) if _current.get() is None else []  # before Tied holds the parameters
         walk = _Walk(mesh, {}, tied_embeddings(module), plan=layouts.check_plan(plan, mesh))
+        walk.outside = outside
         if whole is not None:
             _one_mesh_with_replicas(plan, mesh)
         walk.contexts = layouts.context_plan(plan)

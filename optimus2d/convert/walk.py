@@ -232,6 +232,7 @@ class _Walk:
     aliased: list[str] = field(default_factory=list)  # modules reached at two paths on two meshes
     rehearsing: bool = False  # converting a meta copy first: collect the refusals (_rehearse)
     errors: list[Exception] = field(default_factory=list)  # what they raised, in order
+    outside: list = field(default_factory=list)  # (holder, key, name): modules outside it holding its parameters
 
     def check(
         self,
