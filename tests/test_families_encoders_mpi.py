@@ -299,6 +299,17 @@ def test_refusals_before_any_change(mesh):
         parallelize(roberta.encoder.layer[0].attention, mesh)
 
 
+def test_a_base_converted_alone_under_its_tied_head_is_guarded(mesh):
+    """``BertForPreTraining`` (refused whole) with its ``bert`` converted alone: its MLM decoder, left
+    serial, held the word table's serial tensor while the model held blocks (0.14 off after one
+    step, silently). The decoder now raises when the model is called, on every rank."""
+    model = _bert(transformers.BertForPreTraining)
+    model.bert = parallelize(model.bert, mesh, io="whole")
+    ids = torch.randint(1, 97, (2 * mesh.depth * mesh.q, 8))
+    with pytest.raises(ValueError, match=r"Linear: its weight is the embeddings\.word_embeddings\.weight of BertModel"):
+        model(input_ids=ids)
+
+
 class _TwoTables(nn.Module):
     """Two lookups of one table (one with a padding row) and two biased heads on it sharing a bias."""
 
