@@ -16,6 +16,7 @@ import functools
 import gc
 import sys
 
+import torch
 from torch import nn
 
 ELSEWHERE = "_optimus2d_tied_elsewhere"  # on a serial parameter whose tie parallelize broke: to what
@@ -96,7 +97,8 @@ def held_outside(root: nn.Module) -> list[tuple[nn.Module, str, str]]:
     inside = {id(m) for m in root.modules()}
     holders = _holders(root)
     named = list(root.named_parameters())
-    probe = nn.Linear(1, 1, bias=False)  # a parameter one module holds, counted as the model's are
+    probe = nn.Module()  # a parameter one module holds, counted as the model's are (drawing nothing)
+    probe.weight = nn.Parameter(torch.empty(1))
     counts = _references([*named, ("probe", probe.weight)])
     base = counts.pop() - 1
     names = {id(p): name for (name, p), n in zip(named, counts, strict=True) if n - holders[id(p)] > base}
