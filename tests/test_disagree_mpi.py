@@ -74,6 +74,27 @@ def test_a_dtype_that_differs_on_one_rank(world, world_mesh):
     raises_fast(ValueError, r"float64\[2, 3, 4\]", lambda: layer(x))
 
 
+def test_a_scalar_kept_whole_frozen_on_one_rank(world, world_mesh):
+    """A scalar kept whole on every rank, its gradient summed over the mesh by a hook, frozen on one
+    rank: that rank skipped the sum and the others waited to the timeout. Each module call on the
+    mesh agrees which of those parameters are frozen: refused on every rank, naming it."""
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.s = nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x):
+            return x * self.s
+
+    torch.manual_seed(0)
+    q = world_mesh.q
+    model = optimus2d.parallelize(nn.Sequential(nn.Linear(4 * q, 4 * q), Scale(), nn.Linear(4 * q, 4 * q)), world_mesh)
+    model[1].s.requires_grad_(not _last(world))
+    x = optimus2d.scatter(torch.randn(2 * world_mesh.size, 3, 4 * q), world_mesh)
+    raises_fast(ValueError, r"Linear2D on Mesh.*frozen Scale\.s", lambda: model(x).sum().backward())
+
+
 @pytest.mark.parametrize("how", ["input requires grad", "no grad", "eval", "weight frozen"])
 def test_grad_mode_and_training_that_differ_on_one_rank(world, world_mesh, how):
     """A layer picks its algorithm (and its backward its collectives) by whether its input needs a

@@ -423,6 +423,35 @@ def test_frozen_parameters_stay_frozen_and_unchanged(mesh):
             assert torch.equal(after[key], before[key]), key
 
 
+class _Scale(nn.Module):
+    """A scalar it multiplies by, element by element: kept, its scalar whole on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return x * self.s
+
+
+def test_a_scalar_kept_whole_frozen_when_converted_and_unfrozen_after_gets_the_serial_gradient(mesh):
+    """A parameter kept whole on every rank has its gradient summed over the mesh by a hook; one
+    frozen when converted had none, and once unfrozen (a second phase of training) each rank got its
+    own blocks' part alone: 0.09 for 0.41, another on every rank, silently."""
+    from helpers import assert_grads_like_serial
+
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(4 * mesh.q, 4 * mesh.q), _Scale(), nn.Linear(4 * mesh.q, 2 * mesh.q))
+    serial[1].s.requires_grad_(False)
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    for model in (serial, parallel):
+        model[1].s.requires_grad_(True)
+    x = torch.randn(2 * mesh.size, SEQ, 4 * mesh.q)
+    serial(x).square().sum().backward()
+    parallel(scatter(x, mesh)).square().sum().backward()
+    assert_grads_like_serial(serial, parallel, mesh, 1e-5)
+
+
 def test_a_model_converted_in_eval_mode_stays_in_eval_mode(mesh):
     """Every module keeps its serial module's mode (a converter's new modules their ancestor's): a
     GPT-2 converted in eval mode runs no dropout, as serial does (before, its Dropout2D were made in

@@ -145,6 +145,9 @@ class Mesh:
         self.mpi = None  # an MpiTransport when MPI carries the collectives
         self.pending = None  # the agreement of the module call under way (comm/calls.py)
         self.calls = 0  # outermost module calls so far: the agreement point of tagged blocks (comm/calls.py)
+        # (label, weakref to its module, name) of each parameter whole on every rank whose gradient a hook
+        # sums over this mesh (convert/blockwise.py): each module call agrees which are frozen (comm/calls.py)
+        self.summed: list = []
         self._build_groups(transport, world)
         watch.register(self)
 

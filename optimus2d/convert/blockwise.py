@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -294,17 +295,28 @@ def per_head(norm: nn.Module, parent: nn.Module | None) -> bool:
 def replicated(module: nn.Module, mesh) -> nn.Module:
     """Keep ``module`` whole on every rank (a per-head norm): each rank's gradient covers its own
     heads and batch rows, so the hooks sum them over the whole mesh, as serial sums them."""
-    summed_over_mesh(module.parameters(), mesh)
+    for holder in module.modules():
+        summed_over_mesh(holder, list(holder._parameters), mesh)
     return keep_blocks_on_copy(module)  # copy.deepcopy keeps the tags and hooks
 
 
-def summed_over_mesh(params, mesh) -> None:
-    """Tag each of ``params`` (whole on every rank, used on the mesh's blocks) with ``mesh`` and sum
-    its gradient over the mesh in backward: each rank's covers its own blocks alone."""
-    for param in params:
+def summed_over_mesh(module: nn.Module, names: list[str], mesh) -> None:
+    """Tag each parameter ``names`` of ``module`` (whole on every rank, used on the mesh's blocks)
+    with ``mesh`` and sum its gradient over the mesh in backward: each rank's covers its own blocks
+    alone. The hook is registered frozen or not (frozen when converted and unfrozen later, a
+    parameter got its own blocks' gradient alone: 0.09 for 0.41, another on every rank), and the
+    mesh notes the parameter: each module call on it agrees which of them are frozen (one rank's
+    frozen scalar skipped its sum: the others waited to the timeout)."""
+    for name in names:
+        param = module._parameters[name]
+        if param is None:
+            continue
         param._optimus2d_mesh = mesh
-        if param.requires_grad and mesh.size > 1:
-            param.register_hook(functools.partial(_summed_over_mesh, mesh=mesh))
+        if mesh.size > 1:
+            wanted = param.requires_grad
+            param.requires_grad_(True).register_hook(functools.partial(_summed_over_mesh, mesh=mesh))
+            param.requires_grad_(wanted)
+            mesh.summed.append((f"{type(module).__name__}.{name}", weakref.ref(module), name))
 
 
 def _summed_over_mesh(grad: torch.Tensor, mesh) -> torch.Tensor:

@@ -65,9 +65,9 @@ def keep(module: nn.Module, mesh: Mesh) -> nn.Module:
     Its own parameters (a scale it multiplies by) stay whole on every rank, each gradient summed over
     the mesh in backward (each rank's covers its own blocks alone), as ``blockwise.replicated``'s."""
     convert_children(module, mesh)
-    own = [p for p in module.parameters(recurse=False) if getattr(p, "_optimus2d_mesh", None) is None]
+    own = [n for n, p in module.named_parameters(recurse=False) if getattr(p, "_optimus2d_mesh", None) is None]
     if own:
-        blockwise.summed_over_mesh(own, mesh)
+        blockwise.summed_over_mesh(module, own, mesh)
         keep_blocks_on_copy(module)
     return module
 

@@ -96,8 +96,16 @@ class ShardedModule(nn.Module):
         return error if error is not None else self.input_refusal(args, kwargs)
 
     def _frozen(self) -> tuple[str, ...]:
-        """The names of this module's parameters that do not require grad (agreed at each call)."""
-        return tuple(name for name, p in self.named_parameters() if not p.requires_grad)
+        """The names of this module's parameters that do not require grad, and of the mesh's
+        parameters kept whole whose gradient a hook sums over it (``mesh.summed``): agreed at each call."""
+        own = [name for name, p in self.named_parameters() if not p.requires_grad]
+        summed = self.mesh.summed
+        if summed:
+            live = [(label, ref, name) for label, ref, name in summed if ref() is not None]
+            summed[:] = live
+            params = [(label, getattr(ref(), name, None)) for label, ref, name in live]
+            own += [label for label, p in params if isinstance(p, torch.Tensor) and not p.requires_grad]
+        return tuple(own)
 
     def _checked_call(self, args: tuple, kwargs: dict):
         if torch.compiler.is_compiling():
