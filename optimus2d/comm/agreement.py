@@ -133,10 +133,11 @@ def agree(
 
 def agree_group(mesh, group, what: str, description: str, error: BaseException | None) -> None:
     """``agree`` over ``group``, a torch process group across meshes (a pipeline's lane: one rank of
-    each stage mesh; None, one rank, checks nothing): every member passes the same ``description``
-    and no ``error``, or every member raises. Waited on like ``mesh``'s collectives; a refusal is
-    not reported to ``mesh`` (its members raised it already, or agree here)."""
-    if group is None or dist.get_world_size(group) == 1:
+    each stage mesh; None, one rank, or a mesh whose check is "off", checks nothing): every member
+    passes the same ``description`` and no ``error``, or every member raises. Waited on like
+    ``mesh``'s collectives; a refusal is not reported to ``mesh`` (its members raised it already,
+    or agree here)."""
+    if group is None or dist.get_world_size(group) == 1 or mesh.check == "off":
         if error is not None:
             raise error
         return
