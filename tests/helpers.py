@@ -292,3 +292,15 @@ def torch_rms_norms(model, hidden: int, cls_name: str):
                     norm.weight.copy_(1 + 0.3 * torch.randn(hidden, dtype=torch.float64))
                 setattr(module, name, norm)
     return model
+
+
+class Scale(torch.nn.Module):
+    """A scalar it multiplies by, element by element: ``parallelize`` keeps it, its scalar whole on
+    every rank and its gradient summed over the mesh by a hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return x * self.s

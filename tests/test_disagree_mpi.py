@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import FAST_S, assert_close, raises_fast
+from helpers import FAST_S, Scale, assert_close, raises_fast
 from torch import nn
 
 import optimus2d
@@ -78,14 +78,6 @@ def test_a_scalar_kept_whole_frozen_on_one_rank(world, world_mesh):
     """A scalar kept whole on every rank, its gradient summed over the mesh by a hook, frozen on one
     rank: that rank skipped the sum and the others waited to the timeout. Each module call on the
     mesh agrees which of those parameters are frozen: refused on every rank, naming it."""
-
-    class Scale(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.s = nn.Parameter(torch.tensor(1.5))
-
-        def forward(self, x):
-            return x * self.s
 
     torch.manual_seed(0)
     q = world_mesh.q

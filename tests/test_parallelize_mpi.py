@@ -423,25 +423,14 @@ def test_frozen_parameters_stay_frozen_and_unchanged(mesh):
             assert torch.equal(after[key], before[key]), key
 
 
-class _Scale(nn.Module):
-    """A scalar it multiplies by, element by element: kept, its scalar whole on every rank."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.s = nn.Parameter(torch.tensor(1.5))
-
-    def forward(self, x):
-        return x * self.s
-
-
 def test_a_scalar_kept_whole_frozen_when_converted_and_unfrozen_after_gets_the_serial_gradient(mesh):
     """A parameter kept whole on every rank has its gradient summed over the mesh by a hook; one
     frozen when converted had none, and once unfrozen (a second phase of training) each rank got its
     own blocks' part alone: 0.09 for 0.41, another on every rank, silently."""
-    from helpers import assert_grads_like_serial
+    from helpers import Scale, assert_grads_like_serial
 
     torch.manual_seed(0)
-    serial = nn.Sequential(nn.Linear(4 * mesh.q, 4 * mesh.q), _Scale(), nn.Linear(4 * mesh.q, 2 * mesh.q))
+    serial = nn.Sequential(nn.Linear(4 * mesh.q, 4 * mesh.q), Scale(), nn.Linear(4 * mesh.q, 2 * mesh.q))
     serial[1].s.requires_grad_(False)
     parallel = parallelize(copy.deepcopy(serial), mesh)
     for model in (serial, parallel):
