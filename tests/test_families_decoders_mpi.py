@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import assert_close, raises_fast
 
 import optimus2d
 from optimus2d import gather, parallelize, scatter_batch, serial_state_dict
@@ -100,6 +100,31 @@ def test_a_llama_shaped_family_converts_exactly(mesh, family):
     assert set(state) == set(serial.state_dict())
     for key, value in serial.state_dict().items():
         assert_close(state[key], value, 1e-4, f"{family} {key} after AdamW")
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_4d_mask_is_exact_and_one_per_head_refused_on_every_rank(mesh, attn):
+    serial = _model("qwen2", mesh)
+    serial.config._attn_implementation = attn
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    torch.manual_seed(1)
+    b, s, heads = 2 * mesh.depth * mesh.q, 7, serial.config.num_attention_heads
+    ids = torch.randint(0, 96, (b, s))
+    causal = torch.triu(torch.full((s, s), -1e9), 1)
+    mask = torch.zeros(b, 1, s, s) + causal
+    mask[1, :, :, 0] = -1e9  # row 1 never attends to its first token
+    local = scatter_batch(ids, mesh)
+    got = gather(parallel(input_ids=local, attention_mask=scatter_batch(mask, mesh)).logits, mesh)
+    assert_close(got[..., :96], serial(input_ids=ids, attention_mask=mask).logits, 1e-4, "a [b, 1, s, s] mask")
+    if mesh.q > 1:
+        per_head = mask.expand(b, heads, s, s).clone()
+        message = raises_fast(
+            ValueError,
+            "a mask per head",
+            lambda: parallel(input_ids=local, attention_mask=scatter_batch(per_head, mesh)),
+        )
+        assert f"[{b // (mesh.depth * mesh.q)}, {heads}, {s}, {s}]" in message and str(mesh) in message
+        raises_fast(ValueError, "the whole batch's", lambda: parallel(input_ids=local, attention_mask=mask))
 
 
 # Families named nowhere in optimus2d, nor above: each must be exact or refused (never wrong); those in

@@ -328,7 +328,7 @@ def head_problems(module: nn.Module, mesh) -> list[str]:
     ``mesh``, for a module that holds a head size (``head_dim``, ``attention_head_size``, ...): its
     projections' columns split the heads. (RoBERTa's and DistilBERT's attention, which hold
     ``attention_head_size``, took 3 heads on q = 2 and failed in torch's view at the forward.)"""
-    if not any(_count(getattr(module, name, None)) for name in HEAD_SIZES):
+    if not holds_heads(module):
         return []
     config = getattr(module, "config", None)
     counts = {}
@@ -337,6 +337,45 @@ def head_problems(module: nn.Module, mesh) -> list[str]:
         if n:
             counts[name] = n
     return [f"has {name}={n}, not divisible by q={mesh.q} ({mesh})" for name, n in counts.items() if n % mesh.q]
+
+
+def holds_heads(module: nn.Module) -> bool:
+    """Whether ``module`` holds a head size (``head_dim``, ...): its projections' columns split heads."""
+    return any(_count(getattr(module, name, None)) for name in HEAD_SIZES)
+
+
+def refuse_head_masks(module: nn.Module, mesh) -> None:
+    """Check each call of ``module`` (a forward kept as read that holds a head size, on q > 1) for a
+    4D mask it cannot take on blocks: one per head ``[b, H, s, s]`` (a rank holds H/q heads: torch's
+    broadcast failed, or a later Linear2D's said "the full tensor") or the whole batch's where the
+    hidden states are this rank's block. Every rank holds the same shapes, so
+    every rank raises at once, between two collectives."""
+    names = list(inspect.signature(type(module).forward).parameters)[1:]
+    module.register_forward_pre_hook(functools.partial(_check_masks, names=names, mesh=mesh), with_kwargs=True)
+
+
+_MASKS = ("attention_mask", "encoder_attention_mask", "attn_mask")
+
+
+def _check_masks(module: nn.Module, args: tuple, kwargs: dict, names: list[str], mesh) -> None:
+    inputs = {**dict(zip(names, args, strict=False)), **kwargs}
+    hidden = inputs.get("hidden_states", args[0] if args else None)
+    rows = hidden.shape[0] if isinstance(hidden, torch.Tensor) and hidden.dim() > 1 else None
+    for key in _MASKS:
+        mask = inputs.get(key)
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+            continue
+        where = f"{type(module).__name__}: {key} {list(mask.shape)}"
+        if mask.shape[1] != 1:
+            raise ValueError(
+                f"{where} holds a mask per head (dim 1: {mask.shape[1]}); on {mesh} a rank holds heads/q of "
+                f"them (its columns split the heads), and a per-head mask is not supported: give [b, 1, s, s]"
+            )
+        if rows is not None and mask.shape[0] != rows and mask.shape[0] == rows * mesh.depth * mesh.q:
+            raise ValueError(
+                f"{where} is the whole batch's, not this rank's block (its hidden states have {rows} rows on "
+                f"{mesh}): pass optimus2d.scatter_batch(mask, mesh) with the inputs' blocks"
+            )
 
 
 _HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "num_heads", "n_head", "n_heads")

@@ -473,19 +473,21 @@ def _plan(module: nn.Module, parent: nn.Module | None, mesh: Mesh) -> Converter 
         return (
             "its forward " + "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
         )
-    if reading.guards or reading.draws:
-        return _KeepAsRead(reading)
+    heads = mesh.q > 1 and blockwise.holds_heads(module)
+    if reading.guards or reading.draws or heads:
+        return _KeepAsRead(reading, heads)
     return _keep
 
 
 class _KeepAsRead:
     """``keep``, for a forward the reader judged on this instance's flags: the flags it relied on are
-    checked before every call, and a forward whose dropout may draw runs under ``shard_rng``."""
+    checked before every call, a forward whose dropout may draw runs under ``shard_rng``, and one
+    that splits heads (q > 1) refuses the 4D masks it cannot take on blocks."""
 
     converts_children = True
 
-    def __init__(self, reading: forward_reader.Reading) -> None:
-        self.reading = reading
+    def __init__(self, reading: forward_reader.Reading, heads: bool = False) -> None:
+        self.reading, self.heads = reading, heads
 
     def __call__(self, module: nn.Module, mesh: Mesh) -> nn.Module:
         keep(module, mesh)
@@ -495,4 +497,6 @@ class _KeepAsRead:
             module.register_forward_hook(forward_reader.check_guards_after)  # a flag the forward itself changed
         if self.reading.draws:
             forward_reader.draw_per_shard(module, mesh)
+        if self.heads:  # a per-head or full-batch 4D mask: a clear error, not torch's
+            blockwise.refuse_head_masks(module, mesh)
         return module
