@@ -376,6 +376,25 @@ def test_a_parameter_also_held_outside_the_model_given_is_guarded(mesh):
     assert_close(untied(hidden), F.linear(serial_base(ids), serial_base[0].weight), what="an untied head")
 
 
+def test_an_optimizer_built_before_parallelize_refuses_to_step(mesh):
+    """It holds the serial parameters, which the converted model no longer holds: its step moved
+    nothing the model uses (an SGD step left every block as it was, no error). It now raises at its
+    step on every rank; one built after trains as serial, and one over a serial twin is untouched."""
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(E, 2 * E), nn.GELU(), nn.Linear(2 * E, E))
+    model = copy.deepcopy(serial)
+    early = torch.optim.AdamW(model.parameters(), lr=0.1)
+    serial_opt = torch.optim.SGD(serial.parameters(), lr=0.1)
+    model = parallelize(model, mesh)
+    x = torch.randn(2 * mesh.depth * mesh.q, SEQ, E)
+    gather(model(scatter(x, mesh)), mesh).pow(2).sum().backward()
+    serial(x).pow(2).sum().backward()
+    with pytest.raises(ValueError, match=r"AdamW: it holds 4 parameters of Sequential \(0\.weight, 0\.bias, 2\.weight"):
+        early.step()
+    serial_opt.step()
+    check_against_serial(copy.deepcopy(serial), parallelize(copy.deepcopy(serial), mesh), x, mesh)
+
+
 class _Everything(nn.Module):
     """One of every module parallelize converts from torch.nn, in a chain."""
 

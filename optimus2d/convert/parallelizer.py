@@ -33,7 +33,7 @@ from optimus2d.convert.registry import (
     register_recogniser,
 )
 from optimus2d.convert.settings import agree_settings
-from optimus2d.convert.tied import guard_outside, held_outside, tied_embeddings
+from optimus2d.convert.tied import guard_optimizers, guard_outside, held_outside, tied_embeddings
 from optimus2d.convert.walk import _current, _rehearse, _Walk, convert_children, keep, register_converter
 from optimus2d.convert.whole_io import WholeIO, io_refusal
 from optimus2d.cost.auto import Choice
@@ -119,6 +119,7 @@ def parallelize(
             if register is None and finish is not None:  # a library whose modules were met
                 finish(out, mesh)
         distribute_parameters(out, mesh, whole)  # every parameter a DTensor: torch's tools see serial tensors
+        guard_optimizers(walk.outside, module, out, mesh)  # optimizers built before: they hold serial tensors
         if io != "blocks":  # whole tensors in and out (its 1D regions' boundaries keep their whole outputs)
             hooks = WholeIO(mesh, [mesh, *walk.plan.values()], io if isinstance(io, Mapping) else None)
             hooks.install(out)

@@ -91,7 +91,8 @@ def tied_embeddings(root: nn.Module) -> Tied:
 
 def held_outside(root: nn.Module) -> list[tuple[nn.Module, str, str]]:
     """``(holder, its name for it, the root's name)`` for each parameter of ``root`` that a module
-    outside ``root`` holds too (found among the live modules, only when some parameter has more
+    outside ``root`` holds too, and ``(optimizer, the parameter, the root's name)`` for each that an
+    optimizer holds (found among the live objects, only when some parameter has more
     references than its holders inside give it: a scan of every object is 0.2 s with transformers
     loaded). Raises ``TypeError`` for a parameter whose tie an earlier ``parallelize`` broke."""
     inside = {id(m) for m in root.modules()}
@@ -117,6 +118,8 @@ def held_outside(root: nn.Module) -> list[tuple[nn.Module, str, str]]:
             found += [
                 (obj, key, names[id(p)]) for key, p in obj._parameters.items() if p is not None and id(p) in names
             ]
+        elif issubclass(type(obj), torch.optim.Optimizer):  # built before parallelize: it holds serial tensors
+            found += [(obj, p, names[id(p)]) for group in obj.param_groups for p in group["params"] if id(p) in names]
     return found
 
 
@@ -140,6 +143,8 @@ def guard_outside(found: list[tuple[nn.Module, str, str]], root: nn.Module, mesh
     raises ``ValueError`` when called, and its parameter is marked so that a later ``parallelize``
     of it refuses (its tie is broken: the model holds blocks, the holder the serial tensor)."""
     for holder, key, name in found:
+        if not isinstance(holder, nn.Module):  # an optimizer: guard_optimizers, once the parameters are final
+            continue
         name = f"{name} of {type(root).__name__}"
         setattr(holder._parameters[key], ELSEWHERE, name)
         holder.register_forward_pre_hook(functools.partial(_broken_tie, what=(type(holder).__name__, key, name, mesh)))
@@ -152,4 +157,29 @@ def _broken_tie(module: nn.Module, args: tuple, *, what: tuple) -> None:
         f"where this module outside that model holds the serial tensor: the tie is broken (BertForPreTraining with "
         f"its bert converted alone trained 0.14 off in one step). Parallelize the module that holds both, or give "
         f"this one its own copy before (nn.Parameter(weight.detach().clone())) to train them apart"
+    )
+
+
+def guard_optimizers(found: list[tuple[object, str | None, str]], root: nn.Module, model: nn.Module, mesh) -> None:
+    """After ``root`` is converted into ``model`` (its parameters final): an optimizer built before
+    ``parallelize`` that holds serial parameters the model no longer holds raises ``ValueError`` at
+    its next step. Stepping it moved the serial tensors, never the blocks: the model did not train,
+    with no error (an SGD step changed nothing)."""
+    now = {id(p) for p in model.parameters()}
+    stale: dict[int, tuple[torch.optim.Optimizer, list[str]]] = {}
+    for holder, param, name in found:
+        if not isinstance(holder, nn.Module) and id(param) not in now:
+            stale.setdefault(id(holder), (holder, []))[1].append(name)
+    for optimizer, names in stale.values():
+        what = (type(optimizer).__name__, type(root).__name__, names, mesh)
+        optimizer.register_step_pre_hook(functools.partial(_stale_optimizer, what=what))
+
+
+def _stale_optimizer(optimizer, args: tuple, kwargs: dict, *, what: tuple) -> None:
+    cls, model, names, mesh = what
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    raise ValueError(
+        f"{cls}: it holds {len(names)} parameters of {model} ({shown}) that parallelize replaced on {mesh}: the "
+        f"model holds their blocks now, so stepping this optimizer would leave the model as it is. Build the "
+        f"optimizer after parallelize, from the converted model's parameters"
     )
