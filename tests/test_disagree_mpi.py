@@ -127,6 +127,24 @@ def test_cross_entropy_refused_by_one_rank_is_refused_by_all(world, world_mesh):
     assert_close(loss, torch.tensor(math.log(4 * q)), 1e-6, "the next loss")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_target_out_of_range_on_one_rank_is_refused_by_all(world, world_mesh, reduction):
+    """One rank's targets edited after ``scatter_batch`` (its row's others in range): the flag
+    was summed over col and depth alone, so the ranks of that row raised and the others returned
+    the loss; a loop that skipped the batch then waited to the timeout. Now every rank raises,
+    and the next loss is right."""
+    q = world_mesh.q
+    logits = optimus2d.scatter(torch.zeros(2 * world_mesh.size, 3, 4 * q), world_mesh)
+    target = optimus2d.scatter_batch(torch.zeros(2 * world_mesh.size, 3, dtype=torch.long), world_mesh)
+    bad = target.clone()
+    if _last(world):
+        bad[0, 0] = 4 * q
+    call = lambda: optimus2d.cross_entropy(logits, bad, world_mesh, reduction=reduction)  # noqa: E731
+    raises_fast(ValueError, rf"a target class is outside \[0, {4 * q}\)", call)
+    loss = optimus2d.cross_entropy(logits, target, world_mesh)
+    assert_close(loss, torch.tensor(math.log(4 * q)), 1e-6, "the next loss")
+
+
 def test_token_ids_of_another_length_on_one_rank(world, world_mesh):
     embedding = optimus2d.layers.Embedding2D(10, 4 * world_mesh.q, mesh=world_mesh)
     ids = torch.zeros(2, 5 if _last(world) else 4, dtype=torch.long)

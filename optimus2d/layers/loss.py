@@ -43,9 +43,9 @@ def cross_entropy(
     gradient, as a loss computed alike from it gives; moved by ``redistribute``, ``to_whole`` or a
     boundary, still so: ``grad_alike``; not a tensor computed from it, which a boundary moves as any
     batch block: move the losses, then weigh them). Sends: a max and a sum all-reduce over the row
-    (1 and 2 values a target; 4 with label smoothing), and for "mean"/"sum" one all-reduce of 3
-    values over col and depth ("none": of 1); backward sends nothing. Before them (check "entry" and
-    up), the ranks agree on the shapes, dtypes and arguments, or every rank raises the same error.
+    (1 and 2 values a target, 4 with label smoothing; and a flag), and for "mean"/"sum" one
+    all-reduce of 3 values over col and depth ("none": of 1); backward sends nothing. Before them
+    (check "entry" and up), the ranks agree on the shapes, dtypes and arguments, or every rank raises the same error.
     Keeps for backward the logits (their dtype) and a log-sum-exp a target. Where the vocabulary is
     whole (q = 1) and there is no smoothing, the loss is torch's ``F.cross_entropy`` (and its kernels).
     """
@@ -62,8 +62,9 @@ def cross_entropy(
     check_function_call(mesh, "cross_entropy", (logits_local, target_local), f"{settings!r}", error)
     start = mesh.index("row") * per_rank
     valid = target_local != ignore_index
-    # Targets are the same across the row; a bad one is reported on every rank at once (the
-    # flag rides on an all-reduce over col and depth), so no rank raises while others wait.
+    # A bad target is reported on every rank at once (its flag rides on the all-reduces over the
+    # row, then col and depth), so no rank raises while others wait: not even where one rank's
+    # targets differ from its row's (edited after scatter_batch: two ranks raised, two waited).
     bad = valid & ((target_local < 0) | (target_local >= vocab))
     if mesh.q == 1 and label_smoothing == 0.0:  # the vocabulary is whole: torch's own kernels
         safe = torch.where(bad, ignore_index, target_local).reshape(-1)  # a bad target must not reach a CUDA kernel
@@ -78,7 +79,7 @@ def cross_entropy(
         if start + per_rank > vocab:  # this block holds padded columns: no class, whatever the model made of them
             padded = torch.arange(start, start + per_rank, device=logits_local.device) >= vocab
             logits_local = logits_local.masked_fill(padded, float("-inf"))
-        loss = _split_vocab_loss(logits_local, target_local, valid, start, mesh, label_smoothing)
+        loss, bad = _split_vocab_loss(logits_local, target_local, valid, bad, start, mesh, label_smoothing)
     loss = _reduced_loss(torch.where(valid, loss, 0.0), valid, bad, reduction, vocab, mesh).to(logits_local.dtype)
     return _per_target(loss, mesh) if reduction == "none" else loss
 
@@ -122,12 +123,19 @@ def _vocabulary(per_rank: int, mesh: Mesh, num_classes: int | None) -> int:
 
 
 def _split_vocab_loss(
-    logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, start: int, mesh: Mesh, smoothing: float
-) -> torch.Tensor:
-    """Each target's loss from this rank's vocabulary block, which starts at class ``start``."""
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    valid: torch.Tensor,
+    bad: torch.Tensor,
+    start: int,
+    mesh: Mesh,
+    smoothing: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each target's loss from this rank's vocabulary block, which starts at class ``start``, and
+    how many of the row's ranks hold a bad target."""
     in_block = valid & (target >= start) & (target < start + logits.shape[-1])
     local_target = torch.where(in_block, target - start, 0)
-    return _SplitVocabCrossEntropy.apply(logits, local_target, in_block, mesh, smoothing)
+    return _SplitVocabCrossEntropy.apply(logits, local_target, in_block, bad.any(), mesh, smoothing)
 
 
 def _reduced_loss(
@@ -148,13 +156,14 @@ class _SplitVocabCrossEntropy(Function):
     """The loss of each target from this rank's vocabulary block, in fp32 (fp64 for fp64 logits).
 
     forward: a max all-reduce over the row, then one of [Σ exp, the target's logit] per target
-    (with label smoothing also [Σ finite logits, how many]). Saves the logits as they came (their
-    dtype: what torch's own cross_entropy keeps, its log-softmax) and a log-sum-exp a target.
+    (with label smoothing also [Σ finite logits, how many]) and of the bad-target flag. Saves the
+    logits as they came (their dtype: what torch's own cross_entropy keeps, its log-softmax) and a
+    log-sum-exp a target.
     backward: the softmax recomputed from them, less the target's one-hot; sends nothing.
     """
 
     @staticmethod
-    def forward(ctx, logits, local_target, in_block, mesh: Mesh, smoothing: float):
+    def forward(ctx, logits, local_target, in_block, bad, mesh: Mesh, smoothing: float):
         row_max = logits.detach().amax(-1, keepdim=True).to(compute_dtype(logits))
         P.all_reduce_max(row_max, mesh, "row")
         shifted = logits.to(row_max.dtype) - row_max  # a new tensor: the logits stay as saved
@@ -165,7 +174,9 @@ class _SplitVocabCrossEntropy(Function):
             sums += [torch.where(finite, shifted, 0.0).sum(-1), finite.sum(-1).to(shifted.dtype)]
         sums[0] = shifted.exp_().sum(-1)
         totals = torch.stack(sums, -1)
-        P.all_reduce(totals, mesh, "row")
+        flat = torch.cat([totals.reshape(-1), bad.to(totals.dtype).reshape(1)])
+        P.all_reduce(flat, mesh, "row")
+        totals, bad = flat[:-1].view(totals.shape), flat[-1]
         log_sum_exp = totals[..., 0].log()
         loss = log_sum_exp - totals[..., 1]
         classes = None
@@ -174,18 +185,19 @@ class _SplitVocabCrossEntropy(Function):
             loss = (1 - smoothing) * loss + smoothing * (log_sum_exp - totals[..., 2] / classes)
         ctx.save_for_backward(logits, log_sum_exp + row_max.squeeze(-1), local_target, in_block, classes)
         ctx.smoothing = smoothing
-        return loss
+        ctx.mark_non_differentiable(bad)
+        return loss, bad
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_bad):
         logits, log_z, local_target, in_block, classes = ctx.saved_tensors
         grad = logits.to(log_z.dtype, copy=True).sub_(log_z.unsqueeze(-1)).exp_()  # softmax
         eps = ctx.smoothing
         if eps:
             grad.sub_(torch.isfinite(logits).to(grad.dtype).mul_((eps / classes).unsqueeze(-1)))
         grad.scatter_add_(-1, local_target.unsqueeze(-1), in_block.to(grad.dtype).mul_(eps - 1).unsqueeze(-1))
-        return grad.mul_(grad_loss.unsqueeze(-1)).to(logits.dtype), None, None, None, None
+        return grad.mul_(grad_loss.unsqueeze(-1)).to(logits.dtype), None, None, None, None, None
 
 
 def _raise_if(bad: torch.Tensor, vocab: int, mesh: Mesh) -> None:
