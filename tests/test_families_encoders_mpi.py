@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_close, assert_grads_like_serial
+from helpers import assert_close, assert_grads_like_serial, raises_fast
 from torch import nn
 
 import optimus2d
@@ -158,6 +158,10 @@ def test_bert_masked_lm_labels_and_one_step(mesh, vocab, tied):
     with torch.no_grad():  # the tuple form puts the loss first too
         as_tuple = parallel(input_ids=scatter_batch(ids, mesh), labels=scatter_batch(labels, mesh), return_dict=False)
         assert as_tuple[0].dim() == 0 and as_tuple[1].shape == out.logits.shape
+        if vocab % mesh.q:  # a label in the padded columns (serial: IndexError): refused, not a loss of inf
+            labels[0, 0] = vocab
+            call = lambda: parallel(input_ids=scatter_batch(ids, mesh), labels=scatter_batch(labels, mesh))  # noqa: E731
+            raises_fast(ValueError, rf"a target class is outside \[0, {vocab}\)", call)
     _same_after_adamw(serial, parallel, mesh)
 
 

@@ -39,8 +39,11 @@ from torch import nn
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.rng import shard_rng
 from optimus2d.comm.sharding import Sharding
+from optimus2d.convert.forward_reader import output_head
 from optimus2d.convert.parallelizer import convert_children, register_converter
 from optimus2d.layers.base import replace_by_block
+from optimus2d.layers.embedding import TiedHead2D
+from optimus2d.layers.linear import Linear2D
 from optimus2d.layers.loss import cross_entropy
 
 # Forwards read: element-wise on the hidden dim, or on whole heads, once the children are converted.
@@ -131,7 +134,9 @@ def with_vocab_loss(
     labels)`` may first set inputs made from them, e.g. BART's decoder ids), then the loss is
     ``optimus2d.cross_entropy`` of the logits block ``[b/(d·q), s, ⌈V/q⌉]`` against the labels block
     ``[b/(d·q), s]`` (``scatter_batch``; −100 ignored, mean over the rest, as the serial model's
-    ``CrossEntropyLoss``), put first in the output as the serial model does."""
+    ``CrossEntropyLoss``), put first in the output as the serial model does. The classes are the
+    head's V: a label in the padded columns of a vocabulary q does not divide is refused (its loss
+    was inf, where serial raises)."""
     if "_optimus2d_loss" in model.__dict__:
         return
     forward = model.forward
@@ -148,12 +153,20 @@ def with_vocab_loss(
             prepare(bound, labels)
         out = forward(*bound.args, **bound.kwargs)
         logits = out[0] if isinstance(out, tuple) else out.logits
-        loss = cross_entropy(logits, labels.to(logits.device), mesh)
+        loss = cross_entropy(logits, labels.to(logits.device), mesh, num_classes=_vocabulary(model))
         if isinstance(out, tuple):
             return (loss, *out)
         return type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})
 
     model.forward, model._optimus2d_loss = with_loss, mesh
+
+
+def _vocabulary(model: nn.Module) -> int | None:
+    """The vocabulary V of ``model``'s converted output head (its logits are ``⌈V/q⌉`` wide)."""
+    head = output_head(model)
+    if isinstance(head, Linear2D):
+        return head.out_features
+    return head.num_embeddings if isinstance(head, TiedHead2D) else None
 
 
 def _unsupported(module: nn.Module) -> str | None:
