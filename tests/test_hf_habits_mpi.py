@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, raises_fast
 
 import optimus2d
 from optimus2d import parallelize, scatter_batch, serial_state_dict
@@ -99,6 +99,24 @@ def test_labels_refusals(mesh):
     custom = parallelize(custom, mesh)
     with pytest.raises(TypeError, match="not transformers' ForCausalLMLoss"):
         custom(input_ids=scatter_batch(_ids(mesh, 96), mesh), labels=scatter_batch(_ids(mesh, 96), mesh))
+
+
+def test_a_mask_of_other_rows_than_the_ids_is_refused(mesh):
+    """``attention_mask`` left whole beside ``scatter_batch``-ed ids ran and gave wrong logits (transformers
+    reads the block's rows of it: 0.09 off); now a ValueError on every rank. Its block is exact."""
+    serial, parallel = _pair(mesh, "llama")
+    ids = _ids(mesh, 96)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # row 1 left-padded
+    local = scatter_batch(ids, mesh)
+    got = optimus2d.gather(parallel(input_ids=local, attention_mask=scatter_batch(mask, mesh)).logits, mesh)
+    assert_close(got[..., :96], serial(input_ids=ids, attention_mask=mask).logits, 1e-4, "logits, padded")
+    if mesh.size > 1:
+        call = lambda: parallel(input_ids=local, attention_mask=mask)  # noqa: E731
+        message = raises_fast(ValueError, r"LlamaForCausalLM: attention_mask \[\d+, 7\] has \d+ rows", call)
+        assert "scatter_batch(attention_mask, mesh)" in message and str(mesh) in message
+    with pytest.raises(ValueError, match=r"token_type_ids \[3, 7\]"):  # neither one row nor the ids'
+        parallel(input_ids=local, token_type_ids=torch.zeros(3, 7, dtype=torch.long))
 
 
 # ---- generate() ----------------------------------------------------------------------------------

@@ -17,7 +17,17 @@ from optimus2d.convert.parallelizer import register_library
 
 # library → the files that register its classes
 _FILES = {
-    "transformers": ("hf", "hf_causal_lm", "hf_vision", "hf_bert", "hf_seq2seq", "hf_llava", "hf_opt", "hf_alibi"),
+    "transformers": (
+        "hf",
+        "hf_causal_lm",
+        "hf_vision",
+        "hf_bert",
+        "hf_seq2seq",
+        "hf_llava",
+        "hf_opt",
+        "hf_alibi",
+        "hf_inputs",
+    ),
     "timm": ("timm",),
 }
 
