@@ -9,7 +9,8 @@ from torch.autograd.function import once_differentiable
 
 from optimus2d.comm import all_reduce
 from optimus2d.comm import primitives as P
-from optimus2d.comm.calls import check_function_call
+from optimus2d.comm.agreement import agree_distinct, describe
+from optimus2d.comm.calls import check_function_call, layout, other_mesh
 from optimus2d.comm.functional import grad_alike
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.traced import refuse_if
@@ -45,7 +46,10 @@ def cross_entropy(
     batch block: move the losses, then weigh them). Sends: a max and a sum all-reduce over the row
     (1 and 2 values a target, 4 with label smoothing; and a flag), and for "mean"/"sum" one
     all-reduce of 3 values over col and depth ("none": of 1); backward sends nothing. Before them
-    (check "entry" and up), the ranks agree on the shapes, dtypes and arguments, or every rank raises the same error.
+    (check "entry" and up), the ranks agree on the shapes, dtypes and arguments, or every rank raises
+    the same error; logits tagged as full (``gather``'s), as a batch block or as another mesh's blocks
+    are refused, and where q > 1 so are untagged logits that are the same on every rank (the full
+    logits sliced: their first row's block is compared, in the same exchange).
     Keeps for backward the logits (their dtype) and a log-sum-exp a target. Where the vocabulary is
     whole (q = 1) and there is no smoothing, the loss is torch's ``F.cross_entropy`` (and its kernels).
     """
@@ -59,7 +63,9 @@ def cross_entropy(
     # The ranks' shapes and arguments agree first (one 5-word all-gather): a rank whose targets are
     # shorter or whose smoothing differs sent an all-reduce of another size (over MPI: NaN, no error).
     settings = (ignore_index, float(label_smoothing), reduction, num_classes)
-    check_function_call(mesh, "cross_entropy", (logits_local, target_local), f"{settings!r}", error)
+    if error is None:
+        error = _logits_refusal(logits_local, mesh)
+    _check_call(mesh, logits_local, target_local, f"{settings!r}", error)
     start = mesh.index("row") * per_rank
     valid = target_local != ignore_index
     # A bad target is reported on every rank at once (its flag rides on the all-reduces over the
@@ -82,6 +88,42 @@ def cross_entropy(
         loss, bad = _split_vocab_loss(logits_local, target_local, valid, bad, start, mesh, label_smoothing)
     loss = _reduced_loss(torch.where(valid, loss, 0.0), valid, bad, reduction, vocab, mesh).to(logits_local.dtype)
     return _per_target(loss, mesh) if reduction == "none" else loss
+
+
+def _logits_refusal(logits: torch.Tensor, mesh: Mesh) -> BaseException | None:
+    """Why this rank's ``logits`` are not a vocabulary block of ``mesh``, by their tags: full ones
+    (``gather``'s output) and blocks of another mesh or of the batch gave a wrong loss, no error."""
+    if mesh.size == 1:
+        return None
+    other = other_mesh(logits, mesh)
+    if getattr(logits, "_optimus2d_full", False) or other is not None:
+        what = f"a block of {other}" if other is not None else "the full tensor (gather's output, or scatter's input)"
+        return ValueError(
+            f"cross_entropy: its logits {describe(logits)} are {what}, not this rank's vocabulary block on {mesh}"
+        )
+    if getattr(logits, "_optimus2d_kind", None) == "batch":
+        return ValueError(
+            f"cross_entropy: its logits {describe(logits)} are a batch block (scatter_batch), whole along the "
+            f"vocabulary, not this rank's vocabulary block on {mesh}"
+        )
+    return None
+
+
+def _check_call(mesh: Mesh, logits: torch.Tensor, target: torch.Tensor, settings: str, error) -> None:
+    """``check_function_call``, where q > 1 also asking whether every rank passes the same logits
+    (their first row's block, not constant): the full logits, whose tag a slice dropped
+    (``gather(...)[:, :-1]``), made each rank take the whole vocabulary for its block."""
+    untagged = getattr(logits, "_optimus2d_layout", None) != layout(mesh)
+    if mesh.q == 1 or mesh.check == "off" or not untagged or torch.compiler.is_compiling() or logits.numel() == 0:
+        check_function_call(mesh, "cross_entropy", (logits, target), settings, error)
+        return
+    first = logits[(0,) * (logits.dim() - 1)].detach()
+    if agree_distinct(mesh, "cross_entropy", ", ".join([describe(logits), describe(target), settings]), error, first):
+        raise ValueError(
+            f"cross_entropy on {mesh}: every rank passes the same logits {describe(logits)} (not constant): the "
+            f"full logits, where each rank's vocabulary block is due (a model's output, not gather's); "
+            f"F.cross_entropy takes the full ones"
+        )
 
 
 def _per_target(loss: torch.Tensor, mesh: Mesh) -> torch.Tensor:
