@@ -125,7 +125,7 @@ def clip_grad_norm_(
     if pipe is not None:
         if mesh is not None and mesh is not pipe.mesh:
             raise ValueError(f"clip_grad_norm_: mesh={mesh} is not the stage's mesh {pipe.mesh}; give one of them")
-        return clip_over(params, max_norm, pipe.mesh, norm_type, pipe.lane, copies, error_if_nonfinite)
+        return clip_over(params, max_norm, pipe.mesh, norm_type, pipe.lane, copies, error_if_nonfinite, pipe.dp_group)
     if mesh is None:
         mesh = _mesh_of(params)
         if mesh is None and any(isinstance(p, DTensor) for p in params):
@@ -147,9 +147,13 @@ def clip_over(
     lane: dist.ProcessGroup | None = None,
     copies: Mapping[torch.Tensor, int] | None = None,
     error_if_nonfinite: bool = False,
+    replicas: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """``clip_grad_norm_`` over ``mesh`` and, given ``lane`` (a pipeline's: one rank of each stage
     mesh), over every stage: the mesh-wide sums (or max) then one all-reduce over the lane.
+    ``replicas``: the pipeline's data-parallel group (``dp_group``), whose copies hold the same
+    averaged gradients and agree on the settings too (one copy's other max_norm made the copies'
+    weights part, no error).
     ``copies``: parameters whose gradient that many ranks of the lane hold alike (a tied table's
     copies on the first and last stages), each counted 1/copies times so the table counts once."""
     copies = {id(p): n for p, n in (copies or {}).items()}
@@ -173,7 +177,14 @@ def clip_over(
         error = err
     # The stages agree too (one stage's other max_norm clipped its gradients alone; its other norm_type
     # sent a max over the lane where the others summed) and hear a refusal on one stage
-    agree_group(mesh, lane, "clip_grad_norm_", agreed, error)
+    try:
+        agree_group(mesh, lane, "clip_grad_norm_", agreed, error)
+        error = None
+    except (ValueError, TypeError) as err:  # raised on every stage of this copy: on every copy's too
+        if replicas is None:
+            raise
+        error = err
+    agree_group(mesh, replicas, "clip_grad_norm_ over the copies", agreed, error)
     grads = [
         (local(p.grad), _replicas(p, m) * copies.get(id(p), 1))
         for p, m in zip(params, own, strict=True)

@@ -100,6 +100,28 @@ def test_clip_grad_norm_over_stages_agrees_the_settings_of_every_stage(world, od
     assert all(torch.equal(p.grad, g) for p, g in zip(layer.parameters(), grads, strict=True))
 
 
+@pytest.mark.parametrize("odd", ["max_norm", "refusal"])
+def test_clip_grad_norm_over_copies_agrees_the_settings_of_every_copy(world, odd):
+    """A pipeline with data-parallel copies: one copy's other max_norm made the copies' weights
+    part (0.21 after one SGD step, no error), and its refusal left the other copy waiting. Raised on
+    every rank of every copy at once, nothing clipped."""
+    from helpers import raises_fast, stage_pipe
+
+    if world.size != 4:
+        pytest.skip("2 stages of 1 rank, 2 copies")
+    pipe = stage_pipe(2, 1, dp=2)
+    torch.manual_seed(pipe.stage)
+    layer = optimus2d.layers.Linear2D.from_serial(nn.Linear(4, 4), pipe.mesh)
+    layer(scatter(torch.randn(2, 3, 4), pipe.mesh)).square().sum().backward()
+    grads = [p.grad.clone() for p in layer.parameters()]
+    kwargs = {"max_norm": 0.1, "norm_type": 2.0}
+    if pipe.dp_rank == 1:
+        kwargs.update({"max_norm": 1.0} if odd == "max_norm" else {"norm_type": 0.0})
+    message = r"norm_type=0.0 is not taken" if odd == "refusal" else r"clip_grad_norm_ over the copies .*disagree"
+    raises_fast(ValueError, message, lambda: clip_grad_norm_(list(layer.parameters()), pipe=pipe, **kwargs))
+    assert all(torch.equal(p.grad, g) for p, g in zip(layer.parameters(), grads, strict=True))
+
+
 def test_clip_grad_norm_finds_the_meshes_of_its_parameters(mesh):
     plain = nn.Linear(3, 4)
     plain(torch.ones(2, 3)).sum().backward()
