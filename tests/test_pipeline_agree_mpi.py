@@ -349,3 +349,13 @@ def test_copies_given_labels_of_other_shapes_are_refused(world):
     message = _refused(r"causal_lm_targets over the 2 data-parallel copies: the ranks disagree",
                            lambda: causal_lm_targets(labels, pipe))  # fmt: skip
     assert f"int64[{6 * u}, {SEQ}]" in message and f"int64[{2 * u}, {SEQ}]" in message
+
+
+def test_a_copy_whose_labels_its_mesh_refuses_is_refused_on_every_copy(world):
+    """One copy's labels refused by its own split (3 micro-batches of 4 rows): the other copy waited
+    in the count over the copies to the timeout; now the refusal is every copy's."""
+    pipe = _pipe(world, dp=2)
+    labels = torch.zeros(4 * _unit(pipe), SEQ, dtype=torch.long)
+    n = 2 if pipe.dp_rank == 0 else 3
+    _refused(r"causal_lm_targets over the 2 data-parallel copies: rank \d+ refused it: ValueError",
+             lambda: causal_lm_targets(labels, pipe, microbatches=n))  # fmt: skip

@@ -327,17 +327,19 @@ def _raise_unlike(texts: list[str], table: torch.Tensor, pipe) -> None:
     )
 
 
-def copies_sum(mesh, copies: tuple, what: str, description: str, value: int) -> int:
+def copies_sum(mesh, copies: tuple, what: str, description: str, value: int, error: BaseException | None = None) -> int:
     """``value`` summed over the data-parallel copies of stage mesh ``mesh`` (``copies``: its
     ``(dp, dp_group, dp_ranks)``, this rank's place in each copy), the copies first agreeing on
-    ``description`` (one all-gather of 6 words; a disagreement raises the same ``ValueError`` on every
-    rank of the group). Collective over ``dp_group``."""
+    ``description`` (one all-gather of 6 words; a disagreement, or one copy's ``error``, raises on
+    every rank of the group). Collective over ``dp_group``."""
     dp, group, ranks = copies
     if group is None:
+        if error is not None:
+            raise error
         return value
-    words = [*agreement.signature(what, description, (), None), int(value)]
+    words = [*agreement.signature(what, description, (), error), int(value)]
     gather = lambda t: agreement.gather_group(t, group, mesh, f"{what} over the copies")  # noqa: E731
     table = gather(torch.tensor(words, dtype=torch.int64))
     where = f"{what} over the {dp} data-parallel copies"
-    agreement.verdict(table[:, :5], gather, ranks, where, description, None, mesh)
+    agreement.verdict(table[:, :5], gather, ranks, where, description, error, mesh)
     return int(table[:, 5].sum())

@@ -190,17 +190,22 @@ def causal_lm_targets(
             f"with other samples than the logits"
         )
     shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    if context is not None:
-        block = context_scatter_batch(shifted.contiguous(), mesh, context.split(labels.shape[1])[0])
-    elif microbatches is not None:
-        block = scatter_microbatches(shifted.contiguous(), mesh, microbatches, layout="batch")
-    else:
-        block = scatter_batch(shifted.contiguous(), mesh)
+    copies, error, block = copies_of(mesh), None, None
+    try:  # refused on every rank of this copy's mesh: on every copy's too (the others waited in the sum)
+        if context is not None:
+            block = context_scatter_batch(shifted.contiguous(), mesh, context.split(labels.shape[1])[0])
+        elif microbatches is not None:
+            block = scatter_microbatches(shifted.contiguous(), mesh, microbatches, layout="batch")
+        else:
+            block = scatter_batch(shifted.contiguous(), mesh)
+    except (ValueError, TypeError) as err:
+        if copies[0] == 1:
+            raise
+        error = err
     count = int((shifted != ignore_index).sum())
-    copies = copies_of(mesh)
     if copies[0] > 1:
         described = f"labels {describe(labels)}, ignore_index={ignore_index}"
-        count = copies_sum(mesh, copies, "causal_lm_targets", described, count)
+        count = copies_sum(mesh, copies, "causal_lm_targets", described, count, error)
     return block, count
 
 
