@@ -120,6 +120,7 @@ def test_refusals_on_every_rank(world):
     small = max(meshes.values(), key=lambda m: m.q)
     if big is small:
         pytest.skip("needs two mesh shapes")
+    torch.manual_seed(0)  # the same full tensors on every rank, whatever ran before
     x = torch.randn(small.depth * small.q, 2, 2 * small.q * big.q)  # batch divides small, not big
     with pytest.raises(ValueError, match=r"batch dim 0 of tensor .* not divisible by depth·q"):
         redistribute(scatter(x, small), small, big)
@@ -128,6 +129,11 @@ def test_refusals_on_every_rank(world):
     y = torch.randn(big.depth * big.q, 2, 2 * small.q + 1)  # a hidden dim small's q does not divide
     with pytest.raises(ValueError, match=r"hidden dim -1 of tensor .* not divisible by q"):
         redistribute(scatter(y, big), big, small)
+    z = torch.randn(4 * big.depth * big.q, 3, 4 * small.q)  # a layout= other than the tag: the wrong boxes moved
+    with pytest.raises(ValueError, match=r"is an activation block \(its tag\), not 'batch'"):
+        redistribute(scatter(z, small), small, big, layout="batch")
+    with pytest.raises(ValueError, match=r"is a batch block \(its tag\), not 'activation'"):
+        redistribute(scatter_batch(z, small), small, big, layout="activation")
 
 
 def test_a_destination_over_other_ranks_on_one_rank_is_refused_on_every_rank(world):

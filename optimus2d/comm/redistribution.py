@@ -187,15 +187,21 @@ def redistribute(x: torch.Tensor, src: Mesh, dst: Mesh, *, layout: str | None = 
     ``[b, ..., h]``, as ``scatter`` splits it); "batch": ``[b/(d_s·q_s), ...]`` →
     ``[b/(d_d·q_d), ...]`` (as ``scatter_batch``). Default: the layout ``x`` carries from
     ``scatter``, ``scatter_batch``, ``redistribute`` or an optimus2d module's output; a tensor
-    with none is refused.
+    with none is refused, and so is a ``layout`` other than the one it carries.
 
     forward: point-to-point over the ranks, each rank receiving only the parts of its new block it
     does not hold (the formula in the module docstring); backward: the reverse, a gradient part
     summed where several destinations read one element. Refusals (layout, ranks, a batch or hidden
     dim the destination does not divide) are raised on every rank before anything is sent.
     """
-    kind = layout if layout is not None else getattr(x, "_optimus2d_kind", None)
+    carried = getattr(x, "_optimus2d_kind", None)
+    kind = layout if layout is not None else carried
     error = _refusal(x, src, dst, kind)
+    if error is None and layout is not None and carried in LAYOUTS and carried != layout:
+        error = ValueError(  # the wrong boxes moved: an activation block taken as a batch one lost h/q columns
+            f"redistribute: tensor {tuple(x.shape)} is a{'n' if carried[0] == 'a' else ''} {carried} block (its "
+            f"tag), not {layout!r}: drop layout=, or pass the layout it has ({src})"
+        )
     if src.check != "off" and src.size > 1:
         agree(
             src,
