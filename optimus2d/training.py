@@ -22,6 +22,7 @@ from optimus2d.comm.agreement import agree_group
 from optimus2d.comm.calls import check_function_call
 from optimus2d.comm.dtensor import DTensor, local
 from optimus2d.comm.mesh import Mesh
+from optimus2d.comm.sharding import block_slices
 from optimus2d.layers.base import param_sharding
 
 
@@ -139,6 +140,15 @@ def clip_grad_norm_(
     return clip_over(params, max_norm, mesh, norm_type, None, copies, error_if_nonfinite)
 
 
+def _smallest(grad: torch.Tensor, param: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """The smallest |g| of ``grad``, this rank's block of ``param``'s gradient, over the entries of the
+    serial tensor it holds (not the padding of a dim the mesh does not divide; inf if none)."""
+    sharding = param_sharding(param)
+    pieces = [grad] if sharding is None else [grad[dst] for _, dst in block_slices(sharding, mesh)]
+    smallest = [piece.detach().abs().amin().double() for piece in pieces if piece.numel()]
+    return min(smallest, default=torch.full((), math.inf, dtype=torch.float64, device=grad.device))
+
+
 def clip_over(
     params: list[torch.Tensor],
     max_norm: float,
@@ -193,7 +203,10 @@ def clip_over(
     device = grads[0][0].device if grads else torch.device("cpu")
     if abs(norm_type) == float("inf"):  # the largest (or, -inf, the smallest) |g|: a max of -|g| for it
         sign = 1.0 if norm_type > 0 else -1.0
-        ends = [(g.detach().abs().amax() if sign > 0 else g.detach().abs().amin()).double() * sign for g, _ in grads]
+        if sign > 0:
+            ends = [g.detach().abs().amax().double() for g, _ in grads]
+        else:  # the smallest over the serial entries a block holds: its zero padding is none (0 for 4.9e-4)
+            ends = [-_smallest(local(p.grad), p, m) for p, m in zip(params, own, strict=True) if p.grad is not None]
         none = torch.full((), 0.0 if sign > 0 else -math.inf, dtype=torch.float64, device=device)
         total = max(ends, default=none).reshape(1).clone()
         P.all_reduce_max(total, mesh, "mesh")
