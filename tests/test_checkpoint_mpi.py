@@ -277,6 +277,33 @@ def test_extra_state_is_refused(world, shared_dir):
     raises_fast(ValueError, "extra state", lambda: load_stages(os.path.join(shared_dir, "whole"), stage))
 
 
+def test_load_stages_with_one_ranks_optimizer_missing_is_refused(world, shared_dir):
+    """``checkpoint.load`` refused it; ``load_stages`` left that rank's blocks' state fresh, and the
+    stage's weights parted after one step (1.4e-3). Now refused on every rank, before any read."""
+    from collections import OrderedDict
+
+    from helpers import raises_fast, stage_pipe
+
+    from optimus2d.checkpoint.stages import load_stages, save_stages
+
+    if world.size != 4:
+        pytest.skip("2 stages of 1×1×2")
+    pipe = stage_pipe(2, 1, 2)
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    held = {"0": serial[0], "1": serial[1]} if pipe.stage == 0 else {"2": serial[2]}
+    model = optimus2d.parallelize(nn.Sequential(OrderedDict(held)), pipe.mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    path = os.path.join(shared_dir, "stages_optimizer")
+    save_stages(path, model, opt)
+    given = None if world.rank == 1 else opt
+    raises_fast(ValueError, r"the ranks \[0, 1\] of one stage pass \['no optimizer', 'optimizer AdamW",
+                lambda: load_stages(path, model, given))  # fmt: skip
+
+
 class _Scaled(nn.Module):
     """A Linear beside a 0-d parameter of its own (CLIP's logit_scale), kept as it is
     (``register_converter(keep=True)``): the scale whole on every rank, its gradient summed over

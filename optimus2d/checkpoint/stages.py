@@ -21,6 +21,7 @@ from torch import nn
 
 from optimus2d.checkpoint import files as _files
 from optimus2d.checkpoint import reading, torch_state
+from optimus2d.checkpoint.integrity import describe_optimizer
 from optimus2d.checkpoint.sharded import _gathered, dcp_load, read_metadata, wait_for_async_save
 from optimus2d.comm import replicas, watch
 
@@ -175,14 +176,22 @@ def load_stages(path: str | os.PathLike, chunks: nn.Module | list[nn.Module], op
             plan.check_fits()
     except (TypeError, ValueError) as err:
         problem = str(err).replace("optimus2d.checkpoint: ", "load_stages: ", 1)
-    everyone = [(mine, problem)]
+    stage = tuple(mesh.ranks) if mesh is not None else None
+    entry = (mine, problem, stage, describe_optimizer(optimizer))
+    everyone = [entry]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (mine, problem))
-    for _, theirs in everyone:
+        dist.all_gather_object(everyone, entry)
+    for _, theirs, _, _ in everyone:
         if theirs is not None:
             raise ValueError(theirs)
-    missing = sorted(set(fmt.model_keys(metadata)) - set().union(*(keys for keys, _ in everyone)))
+    by_stage: dict[object, set[str]] = {}  # one rank's None left its blocks' state fresh: the copies parted
+    for _, _, ranks, given in everyone:
+        by_stage.setdefault(ranks, set()).add(given)
+    for ranks, given in by_stage.items():
+        if ranks is not None and len(given) > 1:
+            raise ValueError(f"load_stages: the ranks {list(ranks)} of one stage pass {sorted(given)}, not one alike")
+    missing = sorted(set(fmt.model_keys(metadata)) - set().union(*(keys for keys, _, _, _ in everyone)))
     if missing:
         raise ValueError(f"load_stages: no stage holds {missing[:5]} of {os.fspath(path)!r}")
     dcp_load(plan.state, path, group, no_dist)
