@@ -244,6 +244,40 @@ def test_meta_tensors_get_their_blocks(mesh, shared, family, how):
     _assert_same(parallel, serial, mesh)
 
 
+def test_a_frozen_kept_parameter_under_a_weak_reference_loads_and_trains(mesh, shared):
+    """Qwen3's per-head q norm (whole on every rank, its gradient summed by a hook), frozen, built on
+    meta, a weak reference held (``swap_tensors`` refuses: a new Parameter in every holder): its hook
+    went onto a tensor that needs no gradient, and every rank raised. Loaded, unfrozen: as serial."""
+    import weakref
+
+    heads = 6 if mesh.q == 3 else 4
+    config = transformers.Qwen3Config(
+        vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=heads,
+        num_key_value_heads=heads // 2, head_dim=8, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    serial = transformers.Qwen3ForCausalLM(config)
+    norm = lambda m: m.model.layers[0].self_attn.q_norm.weight  # noqa: E731
+    with torch.no_grad():
+        norm(serial).add_(torch.randn(8) * 0.3)
+    _on_rank0(lambda: serial.save_pretrained(shared))
+    with torch.device("meta"):
+        parallel = transformers.Qwen3ForCausalLM(config)
+    norm(parallel).requires_grad_(False)
+    parallel = parallelize(parallel, mesh)
+    refs = [weakref.ref(p) for p in parallel.parameters()]  # noqa: F841
+    load_pretrained(parallel, shared)
+    norm(parallel).requires_grad_(True)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (2 * mesh.depth * mesh.q, 7))
+    probe = torch.randn(*ids.shape, 96)
+    (serial(input_ids=ids).logits * probe).sum().backward()
+    logits = gather(parallel(input_ids=scatter_batch(ids, mesh)).logits, mesh)[..., :96]
+    (logits * probe).sum().backward()
+    grad = norm(parallel).grad
+    assert_close(grad.full_tensor() if hasattr(grad, "full_tensor") else grad, norm(serial).grad, 1e-4, "q_norm grad")
+
+
 @FAMILIES
 def test_a_serial_model_built_on_meta_loads_as_from_pretrained(mesh, shared, family):
     """Not parallelized: what the checkpoint lacks (LLaMA's rotary table) is made from a record of the

@@ -353,8 +353,10 @@ def _install(t: _Tensor, block: torch.Tensor) -> None:
         new.__dict__.update(old.__dict__)  # optimus2d's marks
         for module, name in t.holders:
             (module._parameters if isinstance(new, nn.Parameter) else module._buffers)[name] = new
+        wanted = new.requires_grad  # a frozen parameter keeps its hooks for when it is unfrozen
         for hook in (getattr(old, "_backward_hooks", None) or {}).values():
-            new.register_hook(hook)
+            new.requires_grad_(True).register_hook(hook)
+        new.requires_grad_(wanted)
         t.tensor = new
 
 
