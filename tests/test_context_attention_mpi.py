@@ -229,3 +229,25 @@ def test_a_method_that_differs_on_one_rank_is_refused_on_every_rank(world, mesh)
         lambda: context.attention(q, q, q, mesh, a, mask, method=method),
     )
     assert "method" in message
+
+
+@pytest.mark.parametrize("odd", ["length", "batch", "scatter"])
+def test_one_ranks_other_sizes_are_refused_on_every_rank(world, mesh, odd):
+    """One rank's q/k/v a token shorter (its own refusal), of another batch (over MPI the ring's step
+    filled part of its buffer: 0.38 off, no error), or its full sequence shorter for ``scatter``: the
+    others waited to the timeout, or one returned a wrong output. Refused on every rank at once."""
+    if mesh.size == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    s = 2 * mesh.depth * 4
+    mask = context.causal_mask(s)
+    a = context.assign(mask, mesh.depth, "head_tail")
+    last = world.rank == world.size - 1
+    if odd == "scatter":
+        x = torch.zeros(mesh.q, s - (2 * mesh.depth if last else 0), 4 * mesh.q)
+        raises_fast(ValueError, r"scatter_sequence on Mesh.*rank \d+ refused it", lambda: context.scatter(x, mesh, a))
+        return
+    q = torch.randn(2 if last and odd == "batch" else 1, 1, s // mesh.depth - (last and odd == "length"), 4)
+    message = {"length": r"rank \d+ refused it: ValueError: attention: q of shape", "batch": "the ranks disagree"}[odd]
+    for method in ("all_gather", "ring"):
+        raises_fast(ValueError, rf"context.attention on Mesh.*{message}",
+                    lambda m=method: context.attention(q, q, q, mesh, a, mask, method=m))  # fmt: skip

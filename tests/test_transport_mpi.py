@@ -150,6 +150,20 @@ def test_a_lost_peer_is_a_timeout_not_a_hang(mesh):
     dist.barrier()
 
 
+def test_a_shorter_message_than_its_receive_is_an_error(mesh):
+    """MPI completes a receive whose message is shorter than its buffer: the rest of the buffer kept
+    what it held (a ring step of another batch: a wrong output, no error). Now the receiver raises."""
+    mesh = Mesh(mesh.q, mesh.depth, transport="mpi")  # its own: the error is reported to its mesh
+    if mesh.mpi is None:
+        pytest.skip("a 1-rank mesh sends nothing")
+    if mesh.index("mesh") == 1:
+        P.isend(torch.ones(2), mesh, "mesh", 0, tag=78).wait()
+    if mesh.index("mesh") == 0:
+        with pytest.raises(RuntimeError, match=r"MPI receive over mesh on Mesh\(.*received \[8\] bytes where \[16\]"):
+            P.irecv(torch.empty(4), mesh, "mesh", 1, tag=78).wait()
+    dist.barrier()
+
+
 def test_only_point_to_point_waits_may_back_off(mesh, monkeypatch):
     """On shared cores a wait backs off (``watch``), but not an MPI collective's: its schedule
     advances only while it is tested. Broadcasts in groups of up to 3 are the root's sends."""

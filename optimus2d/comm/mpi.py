@@ -79,15 +79,25 @@ class Request:
         done: Callable[[], None] | None = None,
         *,
         point_to_point: bool = False,
+        expect: list[int] | None = None,
     ) -> None:
         self._requests, self._what, self._transport, self._done = requests, what, transport, done
         self._mesh = transport.mesh  # held: a mesh outlives its operations (shared_groups)
         self._buffers = buffers  # alive until the operation ends
         self._point_to_point = point_to_point
+        # receives: the bytes each must bring (a shorter message filled part of its buffer, no error)
+        self._expect, self._counts = expect, None
+        self._statuses = [_mpi().Status() for _ in requests] if expect is not None else None
+
+    def _testall(self) -> bool:
+        done = _mpi().Request.Testall(self._requests, self._statuses)
+        if done and self._statuses is not None and self._counts is None:
+            self._counts = [status.Get_count(_mpi().BYTE) for status in self._statuses]
+        return done
 
     def test(self) -> bool:
         """Whether the operation has ended (``wait()`` then returns at once); never blocks."""
-        return self._requests is None or _mpi().Request.Testall(self._requests)
+        return self._requests is None or self._testall()
 
     def wait(self) -> bool:
         if self._requests is None:
@@ -96,7 +106,7 @@ class Request:
         try:
             # MPI's collectives advance their schedule only inside MPI calls: tested every 50 µs
             watch.wait(
-                lambda: mpi.Request.Testall(self._requests),
+                self._testall,
                 mesh,
                 f"MPI {self._what}",
                 self._transport.timeout,
@@ -114,6 +124,14 @@ class Request:
             self._abandon(mpi)
             raise
         self._requests = self._buffers = None
+        if self._expect is not None and self._counts != self._expect:
+            error = RuntimeError(
+                f"MPI {self._what} on {mesh}: received {self._counts} bytes where {self._expect} were due: the "
+                f"ranks sent messages of different sizes; run with OPTIMUS2D_CHECK=every to find the first "
+                f"operation they disagree on"
+            )
+            watch.report(error, [mesh])
+            raise error
         if self._done is not None:
             self._done()
         return True
@@ -198,6 +216,7 @@ class MpiTransport:
         others = [m for m in range(comm.Get_size()) if m != root]
         parts = [torch.empty_like(buf) for _ in others]
         requests = [comm.Irecv(_bytes(part), m, _REDUCE_TAG) for part, m in zip(parts, others, strict=True)]
+        expect = [part.numel() * part.element_size() for part in parts]
         combine = torch.Tensor.add_ if op == dist.ReduceOp.SUM else lambda a, b: torch.maximum(a, b, out=a)
 
         def finish() -> None:
@@ -206,7 +225,7 @@ class MpiTransport:
             if done is not None:
                 done()
 
-        return Request(requests, what, self, [buf, *parts], finish, point_to_point=True)
+        return Request(requests, what, self, [buf, *parts], finish, point_to_point=True, expect=expect)
 
     def all_reduce(self, t: torch.Tensor, axis: str, op: dist.ReduceOp) -> Request:
         buf, done = _contiguous(t)
@@ -226,7 +245,8 @@ class MpiTransport:
     def irecv(self, t: torch.Tensor, axis: str, member: int, tag: int) -> Request:
         buf, done = _contiguous(t)
         request = self.comms[axis].Irecv(_bytes(buf), member, tag)
-        return Request([request], f"receive over {axis}", self, [buf], done, point_to_point=True)
+        expect = [buf.numel() * buf.element_size()]
+        return Request([request], f"receive over {axis}", self, [buf], done, point_to_point=True, expect=expect)
 
 
 for _cls, _names in (

@@ -20,11 +20,13 @@ depth ring instead (``context/ring.py``): more bytes in backward, a block at a t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from optimus2d.comm import Mesh, all_gather
-from optimus2d.comm.agreement import agree, fingerprint
+from optimus2d.comm.agreement import agree, check_replicated, describe, fingerprint
 from optimus2d.comm.sequence import gather_sequence, scatter_sequence, scatter_sequence_batch
 from optimus2d.context.balance import Assignment
 from optimus2d.context.ring import ring_attention
@@ -39,7 +41,8 @@ def scatter(x: torch.Tensor, mesh: Mesh, assignment: Assignment, *, check: bool 
     forward: a permutation of the sequence and a local slice; backward: all-gather and the inverse
     permutation. Token ids, labels and position ids (``positions``) follow the same assignment.
     """
-    _check_assignment("scatter", assignment, mesh, x.shape[1] if isinstance(x, torch.Tensor) and x.dim() > 1 else None)
+    s = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() > 1 else None
+    _check_assignment("scatter", assignment, mesh, s, x, "scatter_sequence", check)
     return scatter_sequence(x[:, assignment.permutation()], mesh, check=check)
 
 
@@ -47,9 +50,8 @@ def scatter_batch(t: torch.Tensor, mesh: Mesh, assignment: Assignment, *, check:
     """Full ``[b, s, ...]`` (token ids, targets) → ``[b/q, s/c, ...]``: this rank's batch block of the
     tokens ``assignment.positions[k]``, whole over row. Targets are shifted in sequence order first
     (``targets[:, t] = ids[:, t + 1]``): the permutation separates neighbours."""
-    _check_assignment(
-        "scatter_batch", assignment, mesh, t.shape[1] if isinstance(t, torch.Tensor) and t.dim() > 1 else None
-    )
+    s = t.shape[1] if isinstance(t, torch.Tensor) and t.dim() > 1 else None
+    _check_assignment("scatter_batch", assignment, mesh, s, t, "scatter_sequence_batch", check)
     return scatter_sequence_batch(t[:, assignment.permutation()], mesh, check=check)
 
 
@@ -91,20 +93,13 @@ def attention(
     one 5-word all-gather the first time this mask meets this permutation on this mesh; default:
     unless the mesh's check is "off"): ranks that attend under other masks would be silently wrong.
     """
-    s = mask.shape[0] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-    _check_assignment("attention", assignment, mesh, s)
-    if mask.dtype != torch.bool or mask.shape != (s, s):
-        raise ValueError(f"attention: the mask must be a square boolean [s, s], got {mask.dtype}{list(mask.shape)}")
+    error = None
+    try:  # this rank's refusal, said in the agreement below: every rank raises it (the others waited)
+        _check_attention(q, k, v, mesh, assignment, mask, method)
+    except (ValueError, TypeError) as err:
+        error = err
+    _agree_once(mesh, assignment, mask, check, method, (q, k, v), error)
     mine = assignment.positions[mesh.index("depth")]
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4 or t.shape[2] != mine.numel():
-            raise ValueError(
-                f"attention: {name} of shape {tuple(t.shape)} must be [b/q, heads/q, s/c = {mine.numel()}, d_h] "
-                f"on {mesh} (c = depth = {mesh.depth}, s = {s})"
-            )
-    if method not in ATTENTION_METHODS:
-        raise ValueError(f"attention: method {method!r} is not one of {ATTENTION_METHODS}")
-    _agree_once(mesh, assignment, mask, check, method)
     if method == "ring":
         rows = mask.to(q.device)[mine]
         blocks = [rows[:, p.to(q.device)] for p in assignment.positions]
@@ -133,14 +128,40 @@ def _causal_in_order(mask: torch.Tensor, assignment: Assignment) -> bool:
     return known and torch.equal(assignment.permutation(), torch.arange(s))
 
 
-def _agree_once(mesh: Mesh, assignment: Assignment, mask: torch.Tensor, check: bool | None, method: str) -> None:
-    """The mask, the assignment and the method are the same on every rank of ``mesh``: agreed once
-    per mask, assignment, method and mesh (a model's layers share them), on checksums of the mask's
-    bits (packed eight to a byte) and of the permutation (ranks of two methods sent unlike messages)."""
+def _check_attention(q, k, v, mesh: Mesh, assignment: Assignment, mask: torch.Tensor, method: str) -> None:
+    s = mask.shape[0] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+    _check_assignment("attention", assignment, mesh, s)
+    if mask.dtype != torch.bool or mask.shape != (s, s):
+        raise ValueError(f"attention: the mask must be a square boolean [s, s], got {mask.dtype}{list(mask.shape)}")
+    mine = assignment.positions[mesh.index("depth")]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4 or t.shape[2] != mine.numel():
+            raise ValueError(
+                f"attention: {name} of shape {tuple(t.shape)} must be [b/q, heads/q, s/c = {mine.numel()}, d_h] "
+                f"on {mesh} (c = depth = {mesh.depth}, s = {s})"
+            )
+    if method not in ATTENTION_METHODS:
+        raise ValueError(f"attention: method {method!r} is not one of {ATTENTION_METHODS}")
+
+
+def _agree_once(
+    mesh: Mesh, assignment: Assignment, mask: torch.Tensor, check: bool | None, method: str, qkv: tuple, error
+) -> None:
+    """The mask, the assignment, the method and the shapes of q, k, v are the same on every rank of
+    ``mesh``, and no rank refused them (``error``): agreed once per mask, assignment, method, shapes
+    and mesh (a model's layers share them), on checksums of the mask's bits (packed eight to a byte)
+    and of the permutation (ranks of two methods sent unlike messages; over MPI a ring step of another
+    batch filled part of its buffer: a wrong output, no error)."""
     if check is False or (check is None and mesh.check == "off") or mesh.size == 1 or torch.compiler.is_compiling():
+        if error is not None:
+            raise error
         return
+    shapes = ", ".join(f"{name} {describe(t)}" for name, t in zip("qkv", qkv, strict=True))
+    if error is not None:
+        agree(mesh, "context.attention", description=shapes, error=error)
     seen = mask.__dict__.setdefault("_optimus2d_agreed_with", set())  # {(mesh uid, the permutation's bytes)}
-    key = (mesh.uid, mask._version, assignment.permutation().numpy().tobytes(), method)  # changed in place: again
+    perm = assignment.permutation().numpy().tobytes()
+    key = (mesh.uid, mask._version, perm, method, tuple(tuple(t.shape) for t in qkv), qkv[0].dtype)  # changed: again
     if key in seen:
         return
     flat = mask.reshape(-1)
@@ -151,13 +172,31 @@ def _agree_once(mesh: Mesh, assignment: Assignment, mask: torch.Tensor, check: b
     agree(
         mesh,
         "context.attention",
-        description=f"mask bool{list(mask.shape)}, {assignment.method} split, method {method!r}",
+        description=f"mask bool{list(mask.shape)}, {assignment.method} split, method {method!r}, {shapes}",
         content=content,
     )
     seen.add(key)
 
 
-def _check_assignment(what: str, assignment: Assignment, mesh: Mesh, s: int | None) -> None:
+def _check_assignment(
+    what: str, assignment: Assignment, mesh: Mesh, s: int | None, x=None, split: str = "", check=None
+) -> None:
+    """Refuse an assignment that does not fit; with ``x`` (a full input about to be split by
+    ``split``), in the agreement that split holds, so that every rank raises (the others waited in it)."""
+    try:
+        _refuse_assignment(what, assignment, mesh, s)
+    except (ValueError, TypeError) as err:
+        if x is None:
+            raise
+        check_replicated(mesh, split, x, functools.partial(_raise, err), check)
+        raise
+
+
+def _raise(error: BaseException) -> None:
+    raise error
+
+
+def _refuse_assignment(what: str, assignment: Assignment, mesh: Mesh, s: int | None) -> None:
     if not isinstance(assignment, Assignment):
         raise TypeError(f"{what}: assignment must be an optimus2d.context.Assignment, got {type(assignment).__name__}")
     if len(assignment.positions) != mesh.depth:
