@@ -512,6 +512,10 @@ def test_mlp2d_matches_torch_sequential(mesh):
 
 
 def test_norm_refuses_hidden_not_divisible_by_q(mesh):
+    ints = scatter(torch.ones(2 * mesh.depth * mesh.q, SEQ, E, dtype=torch.long), mesh)
+    for norm in (LayerNorm2D(E, mesh=mesh), RMSNorm2D(E, mesh=mesh)):  # on q > 1 it gave integers, no error
+        with pytest.raises(TypeError, match=r"expects a floating activation block, got torch.int64"):
+            norm(ints)
     if mesh.q == 1:
         pytest.skip("every size divides by 1")
     with pytest.raises(ValueError, match=rf"LayerNorm2D: hidden size {E + 1} is not divisible by q={mesh.q}"):

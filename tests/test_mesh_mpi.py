@@ -40,6 +40,11 @@ def test_world_size_that_does_not_fit_is_refused(world):
         Mesh(2, ranks=[0, 0, 0])
     with pytest.raises(ValueError, match="positive integers"):
         Mesh(0)
+    with pytest.raises(ValueError, match="positive integers"):
+        Mesh(True)
+    with pytest.raises(ValueError, match=r"Mesh ranks must be integers"):  # 1.5 was taken as rank 1
+        Mesh(1, depth=p, ranks=[r + 0.5 for r in range(p)])
+    assert Mesh(1, depth=p, ranks=(r for r in range(p))).ranks == tuple(range(p))  # a generator, read once
 
 
 def test_mesh_on_a_subset_of_ranks(world):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,8 @@ class Mesh:
 
     def _build(self, q, depth, ranks, transport, check, device_mesh=None, refused=None) -> None:
         global _built
+        if ranks is not None and not isinstance(ranks, Sequence):  # a generator: read once, here
+            ranks = list(ranks) if isinstance(ranks, Iterable) else ranks
         initialized = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialized else 1
         rank = dist.get_rank() if initialized else 0
@@ -314,7 +317,7 @@ class Mesh:
 
 def _validate(q, depth, ranks, transport: str, check: str, world: int, initialized: bool) -> tuple[int, ...]:
     """The mesh's ranks, or a ValueError saying what does not fit (before any collective)."""
-    if not isinstance(q, int) or not isinstance(depth, int) or q < 1 or depth < 1:
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in (q, depth)):
         raise ValueError(f"Mesh needs positive integers q and depth, got q={q!r}, depth={depth!r}")
     if transport not in TRANSPORTS:
         raise ValueError(f"Mesh: transport {transport!r} is not one of {TRANSPORTS}")
@@ -330,7 +333,10 @@ def _validate(q, depth, ranks, transport: str, check: str, world: int, initializ
                 f"{world}; {_fitting_shapes(world)}"
             )
         ranks = range(world)
-    ranks = [int(r) for r in ranks]
+    try:  # integers of any kind (numpy's, a tensor's); a float 1.7 was taken as rank 1
+        ranks = [operator.index(r) for r in ranks]
+    except TypeError:
+        raise ValueError(f"Mesh ranks must be integers, got {ranks!r}") from None
     if len(ranks) != size:
         raise ValueError(
             f"Mesh(q={q}, depth={depth}) needs depth·q² = {size} ranks but was given "

@@ -99,6 +99,14 @@ class _Norm2DBase(ShardedModule):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
+    def input_refusal(self, args: tuple, kwargs: dict) -> BaseException | None:
+        """A block that is not floating: on q > 1 it was normalised in fp32 and cast back to its
+        integers (no error, where torch's norm and q = 1 raise)."""
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(x, torch.Tensor) and not x.is_floating_point():
+            return TypeError(f"{type(self).__name__} expects a floating activation block, got {x.dtype}{list(x.shape)}")
+        return None
+
     def _normalise(self, x: torch.Tensor, eps: float, rms: bool) -> torch.Tensor:
         local = self.normalized_shape[0] // self.mesh.q
         if x.shape[-1] != local:
