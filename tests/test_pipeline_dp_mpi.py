@@ -18,6 +18,7 @@ from helpers import (
     assert_close,
     check_stage_checkpoints,
     optim_state,
+    raises_fast,
     shared_tmp,
     stage_pipe,
 )
@@ -168,3 +169,17 @@ def test_each_copy_sends_its_gradient_blocks_once_per_step(world, name):
     assert sorted(sent) == sorted(blocks)  # one message per chunk, at its last backward
     assert sum(r.numel for r in dp if r.kind == "broadcast") == sum(blocks)
     assert {r.kind for r in dp} == {"all_reduce", "broadcast"}
+
+
+def test_copies_of_a_stage_with_unlike_modules_are_refused(world):
+    """One copy's Tanh where the other's has a ReLU: the copies trained apart (gradients 4.3 off, no
+    error). The copies of that stage agree what they hold before copy 0's weights are sent, and raise."""
+    pipe = _pipe(world)
+    odd = pipe.stage == 0 and pipe.dp_rank == 1
+    chunk = nn.Sequential(nn.Linear(H, H), nn.Tanh() if odd else nn.ReLU()).double()
+    chunk = optimus2d.parallelize(chunk, pipe.mesh)
+    build = lambda: pipeline_stage(chunk, pipe, microbatch_shape=(B // DP // N, S, H))  # noqa: E731
+    if pipe.stage == 0:
+        raises_fast(ValueError, r"pipeline_stage over the copies over the ranks .*the ranks disagree", build)
+    else:
+        assert isinstance(build(), DataParallelStage)

@@ -27,6 +27,7 @@ the stage broadcasts copy 0's parameters and buffers over the dp group, as DDP d
 from __future__ import annotations
 
 import weakref
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from optimus2d.comm import compat
 from optimus2d.comm import primitives as P
+from optimus2d.comm.agreement import agree_group
 from optimus2d.comm.dtensor import local
 from optimus2d.comm.mesh import Mesh
 from optimus2d.pipeline.agreement import agree_step
@@ -210,14 +212,18 @@ class DataParallelStage(LaneStage):
     """torch's ``PipelineStage`` of one data-parallel copy: ``PipelineStage``'s arguments, then
     ``dp_group`` (the ranks at this place in every copy) and ``mesh`` (the stage's, for the waits).
 
-    Collective over ``dp_group`` when built (copy 0's parameters and buffers) and at the stage's last
-    backward of each step (the average of the gradients); the copies run the same schedule, so they
-    meet in the same order.
+    Collective over ``dp_group`` when built (the copies agree that they hold the same stage: its
+    modules' classes and tensors' names, shapes and dtypes; then copy 0's parameters and buffers) and
+    at the stage's last backward of each step (the average of the gradients); the copies run the
+    same schedule, so they meet in the same order.
     """
 
     def __init__(self, *args, dp_group: dist.ProcessGroup, mesh: Mesh, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.dp_group, self.mesh = dp_group, mesh
+        # one copy's Tanh for the other's ReLU trained apart (gradients 4.3 off, no error); another
+        # parameter count waited in the broadcast to the timeout
+        agree_group(mesh, dp_group, "pipeline_stage over the copies", _structure(self.submod), None)
         for t in [*self.submod.parameters(), *self.submod.buffers()]:
             P.broadcast_group(local(t).data, mesh, dp_group, "dp")
 
@@ -226,6 +232,15 @@ class DataParallelStage(LaneStage):
         if last_backward:  # every micro-batch's gradient is in: average it over the copies
             average_grads(self.submod, self.dp_group, self.mesh)
         return result
+
+
+def _structure(module: nn.Module) -> str:
+    """What the copies of a stage must hold alike: its tensors and a checksum of its modules and tensors."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    text = ";".join(f"{name}:{type(m).__name__}" for name, m in module.named_modules())
+    text += ";".join(f"{name}:{list(t.shape)}:{t.dtype}:{t.requires_grad}" for name, t in tensors)
+    elements = sum(t.numel() for _, t in tensors)
+    return f"{len(tensors)} tensors of {elements} elements, modules and tensors {zlib.crc32(text.encode()):08x}"
 
 
 def average_grads(module: nn.Module, group: dist.ProcessGroup, mesh: Mesh) -> None:
