@@ -327,6 +327,12 @@ def test_cross_entropy_refuses_bad_targets(mesh):
         with pytest.raises(ValueError, match=r"target of shape \(.*\) does not match logits"):
             cross_entropy(logits, scatter_batch(target, mesh)[:, :-1], mesh)
     assert counter.count() == 0
+    with pytest.raises(TypeError, match=r"targets must be class indices, got torch.bool"):  # serial raises too
+        cross_entropy(logits, scatter_batch(target, mesh).bool(), mesh)
+    with pytest.raises(TypeError, match=r"logits must be floating, got torch.int64"):  # an integer loss, on q > 1
+        cross_entropy(logits.long(), scatter_batch(target, mesh), mesh)
+    loss = cross_entropy(logits, scatter_batch(target, mesh), mesh)  # int32 targets alike on every mesh
+    assert_close(cross_entropy(logits, scatter_batch(target, mesh).int(), mesh), loss, what="int32 targets")
     target[-1, -1] = 6 * mesh.q  # one bad target in the last batch block only
     for reduction in ("mean", "none"):  # raised on every rank, not only where the target is
         with pytest.raises(ValueError, match=r"target class is outside \[0, "):

@@ -73,7 +73,8 @@ def cross_entropy(
     # targets differ from its row's (edited after scatter_batch: two ranks raised, two waited).
     bad = valid & ((target_local < 0) | (target_local >= vocab))
     if mesh.q == 1 and label_smoothing == 0.0:  # the vocabulary is whole: torch's own kernels
-        safe = torch.where(bad, ignore_index, target_local).reshape(-1)  # a bad target must not reach a CUDA kernel
+        # a bad target must not reach a CUDA kernel; int32 targets taken as on q > 1 (torch's kernel takes int64)
+        safe = torch.where(bad, ignore_index, target_local).reshape(-1).long()
         flat = logits_local.reshape(-1, per_rank)
         if mesh.size == 1:  # one rank: torch's cross_entropy as it is, after the same check
             loss = F.cross_entropy(flat, safe, ignore_index=ignore_index, reduction=reduction)
@@ -144,8 +145,10 @@ def _check_arguments(
             f"cross_entropy: target of shape {tuple(target_local.shape)} does not match logits "
             f"{tuple(logits_local.shape)} (expected target {tuple(logits_local.shape[:-1])}) on {mesh}"
         )
-    if target_local.is_floating_point():
+    if target_local.is_floating_point() or target_local.is_complex() or target_local.dtype == torch.bool:
         raise TypeError(f"cross_entropy: targets must be class indices, got {target_local.dtype}")
+    if not logits_local.is_floating_point():  # int64 logits gave an integer loss on q > 1
+        raise TypeError(f"cross_entropy: logits must be floating, got {logits_local.dtype}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"cross_entropy: label_smoothing={label_smoothing} must be in [0, 1]")
 
