@@ -145,6 +145,18 @@ def test_a_target_out_of_range_on_one_rank_is_refused_by_all(world, world_mesh, 
     assert_close(loss, torch.tensor(math.log(4 * q)), 1e-6, "the next loss")
 
 
+def test_a_module_called_on_a_rank_outside_its_mesh_says_so(world, world_mesh):
+    """A 1×1×2 mesh over ranks 0 and 1: a Linear2D built on it everywhere (its blocks need no
+    coordinates) and called on rank 2 raised a KeyError from MPI's communicators."""
+    sub = optimus2d.Mesh(1, 2, ranks=[0, 1])
+    layer = optimus2d.layers.Linear2D(4, 4, mesh=sub)
+    if world.rank in (0, 1):
+        assert layer(optimus2d.scatter(torch.ones(2, 3, 4), sub)).shape == (1, 3, 4)
+    else:
+        with pytest.raises(ValueError, match=rf"Linear2D: rank {world.rank} is not in Mesh\(q=1, depth=2"):
+            layer(torch.ones(1, 3, 4))
+
+
 def test_token_ids_of_another_length_on_one_rank(world, world_mesh):
     embedding = optimus2d.layers.Embedding2D(10, 4 * world_mesh.q, mesh=world_mesh)
     ids = torch.zeros(2, 5 if _last(world) else 4, dtype=torch.long)

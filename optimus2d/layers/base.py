@@ -84,6 +84,10 @@ class ShardedModule(nn.Module):
         return None
 
     def _refusal(self, args: tuple, kwargs: dict) -> BaseException | None:
+        if self.mesh.coord is None:  # a mesh over other ranks: no exchange to post (a KeyError in MPI's)
+            raise ValueError(
+                f"{type(self).__name__}: rank {self.mesh.rank} is not in {self.mesh}: call it on that mesh's ranks"
+            )
         what, tensors = type(self).__name__, [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         error = refusal(what, tensors, self.mesh)
         if error is None:
