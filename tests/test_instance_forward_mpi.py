@@ -152,3 +152,5 @@ def test_a_converted_model_converts_again_with_optimus2ds_own_forwards(mesh):
     wrapped = [path for path, m in parallel.named_modules() if "forward" in m.__dict__]
     assert wrapped  # the wrappers this test is about
     assert parallelize(parallel, mesh) is parallel
+    # optimus2d's hooks made by functools.partial (its module is "functools": refused as a user's)
+    assert any(isinstance(h, functools.partial) for h in parallel._forward_pre_hooks.values())

@@ -46,7 +46,8 @@ def attached(module: nn.Module) -> str | None:
 def _hooks(module: nn.Module):
     for kind in _HOOKS:
         for hook in (getattr(module, kind, None) or {}).values():
-            owner = getattr(hook, "__module__", None) or getattr(getattr(hook, "func", None), "__module__", None) or ""
+            fn = getattr(hook, "func", hook)  # a functools.partial's module is "functools": its function's
+            owner = getattr(fn, "__module__", None) or ""
             if not owner.startswith(_KNOWN):
                 yield kind, hook
 
