@@ -226,6 +226,9 @@ def test_embedding_refuses_ids_outside_the_vocabulary(mesh):
         emb(scatter_batch(ids, mesh))
     with pytest.raises(TypeError, match="integer token ids"):
         emb(torch.zeros(2, 3))
+    for dtype in (torch.uint8, torch.int16, torch.bool):  # torch's embedding refuses them too
+        with pytest.raises(TypeError, match=rf"integer token ids .* got {dtype} tensor"):
+            emb(scatter_batch(ids, mesh).to(dtype))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

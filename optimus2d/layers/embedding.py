@@ -75,14 +75,17 @@ class Embedding2D(ShardedModule):
         return module
 
     def input_refusal(self, args: tuple, kwargs: dict) -> BaseException | None:
-        """Ids that are not integers: refused at the entry of the outermost call, on every rank. Ids out
-        of range are found in the lookup itself (``forward``), which every rank completes, so the mesh
-        stays usable after the error."""
+        """Ids that are not int64 or int32 (as torch's embedding): refused at the entry of the outermost
+        call, on every rank. Ids out of range are found in the lookup itself (``forward``), which every
+        rank completes, so the mesh stays usable after the error."""
         if type(self).forward is not Embedding2D.forward:  # a subclass's forward takes other arguments
             return None
         ids = args[0] if args else kwargs.get("ids")
-        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dim() < 1:
-            return TypeError(f"Embedding2D expects integer token ids [b/(d·q), ...], got {_describe(ids)}")
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.dim() < 1:
+            # uint8 or int16 ids (torch's embedding refuses them too) made a report cast to their dtype: 300 read 44
+            return TypeError(
+                f"Embedding2D expects integer token ids [b/(d·q), ...] (int64, int32), got {_describe(ids)}"
+            )
         return None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
