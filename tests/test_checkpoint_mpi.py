@@ -277,7 +277,7 @@ def test_extra_state_is_refused(world, shared_dir):
     raises_fast(ValueError, "extra state", lambda: load_stages(os.path.join(shared_dir, "whole"), stage))
 
 
-def test_load_stages_with_one_ranks_optimizer_missing_is_refused(world, shared_dir):
+def test_save_and_load_stages_with_one_ranks_optimizer_missing_are_refused(world, shared_dir):
     """``checkpoint.load`` refused it; ``load_stages`` left that rank's blocks' state fresh, and the
     stage's weights parted after one step (1.4e-3). Now refused on every rank, before any read."""
     from collections import OrderedDict
@@ -298,8 +298,10 @@ def test_load_stages_with_one_ranks_optimizer_missing_is_refused(world, shared_d
         p.grad = torch.ones_like(p)
     opt.step()
     path = os.path.join(shared_dir, "stages_optimizer")
-    save_stages(path, model, opt)
     given = None if world.rank == 1 else opt
+    raises_fast(ValueError, r"some ranks of stage \d+ pass an optimizer and others None",
+                lambda: save_stages(path + "_one_none", model, given))  # fmt: skip
+    save_stages(path, model, opt)
     raises_fast(ValueError, r"the ranks \[0, 1\] of one stage pass \['no optimizer', 'optimizer AdamW",
                 lambda: load_stages(path, model, given))  # fmt: skip
 

@@ -119,6 +119,12 @@ def _save_stages(path, state: dict, mesh, pipe, world: int, dcp_group, commit_gr
     differ = [stage for stage, held in by_stage.items() if len(held) > 1]
     if differ:  # on every rank alike, before anything is written
         raise ValueError(f"save_stages: the data-parallel copies of stage {differ[0]} hold different tensors")
+    given: dict[object, set[bool]] = {}  # one rank's None: its blocks' optimizer state not written
+    for objects, stage, _ in metas:
+        given.setdefault(stage, set()).add(objects["optimizer"] is None)
+    unlike = [stage for stage, kinds in given.items() if len(kinds) > 1]
+    if unlike:
+        raise ValueError(f"save_stages: some ranks of stage {unlike[0]} pass an optimizer and others None")
     holders: dict[str, set[object]] = {}
     for stage, (keys,) in by_stage.items():
         for k in keys:
