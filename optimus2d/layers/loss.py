@@ -114,11 +114,13 @@ def _check_call(mesh: Mesh, logits: torch.Tensor, target: torch.Tensor, settings
     """``check_function_call``, where q > 1 also asking whether every rank passes the same logits
     (their first row's block, not constant): the full logits, whose tag a slice dropped
     (``gather(...)[:, :-1]``), made each rank take the whole vocabulary for its block."""
-    untagged = getattr(logits, "_optimus2d_layout", None) != layout(mesh)
-    if mesh.q == 1 or mesh.check == "off" or not untagged or torch.compiler.is_compiling() or logits.numel() == 0:
+    if mesh.q == 1 or mesh.check == "off" or torch.compiler.is_compiling():  # alike on every rank
         check_function_call(mesh, "cross_entropy", (logits, target), settings, error)
         return
-    first = logits[(0,) * (logits.dim() - 1)].detach()
+    # one exchange of one size on every rank, whatever its tag (a rank that alone passed logits * 1.0
+    # sent a word more than its peers); a tagged or empty block sends no checksum
+    untagged = getattr(logits, "_optimus2d_layout", None) != layout(mesh)
+    first = logits[(0,) * (logits.dim() - 1)].detach() if untagged and error is None and logits.numel() else None
     if agree_distinct(mesh, "cross_entropy", ", ".join([describe(logits), describe(target), settings]), error, first):
         raise ValueError(
             f"cross_entropy on {mesh}: every rank passes the same logits {describe(logits)} (not constant): the "
