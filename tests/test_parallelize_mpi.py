@@ -391,6 +391,11 @@ def test_an_optimizer_built_before_parallelize_refuses_to_step(mesh):
     serial(x).pow(2).sum().backward()
     with pytest.raises(ValueError, match=r"AdamW: it holds 4 parameters of Sequential \(0\.weight, 0\.bias, 2\.weight"):
         early.step()
+    early.param_groups[0]["params"] = list(model.parameters())  # given the model's own: it steps (the hook goes)
+    early.state.clear()
+    before = [p.detach().clone() for p in model.parameters()]
+    early.step()
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     serial_opt.step()
     check_against_serial(copy.deepcopy(serial), parallelize(copy.deepcopy(serial), mesh), x, mesh)
 

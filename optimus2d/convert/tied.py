@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import gc
 import sys
+import weakref
 
 import torch
 from torch import nn
@@ -166,17 +167,24 @@ def guard_optimizers(found: list[tuple[object, str | None, str]], root: nn.Modul
     its next step. Stepping it moved the serial tensors, never the blocks: the model did not train,
     with no error (an SGD step changed nothing)."""
     now = {id(p) for p in model.parameters()}
-    stale: dict[int, tuple[torch.optim.Optimizer, list[str]]] = {}
+    stale: dict[int, tuple[torch.optim.Optimizer, list]] = {}
     for holder, param, name in found:
         if not isinstance(holder, nn.Module) and id(param) not in now:
-            stale.setdefault(id(holder), (holder, []))[1].append(name)
-    for optimizer, names in stale.values():
-        what = (type(optimizer).__name__, type(root).__name__, names, mesh)
-        optimizer.register_step_pre_hook(functools.partial(_stale_optimizer, what=what))
+            stale.setdefault(id(holder), (holder, []))[1].append((weakref.ref(param), name))
+    for optimizer, held in stale.values():
+        what = {"names": (type(optimizer).__name__, type(root).__name__, mesh), "held": held}
+        what["handle"] = optimizer.register_step_pre_hook(functools.partial(_stale_optimizer, what=what))
 
 
-def _stale_optimizer(optimizer, args: tuple, kwargs: dict, *, what: tuple) -> None:
-    cls, model, names, mesh = what
+def _stale_optimizer(optimizer, args: tuple, kwargs: dict, *, what: dict) -> None:
+    """Raise while ``optimizer`` still holds a serial parameter ``parallelize`` replaced; once its
+    groups hold none of them (given the model's parameters since), the hook goes."""
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    names = [name for ref, name in what["held"] if (p := ref()) is not None and id(p) in ids]
+    if not names:
+        what["handle"].remove()
+        return
+    cls, model, mesh = what["names"]
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     raise ValueError(
         f"{cls}: it holds {len(names)} parameters of {model} ({shown}) that parallelize replaced on {mesh}: the "
