@@ -153,7 +153,7 @@ def with_vocab_loss(
             prepare(bound, labels)
         out = forward(*bound.args, **bound.kwargs)
         logits = out[0] if isinstance(out, tuple) else out.logits
-        loss = cross_entropy(logits, labels.to(logits.device), mesh, num_classes=_vocabulary(model))
+        loss = cross_entropy(logits, labels.to(logits.device), mesh, num_classes=head_vocabulary(model))
         if isinstance(out, tuple):
             return (loss, *out)
         return type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})
@@ -161,8 +161,9 @@ def with_vocab_loss(
     model.forward, model._optimus2d_loss = with_loss, mesh
 
 
-def _vocabulary(model: nn.Module) -> int | None:
-    """The vocabulary V of ``model``'s converted output head (its logits are ``⌈V/q⌉`` wide)."""
+def head_vocabulary(model: nn.Module) -> int | None:
+    """The vocabulary V of ``model``'s converted output head, a ``Linear2D`` or ``TiedHead2D`` (its
+    logits are ``⌈V/q⌉`` wide); None for another head."""
     head = output_head(model)
     if isinstance(head, Linear2D):
         return head.out_features

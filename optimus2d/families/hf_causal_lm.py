@@ -39,6 +39,7 @@ from optimus2d.comm import gather, scatter, scatter_batch
 from optimus2d.comm.mesh import Mesh
 from optimus2d.convert.forward_reader import output_head
 from optimus2d.convert.whole_io import VOCABULARY
+from optimus2d.families.hf_bert import head_vocabulary
 from optimus2d.layers.base import serial_shape
 from optimus2d.layers.embedding import Embedding2D, TiedHead2D
 from optimus2d.layers.linear import Linear2D
@@ -93,11 +94,10 @@ def _install(lm: nn.Module) -> None:
 
 def _head(lm: nn.Module, what: str) -> tuple[Mesh, int]:
     """(mesh, vocabulary V) of the converted ``lm_head``, whose logits are ``[b/(d·q), s, ⌈V/q⌉]``."""
+    vocab = head_vocabulary(lm)
+    if vocab is not None:
+        return output_head(lm).mesh, vocab
     head = output_head(lm)
-    if isinstance(head, Linear2D):
-        return head.mesh, head.out_features
-    if isinstance(head, TiedHead2D):
-        return head.mesh, head.num_embeddings
     raise TypeError(
         f"{what} on {type(lm).__name__}: its lm_head ({type(head).__name__}) is not a Linear2D or TiedHead2D, "
         f"so which vocabulary block its logits hold is not known"
