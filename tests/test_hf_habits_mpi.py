@@ -223,5 +223,20 @@ def test_a_causal_lm_is_recognised_by_what_it_is(mesh):
     ids = _ids(mesh, 96)
     want = serial.generate(ids, max_new_tokens=3, do_sample=False)
     assert torch.equal(wrapped["lm"].generate(ids, max_new_tokens=3, do_sample=False), want)
-    base = parallelize(copy.deepcopy(serial.model), mesh)  # a LlamaModel: no head, nothing installed
-    assert "generate" not in vars(base) and "num_parameters" not in vars(base)
+    base = parallelize(copy.deepcopy(serial.model), mesh)  # a LlamaModel: no head, no generate
+    assert "generate" not in vars(base) and base.num_parameters() == serial.model.num_parameters()
+
+
+def test_every_converted_model_answers_num_parameters_for_the_serial_one(mesh):
+    """BERT (no lm_head) too: transformers' own counted this rank's blocks."""
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=24 * mesh.q, num_hidden_layers=1, num_attention_heads=2 * mesh.q,
+        intermediate_size=48, max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    serial = transformers.BertModel(config)
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    for kwargs in ({}, {"exclude_embeddings": True}):
+        assert parallel.num_parameters(**kwargs) == serial.num_parameters(**kwargs), kwargs
+    with pytest.raises(TypeError, match="resize the serial model"):
+        parallel.resize_token_embeddings(64)

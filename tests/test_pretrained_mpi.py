@@ -126,6 +126,24 @@ def test_load_then_save_match_from_pretrained(mesh, shared, family, sharded):
     assert torch.equal(_logits(again, mesh, vocab, False), _logits(reference, mesh, vocab, False))
 
 
+@FAMILIES
+def test_the_converted_models_own_save_pretrained_writes_the_serial_files(mesh, shared, family):
+    """``model.save_pretrained(dir)``, as a Hugging Face user writes it: transformers' own wrote each
+    rank's blocks under the serial names (rank 0 raised, the others returned)."""
+    serial = family(mesh, 0)
+    parallel = parallelize(family(mesh, 0), mesh)
+    path = os.path.join(shared, "own")
+    parallel.save_pretrained(path, is_main_process=dist.get_rank() == 0, max_shard_size="20KB")
+    assert os.path.isfile(os.path.join(path, P.INDEX)) and os.path.isfile(os.path.join(path, "config.json"))
+    again = type(serial).from_pretrained(path)
+    for key, value in serial.state_dict().items():
+        assert torch.equal(again.state_dict()[key], value), key
+    for bad, error in ({"state_dict": {}}, ValueError), ({"variant": "fp16"}, ValueError), ({"shard": 1}, TypeError):
+        with pytest.raises(error, match=r"save_pretrained on .* converted by optimus2d\.parallelize"):
+            parallel.save_pretrained(os.path.join(shared, "refused"), **bad)
+    assert not os.path.exists(os.path.join(shared, "refused"))
+
+
 class _Recorder:
     """``safe_open`` that counts, per key, the elements each read returns (``get_tensor``: whole)."""
 

@@ -27,6 +27,7 @@ _FILES = {
         "hf_opt",
         "hf_alibi",
         "hf_inputs",
+        "hf_methods",
     ),
     "timm": ("timm",),
 }

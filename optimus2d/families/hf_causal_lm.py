@@ -17,7 +17,8 @@ transformers causal LM in ``root`` — a decoder-only ``PreTrainedModel`` with `
   gathers the logits to ``[b, s, V]`` (vocabulary padding and padded rows dropped), so HF's
   logits processors, sampling and stopping see what they would see serially. Greedy search and
   sampling with a dynamic cache; other modes are refused.
-* ``num_parameters``: counts the serial (global) parameters; ``resize_token_embeddings``: refused.
+* (``num_parameters``, ``save_pretrained`` and a refusing ``resize_token_embeddings``: ``hf_methods``,
+  on every converted Hugging Face model.)
 
 ``Embedding2D.num_embeddings``/``embedding_dim`` and ``Linear2D.in_features``/``out_features`` are
 the global sizes already; a parameter's ``.shape`` is its local block.
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import types
 from collections.abc import Mapping
 
@@ -40,8 +40,7 @@ from optimus2d.comm.mesh import Mesh
 from optimus2d.convert.forward_reader import output_head
 from optimus2d.convert.whole_io import VOCABULARY
 from optimus2d.families.hf_bert import head_vocabulary
-from optimus2d.layers.base import serial_shape
-from optimus2d.layers.embedding import Embedding2D, TiedHead2D
+from optimus2d.layers.embedding import TiedHead2D
 from optimus2d.layers.linear import Linear2D
 from optimus2d.layers.loss import cross_entropy
 
@@ -54,8 +53,8 @@ def register() -> None:
 
 
 def finish(root: nn.Module, mesh: Mesh) -> None:
-    """Install the mesh-aware loss, ``generate``, ``num_parameters`` and a refusing
-    ``resize_token_embeddings`` on every Hugging Face causal LM in the converted ``root``."""
+    """Install the mesh-aware loss and ``generate`` on every Hugging Face causal LM in the converted
+    ``root`` (``hf_methods`` gives every converted model ``num_parameters`` and the rest)."""
     for module in root.modules():
         if _is_causal_lm(module):
             _install(module)
@@ -84,11 +83,7 @@ def _install(lm: nn.Module) -> None:
     if isinstance(head, (Linear2D, TiedHead2D)) and not getattr(lm, "_optimus2d_notes_vocabulary", False):
         lm.register_forward_hook(functools.partial(_note_vocabulary, _head(lm, "io='whole'")[1]))
         lm._optimus2d_notes_vocabulary = True
-    for name, fn in (
-        ("generate", generate),
-        ("num_parameters", _num_parameters),
-        ("resize_token_embeddings", _refused_resize),
-    ):
+    for name, fn in (("generate", generate),):
         setattr(lm, name, types.MethodType(fn, lm))
 
 
@@ -279,29 +274,3 @@ def _gather_outputs(lm: nn.Module, args: tuple, output):
     if hidden is not None:
         output.hidden_states = tuple(gather(h.contiguous(), mesh)[:rows] for h in hidden)
     return output
-
-
-# ---- serial answers --------------------------------------------------------------------------------
-def _num_parameters(self: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-    """``PreTrainedModel.num_parameters`` of the serial model: each parameter's global size."""
-    owners: dict[int, tuple[nn.Module, str]] = {}
-    for _, sub in self.named_modules(remove_duplicate=False):
-        for name, param in sub._parameters.items():
-            if param is not None:
-                owners.setdefault(id(param), (sub, name))
-    embeddings = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, (nn.Embedding, Embedding2D))}
-    total = 0
-    for name, param in self.named_parameters():
-        if exclude_embeddings and name in embeddings:
-            continue
-        if param.requires_grad or not only_trainable:
-            total += math.prod(serial_shape(*owners[id(param)]))
-    return total
-
-
-def _refused_resize(self: nn.Module, *args, **kwargs):
-    mesh, _ = _head(self, "resize_token_embeddings")
-    raise TypeError(
-        f"resize_token_embeddings on {type(self).__name__} converted by optimus2d.parallelize: its embedding "
-        f"and lm_head are split over {mesh}; resize the serial model, then parallelize it"
-    )
