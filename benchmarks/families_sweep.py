@@ -419,7 +419,7 @@ def run_family(family: str, class_name: str, mesh, agree: Agreement, args) -> tu
             out = parallel(input_ids=local, labels=local, use_cache=False)
             loss = out.loss.mean() if out.loss.dim() else out.loss
             loss.backward()
-            logits = optimus2d.gather(out.logits.detach().contiguous(), mesh)
+            logits = optimus2d.gather(out.logits.contiguous(), mesh).detach()  # detach() drops the block's tag
             return loss.detach(), logits, parallel_grads(parallel)
 
     value, failed, error, _ = step(parallel_part)
