@@ -48,8 +48,9 @@ def scatter(x: torch.Tensor, mesh: Mesh, assignment: Assignment, *, check: bool 
 
 def scatter_batch(t: torch.Tensor, mesh: Mesh, assignment: Assignment, *, check: bool | None = None) -> torch.Tensor:
     """Full ``[b, s, ...]`` (token ids, targets) → ``[b/q, s/c, ...]``: this rank's batch block of the
-    tokens ``assignment.positions[k]``, whole over row. Targets are shifted in sequence order first
-    (``targets[:, t] = ids[:, t + 1]``): the permutation separates neighbours."""
+    tokens ``assignment.positions[k]``, whole over row. It only permutes and slices: shift the targets
+    yourself, in sequence order, before calling it (``targets[:, t] = ids[:, t + 1]``, the last
+    position ``ignore_index``), as the permutation separates neighbours."""
     s = t.shape[1] if isinstance(t, torch.Tensor) and t.dim() > 1 else None
     _check_assignment("scatter_batch", assignment, mesh, s, t, "scatter_sequence_batch", check)
     return scatter_sequence_batch(t[:, assignment.permutation()], mesh, check=check)
