@@ -45,6 +45,7 @@ _MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MV2_C
 _EXIT_BARRIER_S = 30.0
 _STORE_LINGER_S = 1.0  # a failing rank 0 keeps the store up this long for its peers to read the failure
 _owned = False  # whether init() created the process group (and so destroys it at exit)
+_made: tuple[object, World] | None = None  # (the process group, the World) of init()'s own start
 _crashed = False  # an uncaught exception is ending this process: do not wait for peers at exit
 
 
@@ -67,12 +68,14 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     ``timeout``: seconds (or a timedelta) before a collective waiting on a lost peer raises;
     default ``$OPTIMUS2D_TIMEOUT`` or 300 s.
     """
-    global _owned
+    global _owned, _made
     if timeout is None:
         timeout = float(os.environ.get("OPTIMUS2D_TIMEOUT", DEFAULT_TIMEOUT_S))
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
     if dist.is_initialized():
+        if _made is not None and _made[0] is _default_group():  # init()'s own start: what it found then
+            return _made[1]
         rank = dist.get_rank()
         local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
         watch.set_shared_cores(_shares_cores(_node_ranks_said(os.environ)))
@@ -100,7 +103,8 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         atexit.register(shutdown)
         _note_crashes()
     _owned = True
-    return _world(rank, size, local, backend, launcher)
+    _made = (_default_group(), _world(rank, size, local, backend, launcher))
+    return _made[1]
 
 
 def shutdown() -> None:
@@ -159,6 +163,11 @@ def detect_launcher() -> str:
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return "slurm"
     return "single"
+
+
+def _default_group() -> object:
+    """The default process group now (another object after a shutdown and a new start)."""
+    return dist.distributed_c10d._get_default_group()
 
 
 def _world(rank: int, size: int, local: int, backend: str, launcher: str) -> World:

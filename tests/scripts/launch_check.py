@@ -20,6 +20,8 @@ torch.set_num_threads(1)
 if mode == "existing":
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 world = optimus2d.init(timeout=float(sys.argv[2]) if len(sys.argv) > 2 else 60)
+again = optimus2d.init()  # idempotent: the same World (a second call said local_rank 0, "existing", under mpiexec)
+assert again == world, (again, world)
 
 if mode == "stall":
     if world.rank == 1:
