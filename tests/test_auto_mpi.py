@@ -83,6 +83,20 @@ def test_auto_refuses_what_it_cannot_read_on_every_rank(world):
             optimus2d.parallelize(model, Mesh(1, world.size), plan=Auto(tokens=64 + world.rank, hardware=HW))
 
 
+def test_a_model_that_is_one_mlp_alone_is_warned_of_and_stays_on_its_mesh(world, capsys):
+    """No plan key names the model itself: its table says so (it printed an empty row, "picked"), and a
+    warning says how to have the layout chosen; wrapped, the MLP is a block like any other."""
+    mesh = Mesh(1, world.size)
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    with pytest.warns(UserWarning, match=r"the model itself \(Sequential\) is the only MLP"):
+        optimus2d.parallelize(copy.deepcopy(mlp), mesh, plan=Auto(tokens=64, hardware=HW, explain=True))
+    if world.rank == 0:
+        assert "(no MLP or transformer layer below the model" in capsys.readouterr().out
+    choice, _ = choose_plan(nn.Sequential(mlp), mesh, Auto(tokens=64, hardware=HW))
+    assert set(choice.layouts) == {"0"}
+
+
 def test_the_calibration_is_the_same_on_every_rank_and_cached(world, tmp_path, monkeypatch):
     mesh = meshes_of(world)[0]
     monkeypatch.setenv("OPTIMUS2D_CACHE", str(tmp_path))  # rank 0's is the one read and written

@@ -4,7 +4,8 @@ The blocks are the model's MLPs that Megatron's 1D split knows (``megatron.split
 attention heads: an ``nn.Sequential`` Linear–element-wise–Linear, LLaMA's, CLIP's and SigLIP's
 MLPs, LLaVA's projector) and its ``nn.TransformerEncoderLayer``s (priced as pre-norm layers over
 sequences of ``Auto(seq=)``; in 1D where their heads and linears split), outermost first,
-the model itself excepted (a 1D module needs a boundary around it). A module below the model made
+the model itself excepted (a 1D module needs a boundary around it; a model that is one block alone is
+warned of and stays on its mesh). A module below the model made
 of two or more blocks of one width, with no weights of its own but norms' (an ``nn.TransformerEncoder``),
 is one part (``_parts``): laid out whole, one boundary in and out (``cost.auto``), in 1D too where
 every block of it splits. A module hanging
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -110,6 +112,14 @@ def _blocks(
     note(tuple(blocks))
     seen = traced_rows(model, example, widths)
     return _found(model, tokens, ranks, seq, own_q, seen)
+
+
+def _is_block(module: nn.Module) -> bool:
+    """Whether ``module`` is what ``_found`` takes as a block below the model (an MLP, a layer)."""
+    if isinstance(module, nn.TransformerEncoderLayer):
+        return True
+    split = split_of(module)
+    return split is not None and not split.heads(module) and not split.whole
 
 
 def _entangled(model: nn.Module) -> Callable[[str], bool]:
@@ -324,6 +334,13 @@ def choose_plan(
     if error is not None:  # a mesh of one rank, or checks off: raised here
         raise error
     here = f"{mesh.q}×{mesh.q}×{mesh.depth}"
+    if not blocks and _is_block(model):
+        warnings.warn(
+            f"parallelize(plan='auto'): the model itself ({type(model).__name__}) is the only MLP or layer, and "
+            f"the model stays on the mesh it is given ({here}): no plan key names it; to have its layout chosen, "
+            f"parallelize a module that holds it (nn.Sequential(model))",
+            stacklevel=3,
+        )
     if io != "blocks":  # whole, or whole with its arguments declared
         blocks = _edges(model, blocks)
     costs = auto.hardware

@@ -191,6 +191,8 @@ class Choice:
         one), with a "measured ms" column when some were timed."""
         head = f"{'layouts':<48}{'predicted ms':>14}" + (f"{'measured ms':>13}" if self.measured else "")
         lines = [f"{head}{'MiB a rank':>12}  fits"]
+        if not any(layouts for layouts, *_ in self.table):  # nothing to lay out: no row to pick
+            return f"{lines[0]}\n(no MLP or transformer layer below the model: it stays on its mesh)"
         for row, (layouts, seconds, memory, fits) in enumerate(self.table):
             if row >= limit and row not in self.measured:
                 continue
