@@ -13,6 +13,7 @@ from torch.autograd import Function
 from optimus2d.comm import primitives as P
 from optimus2d.comm.agreement import agree_distinct, check_replicated, describe
 from optimus2d.comm.calls import layout, other_mesh, tag
+from optimus2d.comm.first_order import first_order
 from optimus2d.comm.mesh import Mesh, as_mesh
 from optimus2d.comm.sharding import Sharding, shard, unshard
 
@@ -25,6 +26,7 @@ class _Split(Function):
         return shard(x, mesh, sharding).contiguous()
 
     @staticmethod
+    @first_order
     def backward(ctx, grad: torch.Tensor):
         return unshard(grad.contiguous(), ctx.mesh, ctx.sharding), None, None
 
@@ -34,6 +36,7 @@ class _SplitBatch(_Split):
     (``reduce_grad``'s convention), then gathered."""
 
     @staticmethod
+    @first_order
     def backward(ctx, grad: torch.Tensor):
         summed = P.summed_copy(grad.contiguous(), ctx.mesh, ("row",))
         return unshard(summed, ctx.mesh, ctx.sharding), None, None
@@ -46,6 +49,7 @@ class _Gather(Function):
         return unshard(x.contiguous(), mesh, sharding)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad: torch.Tensor):
         return shard(grad, ctx.mesh, ctx.sharding).contiguous(), None, None
 
@@ -57,6 +61,7 @@ class _ReduceGrad(Function):
         return x.view_as(x)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad: torch.Tensor):
         return P.summed_copy(grad, ctx.mesh, ctx.axes), None, None
 
@@ -68,6 +73,7 @@ class _OneHolder(Function):
         return x.view_as(x)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad: torch.Tensor):
         return (grad if ctx.first else torch.zeros_like(grad)), None, None
 
@@ -78,6 +84,7 @@ class _AllReduce(Function):
         return P.summed_copy(x, mesh, axes)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad: torch.Tensor):
         return grad, None, None
 
@@ -89,6 +96,7 @@ class _SumAcross(Function):
         return P.summed_copy(x, mesh, axes)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad: torch.Tensor):
         return P.summed_copy(grad, ctx.mesh, ctx.axes), None, None
 
@@ -100,6 +108,7 @@ class _AllGather(Function):
         return P.all_gather(x, mesh, axis, dim)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad: torch.Tensor):
         return P.reduce_scatter(grad, ctx.mesh, ctx.axis, ctx.dim), None, None, None
 
@@ -111,6 +120,7 @@ class _ReduceScatter(Function):
         return P.reduce_scatter(x, mesh, axis, dim)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad: torch.Tensor):
         return P.all_gather(grad, ctx.mesh, ctx.axis, ctx.dim), None, None, None
 

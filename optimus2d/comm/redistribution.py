@@ -32,6 +32,7 @@ from optimus2d.comm import primitives as P
 from optimus2d.comm.agreement import agree, describe
 from optimus2d.comm.calls import layout, tag
 from optimus2d.comm.counter import record
+from optimus2d.comm.first_order import first_order
 from optimus2d.comm.functional import ALIKE, give_alike, take_alike
 from optimus2d.comm.mesh import Mesh
 
@@ -128,6 +129,7 @@ class _Redistribute(Function):
         return _transfer(src, x, out, sends, recvs, add=False)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad: torch.Tensor):
         grad_x = grad.new_zeros(ctx.x_shape)
         for at_src, at_dst in ctx.local:

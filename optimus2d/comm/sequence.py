@@ -28,6 +28,7 @@ from optimus2d.comm import primitives as P
 from optimus2d.comm.agreement import agree, check_replicated, describe
 from optimus2d.comm.calls import tag
 from optimus2d.comm.counter import record
+from optimus2d.comm.first_order import first_order
 from optimus2d.comm.functional import _describe, _Gather, _Split, _SplitBatch
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
@@ -107,6 +108,7 @@ class _Resplit(Function):
         return (_to_sequence if to_sequence else _to_batch)(x, mesh, permutation)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad):
         back = _to_batch if ctx.to_sequence else _to_sequence
         return back(grad, ctx.mesh, ctx.permutation), None, None, None

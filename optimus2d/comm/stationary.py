@@ -37,6 +37,7 @@ import torch
 from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
+from optimus2d.comm.first_order import first_order
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.recompute import Activation, Recomputed, activated, kept_for_backward
 
@@ -105,6 +106,7 @@ class _StationaryAB(Function):
         return out.result()
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_c):
         pre_swapped, b = ctx.saved_tensors
         mesh, need_a, need_b = ctx.mesh, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -135,6 +137,7 @@ class _StationaryABT(Function):
         return P.transpose(out.result(), mesh)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_c):
         pre, b = ctx.saved_tensors
         mesh, need_a, need_b = ctx.mesh, ctx.needs_input_grad[0], ctx.needs_input_grad[1]

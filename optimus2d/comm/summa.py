@@ -25,6 +25,7 @@ import torch
 from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
+from optimus2d.comm.first_order import first_order
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.recompute import Activation, Recomputed, activated, kept_for_backward
 
@@ -214,6 +215,7 @@ class _SummaAB(Function):
         return _ab(activated(a, activation), b, mesh)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_c):
         pre, b = ctx.saved_tensors
         a = Recomputed(pre, ctx.activation)
@@ -230,6 +232,7 @@ class _SummaABT(Function):
         return _abt(activated(a, activation), b, mesh)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_c):
         pre, b = ctx.saved_tensors
         a = Recomputed(pre, ctx.activation)
@@ -246,6 +249,7 @@ class _SummaATB(Function):
         return _atb(a, b, mesh)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_c):
         a, b = ctx.saved_tensors
         grad_c = _sum_over_depth(grad_c, ctx.mesh)  # C is replicated over depth

@@ -33,6 +33,7 @@ from torch.autograd import Function
 from optimus2d.comm import primitives as P
 from optimus2d.comm.agreement import agree, describe
 from optimus2d.comm.calls import WHOLE, tag
+from optimus2d.comm.first_order import first_order
 from optimus2d.comm.functional import take_alike
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.redistribution import LAYOUTS, boxes, global_shape
@@ -79,6 +80,7 @@ class _ToWhole(Function):
         return _assemble(_gather_boxes(x, mesh), box_list, shape, add=False)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad: torch.Tensor):
         own = grad[_slices(ctx.box)]
         return (own.clone() if ctx.keep else torch.zeros_like(own)), None, None
@@ -92,6 +94,7 @@ class _FromWhole(Function):
         return x[_slices(box_list[mesh.ranks.index(mesh.rank)])].clone()
 
     @staticmethod
+    @first_order
     def backward(ctx, grad: torch.Tensor):
         return _assemble(_gather_boxes(grad, ctx.mesh), ctx.boxes, ctx.shape, add=True), None, None
 

@@ -28,6 +28,7 @@ import torch
 from torch.autograd import Function
 
 from optimus2d.comm import Mesh
+from optimus2d.comm.first_order import first_order
 from optimus2d.comm.sequence import Shift
 
 
@@ -54,6 +55,7 @@ class _Ring(Function):
         return out
 
     @staticmethod
+    @first_order
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         mesh, blocks, scale = ctx.mesh, ctx.blocks, ctx.scale

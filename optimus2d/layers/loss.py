@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.autograd import Function
-from torch.autograd.function import once_differentiable
 
 from optimus2d.comm import all_reduce
 from optimus2d.comm import primitives as P
 from optimus2d.comm.agreement import agree_distinct, describe
 from optimus2d.comm.calls import check_function_call, layout, other_mesh
+from optimus2d.comm.first_order import first_order
 from optimus2d.comm.functional import grad_alike
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.traced import refuse_if
@@ -236,7 +236,7 @@ class _SplitVocabCrossEntropy(Function):
         return loss, bad
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, grad_loss, _grad_bad):
         logits, log_z, local_target, in_block, classes = ctx.saved_tensors
         grad = logits.to(log_z.dtype, copy=True).sub_(log_z.unsqueeze(-1)).exp_()  # softmax

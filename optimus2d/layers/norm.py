@@ -11,6 +11,7 @@ from torch.autograd import Function
 
 from optimus2d.comm import primitives as P
 from optimus2d.comm import reduce_grad
+from optimus2d.comm.first_order import first_order
 from optimus2d.comm.mesh import Mesh
 from optimus2d.comm.sharding import Sharding
 from optimus2d.layers.base import ShardedModule, compute_dtype, fill_from_serial
@@ -51,6 +52,7 @@ class _Norm2D(Function):
         return y.to(x.dtype)
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_y):
         x, weight, mean, rstd = ctx.saved_tensors
         x_hat = (x.to(mean.dtype) - mean) * rstd
