@@ -200,3 +200,43 @@ def test_compiled_scatter_and_gather_check_and_move_blocks(mesh):
         other = x + (dist.get_rank() == mesh.size - 1)
         with pytest.raises(ValueError, match="checksums differ"):
             step(other)
+
+
+def _inductor_is_seen() -> bool:
+    """Whether ``comm/compiled.py`` reads inductor as the backend on this torch (its dynamo internals)."""
+    from optimus2d.comm import compiled
+
+    seen = []
+
+    @torch.library.custom_op("optimus2d_test::probe", mutates_args=())
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @probe.register_fake
+    def _(x):
+        seen.append(compiled._backend())
+        raise RuntimeError("probed")  # no code is generated
+
+    with pytest.raises(Exception, match="probed"):
+        torch.compile(lambda x: probe(x) + 1, backend="inductor")(torch.ones(2))
+    torch._dynamo.reset()
+    return seen[:1] == ["inductor"]
+
+
+def test_inductor_is_refused_on_every_rank_before_the_graph_runs(mesh):
+    """It was seen to issue one rank's collectives in another order than its peers': every rank
+    waited to the timeout (a converted Linear-GELU-LayerNorm-Linear, float64, 2×2)."""
+    if not _inductor_is_seen():
+        pytest.skip("this torch's dynamo does not say its backend where comm/compiled.py reads it")
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 16)).double()
+    model = torch.compile(parallelize(copy.deepcopy(serial), mesh))  # the default backend: inductor
+    x = torch.randn(2 * mesh.depth * mesh.q, 3, 16, dtype=torch.float64)
+    if mesh.size == 1:  # nothing is sent: plain torch, which inductor compiles
+        assert_close(model(scatter(x, mesh)).detach(), serial(x), 1e-9, "output")
+        return
+    with pytest.raises(Exception, match=r"the inductor backend .* is not supported"):
+        model(scatter(x, mesh))
+    torch._dynamo.reset()  # the mesh goes on: nothing was sent
+    compiled = torch.compile(parallelize(copy.deepcopy(serial), mesh), backend="aot_eager")
+    assert_close(optimus2d.gather(compiled(scatter(x, mesh)).detach(), mesh), serial(x), 1e-9, "output")

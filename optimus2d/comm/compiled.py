@@ -50,6 +50,35 @@ def _ordered(op):
     return op
 
 
+def _backend() -> str | None:
+    """The name of the backend dynamo is compiling for ("inductor", "aot_eager", ...), or None where
+    it cannot be read (outside dynamo's tracing, or another torch's internals)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        fn = InstructionTranslator.current_tx().output.compiler_fn
+    except Exception:  # not tracing, or dynamo's internals moved: nothing to say
+        return None
+    for _ in range(4):  # torch's wrappers (WrapBackendDebug, ...) around the backend
+        name = getattr(fn, "compiler_name", None) or getattr(fn, "_compiler_name", None)
+        if isinstance(name, str):
+            return name
+        fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
+    return None
+
+
+def _refuse_inductor() -> None:
+    """Inductor was seen to issue one rank's collectives in another order than its peers' despite
+    the ordered effects (every rank waited to the timeout): refused while dynamo traces, on every
+    rank alike (they compile the same graph), before the graph runs."""
+    if _backend() == "inductor":
+        raise RuntimeError(
+            "optimus2d under torch.compile: the inductor backend (torch.compile's default) is not supported: "
+            "it may issue a rank's collectives in another order than its peers' (they wait to the timeout); "
+            "compile with backend='aot_eager'"
+        )
+
+
 def _empty(t: torch.Tensor, shape=None) -> torch.Tensor:
     return t.new_empty(t.shape if shape is None else shape).contiguous(memory_format=_CONTIGUOUS)
 
@@ -145,49 +174,59 @@ for _op in (*_OPERATORS, _agree, _refuse_if):
 # ---- their fake implementations: shapes only ------------------------------------------------------
 @_broadcast.register_fake
 def _(t, mesh, axis, root):
+    _refuse_inductor()
     return _empty(t)
 
 
 @_reduce.register_fake
 def _(t, mesh, axis, root):
+    _refuse_inductor()
     return _empty(t)
 
 
 @_all_reduce.register_fake
 def _(t, mesh, axis, op):
+    _refuse_inductor()
     return _empty(t)
 
 
 @_all_gather.register_fake
 def _(t, mesh, axis, dim):
+    _refuse_inductor()
     return _empty(t, _resized(t, dim, times=_mesh(mesh).axis_size(axis)))
 
 
 @_reduce_scatter.register_fake
 def _(t, mesh, axis, dim):
+    _refuse_inductor()
     return _empty(t, _resized(t, dim, parts=_mesh(mesh).axis_size(axis)))
 
 
 @_transpose.register_fake
 def _(t, mesh):
+    _refuse_inductor()
     return _empty(t)
 
 
 @_blocks.register_fake
 def _(t, mesh, axis):
+    _refuse_inductor()
     return _empty(t, [_mesh(mesh).axis_size(axis), *t.shape])
 
 
 @_partial_sums.register_fake
 def _(stacked, mesh, axis):
+    _refuse_inductor()
     return _empty(stacked, stacked.shape[1:])
 
 
 @_agree.register_fake
 def _(t, mesh, what, axis, description, error):
+    _refuse_inductor()
     return torch.empty(0)
 
 
 @_refuse_if.register_fake
 def _(flag, error):
+    _refuse_inductor()
     return torch.empty(0)
