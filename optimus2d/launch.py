@@ -25,10 +25,12 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import math
 import os
 import re
 import socket
 import sys
+import threading
 import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -45,6 +47,8 @@ _MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MV2_C
 _EXIT_BARRIER_S = 30.0
 _STORE_LINGER_S = 1.0  # a failing rank 0 keeps the store up this long for its peers to read the failure
 _owned = False  # whether init() created the process group (and so destroys it at exit)
+_STEP_KEY = "optimus2d/slurm_step"  # which srun step and start a store serves
+_slurm_starts = 0  # this process's starts under srun (init after shutdown: another)
 _made: tuple[object, World] | None = None  # (the process group, the World) of init()'s own start
 _crashed = False  # an uncaught exception is ending this process: do not wait for peers at exit
 
@@ -71,8 +75,10 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     global _owned, _made
     if timeout is None:
         timeout = float(os.environ.get("OPTIMUS2D_TIMEOUT", DEFAULT_TIMEOUT_S))
-    if not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=float(timeout))
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    if not 0 < seconds < math.inf:  # torch said "timed out after -1000ms" on every rank
+        raise ValueError(f"optimus2d.init: the timeout must be a positive number of seconds, got {timeout!r}")
+    timeout = datetime.timedelta(seconds=seconds)
     if dist.is_initialized():
         if _made is not None and _made[0] is _default_group():  # init()'s own start: what it found then
             return _made[1]
@@ -285,13 +291,59 @@ def _mpi_store(timeout: datetime.timedelta):
 
 
 def _slurm_store(timeout: datetime.timedelta):
+    """The step's rank 0 hosts the store on a port of the job and step (``MASTER_PORT`` if set); the
+    others connect and check that it is their step's and start's: two steps of one job at once had
+    the same port, and ranks of each joined the other's world with no error (or waited forever on a
+    port something else held)."""
+    global _slurm_starts
     env = os.environ
     rank, size, local = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
     host = env.get("MASTER_ADDR") or first_host(nodes)
-    port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
-    store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    job, step = int(env.get("SLURM_JOB_ID", 0)), int(env.get("SLURM_STEP_ID", 0))
+    port = int(env.get("MASTER_PORT", 20000 + (job * 97 + step) % 20000))
+    _slurm_starts += 1  # every rank starts as often: a store left by a shutdown start is not this one's
+    mine = f"job {job}, step {step}, start {_slurm_starts}, {size} tasks"
+    if rank == 0:
+        store = dist.TCPStore(host, port, size, is_master=True, timeout=timeout, wait_for_workers=False)
+        store.set(_STEP_KEY, mine)
+        return rank, size, local, _slurm_node_ranks(env), store
+    store, theirs = _within(
+        timeout, f"rank {rank}: the store of Slurm rank 0 at {host}:{port}", lambda: _joined(host, port, size, timeout)
+    )
+    if theirs != mine:
+        raise RuntimeError(
+            f"optimus2d.init: rank {rank} ({mine}) reached the store at {host}:{port} of another start "
+            f"({theirs}): set MASTER_PORT to a port of its own for each srun step that runs at once"
+        )
     return rank, size, local, _slurm_node_ranks(env), store
+
+
+def _joined(host: str, port: int, size: int, timeout: datetime.timedelta):
+    store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+    return store, store.get(_STEP_KEY).decode()
+
+
+def _within(timeout: datetime.timedelta, what: str, fn):
+    """``fn()`` in a daemon thread, or a ``TimeoutError`` after ``timeout``: torch's store client
+    waits with no limit on a port that something other than a store holds."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((True, fn()))
+        except BaseException as err:  # raised below, in the caller's thread
+            result.append((False, err))
+
+    thread = threading.Thread(target=run, name="optimus2d-store", daemon=True)
+    thread.start()
+    thread.join(timeout.total_seconds())
+    if not result:
+        raise TimeoutError(f"{what}: no answer within {timeout}")
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 def first_host(nodelist: str) -> str:

@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,8 +39,10 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 120) -> subproces
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _slurm(n: int, *args: str) -> list[subprocess.Popen]:
-    port = str(_free_port())
+def _slurm(n: int, *args: str, port: int | None = None, **step: str) -> list[subprocess.Popen]:
+    """``n`` tasks of an srun step (``step``: more of its variables, such as SLURM_JOB_ID; ``port``:
+    its MASTER_PORT, 0 for none: the port of the job and step)."""
+    port = _free_port() if port is None else port
     return [
         subprocess.Popen(
             [sys.executable, SCRIPT, *args],
@@ -49,7 +52,8 @@ def _slurm(n: int, *args: str) -> list[subprocess.Popen]:
                 SLURM_LOCALID=str(r),
                 SLURM_JOB_NODELIST="127.0.0.1",
                 SLURM_STEP_TASKS_PER_NODE=str(n),
-                MASTER_PORT=port,
+                **({"MASTER_PORT": str(port)} if port else {}),
+                **step,
             ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -101,6 +105,58 @@ def test_slurm_two_tasks_on_a_depth_two_mesh():
         assert p.returncode == 0, stderr[-3000:]
         assert f"ok launcher=slurm rank={r} size=2 local={r} Mesh(q=1, depth=2" in stdout
         assert f"shared_cores={len(os.sched_getaffinity(0)) < 2}" in stdout
+
+
+@pytest.mark.slow
+def test_two_srun_steps_of_one_job_at_once_keep_their_worlds():
+    """They had one port (the job's): ranks of each joined the other's store, mixed worlds formed."""
+    job = next(
+        j for j in range(os.getpid() % 9000, 20000) if all(_port_is_free(20000 + (j * 97 + s) % 20000) for s in (0, 1))
+    )
+    procs = [p for step in (0, 1) for p in _slurm(2, port=0, SLURM_JOB_ID=str(job), SLURM_STEP_ID=str(step))]
+    for r, p in enumerate(procs):
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr[-3000:]
+        assert f"ok launcher=slurm rank={r % 2} size=2 local={r % 2} Mesh(q=1, depth=2" in stdout
+
+
+@pytest.mark.slow
+def test_a_step_that_reaches_another_steps_store_is_refused_on_every_rank(tmp_path):
+    """Two steps given one MASTER_PORT: one step's rank 0 holds it; the other's rank 0 cannot bind
+    it, and its rank 1, reaching a store of another step, raises at once (it joined that world)."""
+    port, release = _free_port(), tmp_path / "release"
+    first = _slurm(2, "hold", "10", port=port, SLURM_JOB_ID="7", SLURM_STEP_ID="0", LAUNCH_CHECK_RELEASE=str(release))
+    time.sleep(3)  # its rank 0 holds the port until the second step is done
+    second = _slurm(2, "check", "10", port=port, SLURM_JOB_ID="7", SLURM_STEP_ID="1")
+    outs = [p.communicate(timeout=120) for p in second]
+    release.touch()
+    outs = [p.communicate(timeout=120) for p in first] + outs
+    assert [p.returncode for p in first] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    assert all(p.returncode != 0 for p in second)
+    assert "reached the store" in outs[3][1] and "job 7, step 0, start 1" in outs[3][1], outs[3][1][-3000:]
+
+
+@pytest.mark.slow
+def test_a_port_that_something_else_holds_is_a_timeout_not_a_hang():
+    """torch's store client waited with no limit on a listener that never answers."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        rank0, rank1 = _slurm(2, "check", "3", port=listener.getsockname()[1])  # rank 0 cannot bind it
+        start = time.monotonic()
+        _, stderr = rank1.communicate(timeout=60)
+        rank0.communicate(timeout=60)
+    assert rank1.returncode != 0 and "TimeoutError: rank 1: the store of Slurm rank 0" in stderr, stderr[-3000:]
+    assert time.monotonic() - start < 30
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @pytest.mark.slow
@@ -215,3 +271,10 @@ def test_detect_launcher(monkeypatch):
 )
 def test_first_host_of_a_slurm_node_list(nodelist, host):
     assert launch.first_host(nodelist) == host
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), "abc"])
+def test_a_timeout_that_is_not_positive_is_refused(timeout):
+    """torch said "timed out after -1000ms" on every rank, or "within -1 day, 23:59:59"."""
+    with pytest.raises(ValueError, match="positive number of seconds" if timeout != "abc" else "could not convert"):
+        launch.init(timeout=timeout)

@@ -2,7 +2,8 @@
 
 modes: "check" (a Linear2D on the largest mesh that fits, against nn.Linear), "stall" (rank 1
 never joins a collective: rank 0 must get an error within the timeout), "existing" (the process
-group is created first by the user's own code).
+group is created first by the user's own code), "hold" (as "check", then up to 60 s more, until the
+file $LAUNCH_CHECK_RELEASE exists: the store stays up).
 """
 
 import math
@@ -52,3 +53,7 @@ shared = optimus2d.comm.watch._shared_cores  # set by init(): more ranks on this
 # one write: mpiexec interleaves the ranks' writes
 sys.stdout.write(f"{line} heavy_yield={yielding} shared_cores={shared}\n")
 sys.stdout.flush()
+if mode == "hold":
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.environ["LAUNCH_CHECK_RELEASE"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
