@@ -24,8 +24,8 @@ BELOW: dict[str, set[str]] = {
     "layers": {"comm", "cost"},
     "training": {"comm", "cost", "layers"},
     "convert": {"comm", "cost", "context", "layers", "megatron"},
-    "families": {"comm", "cost", "layers", "convert"},
     "checkpoint": {"comm", "cost", "layers", "convert"},
+    "families": {"comm", "cost", "layers", "convert", "checkpoint"},  # a converted HF model's save_pretrained
     "pipeline": {"comm", "cost", "context", "layers", "convert", "training", "_deprecated"},
     "launch": {"comm", "faults", "_deprecated"},
 }

@@ -28,6 +28,7 @@ import types
 
 from torch import nn
 
+from optimus2d.checkpoint.pretrained import save_pretrained
 from optimus2d.comm.mesh import Mesh
 from optimus2d.layers.base import serial_shape
 from optimus2d.layers.embedding import Embedding2D
@@ -62,8 +63,6 @@ def finish(root: nn.Module, mesh: Mesh) -> None:
 def _save_pretrained(self: nn.Module, save_directory: str | os.PathLike, *, mesh: Mesh, **kwargs) -> None:
     """``PreTrainedModel.save_pretrained`` of the serial model: ``optimus2d.save_pretrained``."""
     from transformers import PreTrainedModel
-
-    from optimus2d.checkpoint import save_pretrained
 
     where = f"save_pretrained on {type(self).__name__} converted by optimus2d.parallelize ({mesh})"
     unknown = sorted(set(kwargs) - {*_DEFAULTS, *_IGNORED, "max_shard_size"})
