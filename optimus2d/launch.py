@@ -119,7 +119,7 @@ def shutdown() -> None:
     After an uncaught exception the process exits at once with status 1: its peers were told,
     and waiting for them (or for operations a lost peer will never finish) could hang the exit.
     """
-    global _owned
+    global _owned, _made
     if _owned and _crashed and dist.is_initialized() and dist.get_world_size() > 1:
         _owned = False
         if dist.get_rank() == 0:  # rank 0 hosts the store (mpiexec, srun): let the peers read why
@@ -142,6 +142,7 @@ def shutdown() -> None:
                     dist.barrier()
             except Exception:  # a peer is gone: tear down anyway
                 pass
+        _made = None  # nor its group, whose store holds the port a next start under srun takes
         dist.destroy_process_group()
     _owned = False
 
@@ -291,18 +292,19 @@ def _mpi_store(timeout: datetime.timedelta):
 
 
 def _slurm_store(timeout: datetime.timedelta):
-    """The step's rank 0 hosts the store on a port of the job and step (``MASTER_PORT`` if set); the
-    others connect and check that it is their step's and start's: two steps of one job at once had
-    the same port, and ranks of each joined the other's world with no error (or waited forever on a
-    port something else held)."""
+    """The step's rank 0 hosts the store on a port of the job and step (``MASTER_PORT`` if set; the
+    next one for each start after a ``shutdown``); the others connect and check that it is their
+    step's and start's: two steps of one job at once had the same port, and ranks of each joined the
+    other's world with no error (or waited forever on a port something else held)."""
     global _slurm_starts
     env = os.environ
     rank, size, local = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
     host = env.get("MASTER_ADDR") or first_host(nodes)
     job, step = int(env.get("SLURM_JOB_ID", 0)), int(env.get("SLURM_STEP_ID", 0))
-    port = int(env.get("MASTER_PORT", 20000 + (job * 97 + step) % 20000))
     _slurm_starts += 1  # every rank starts as often: a store left by a shutdown start is not this one's
+    # the next port for each start after a shutdown: the meshes of the last hold its store (and port)
+    port = int(env.get("MASTER_PORT", 20000 + (job * 97 + step) % 20000)) + _slurm_starts - 1
     mine = f"job {job}, step {step}, start {_slurm_starts}, {size} tasks"
     if rank == 0:
         store = dist.TCPStore(host, port, size, is_master=True, timeout=timeout, wait_for_workers=False)

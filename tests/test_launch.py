@@ -160,6 +160,15 @@ def _port_is_free(port: int) -> bool:
 
 
 @pytest.mark.slow
+def test_an_srun_step_starts_again_after_shutdown():
+    """The World of the first start kept its process group, whose store held the step's port."""
+    procs = _slurm(2, "restart", port=0, SLURM_JOB_ID="4711", SLURM_STEP_ID="3")
+    for r, p in enumerate(procs):
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0 and f"ok again launcher=slurm rank={r}" in stdout, stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_a_peer_that_never_joins_gives_an_error_not_a_hang():
     procs = _slurm(2, "stall", "3")
     stdout, stderr = procs[0].communicate(timeout=60)

@@ -3,7 +3,8 @@
 modes: "check" (a Linear2D on the largest mesh that fits, against nn.Linear), "stall" (rank 1
 never joins a collective: rank 0 must get an error within the timeout), "existing" (the process
 group is created first by the user's own code), "hold" (as "check", then up to 60 s more, until the
-file $LAUNCH_CHECK_RELEASE exists: the store stays up).
+file $LAUNCH_CHECK_RELEASE exists: the store stays up), "restart" (as "check", then shutdown(), init()
+and an all-reduce again).
 """
 
 import math
@@ -57,3 +58,11 @@ if mode == "hold":
     deadline = time.monotonic() + 60
     while not os.path.exists(os.environ["LAUNCH_CHECK_RELEASE"]) and time.monotonic() < deadline:
         time.sleep(0.1)
+if mode == "restart":
+    optimus2d.shutdown()
+    world = optimus2d.init(timeout=float(sys.argv[2]) if len(sys.argv) > 2 else 60)
+    total = torch.ones(1) * (world.rank + 1)
+    dist.all_reduce(total)
+    assert total.item() == world.size * (world.size + 1) / 2, total
+    sys.stdout.write(f"ok again launcher={world.launcher} rank={world.rank}\n")
+    sys.stdout.flush()
