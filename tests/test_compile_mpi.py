@@ -223,14 +223,19 @@ def _inductor_is_seen() -> bool:
     return seen[:1] == ["inductor"]
 
 
-def test_inductor_is_refused_on_every_rank_before_the_graph_runs(mesh):
+@pytest.mark.parametrize("backend", ["default", "compile_fx"])
+def test_inductor_is_refused_on_every_rank_before_the_graph_runs(mesh, backend):
     """It was seen to issue one rank's collectives in another order than its peers': every rank
-    waited to the timeout (a converted Linear-GELU-LayerNorm-Linear, float64, 2×2)."""
+    waited to the timeout (a converted Linear-GELU-LayerNorm-Linear, float64, 2×2). Named or given
+    as its function (``backend=compile_fx``)."""
     if not _inductor_is_seen():
         pytest.skip("this torch's dynamo does not say its backend where comm/compiled.py reads it")
+    from torch._inductor.compile_fx import compile_fx
+
     torch.manual_seed(0)
     serial = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 16)).double()
-    model = torch.compile(parallelize(copy.deepcopy(serial), mesh))  # the default backend: inductor
+    kwargs = {} if backend == "default" else {"backend": compile_fx}
+    model = torch.compile(parallelize(copy.deepcopy(serial), mesh), **kwargs)
     x = torch.randn(2 * mesh.depth * mesh.q, 3, 16, dtype=torch.float64)
     if mesh.size == 1:  # nothing is sent: plain torch, which inductor compiles
         assert_close(model(scatter(x, mesh)).detach(), serial(x), 1e-9, "output")

@@ -59,12 +59,21 @@ def _backend() -> str | None:
         fn = InstructionTranslator.current_tx().output.compiler_fn
     except Exception:  # not tracing, or dynamo's internals moved: nothing to say
         return None
-    for _ in range(4):  # torch's wrappers (WrapBackendDebug, ...) around the backend
+    names = []
+    for _ in range(6):  # torch's wrappers (WrapBackendDebug, _TorchCompileWrapper, partials) around it
+        if fn is None:
+            break
+        if str(getattr(fn, "__module__", "")).startswith("torch._inductor"):  # compile_fx given as the backend
+            return "inductor"
         name = getattr(fn, "compiler_name", None) or getattr(fn, "_compiler_name", None)
         if isinstance(name, str):
-            return name
-        fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
-    return None
+            names.append(name)
+        fn = (
+            getattr(fn, "_torchdynamo_orig_backend", None)
+            or getattr(fn, "compiler_fn", None)
+            or getattr(fn, "func", None)
+        )
+    return "inductor" if "inductor" in names else next(iter(names), None)
 
 
 def _refuse_inductor() -> None:
