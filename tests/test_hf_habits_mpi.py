@@ -227,16 +227,23 @@ def test_a_causal_lm_is_recognised_by_what_it_is(mesh):
     assert "generate" not in vars(base) and base.num_parameters() == serial.model.num_parameters()
 
 
-def test_every_converted_model_answers_num_parameters_for_the_serial_one(mesh):
-    """BERT (no lm_head) too: transformers' own counted this rank's blocks."""
-    config = transformers.BertConfig(
-        vocab_size=50, hidden_size=24 * mesh.q, num_hidden_layers=1, num_attention_heads=2 * mesh.q,
-        intermediate_size=48, max_position_embeddings=16,
-    )  # fmt: skip
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_every_converted_model_answers_num_parameters_for_the_serial_one(mesh, family):
+    """BERT (no lm_head) too: transformers' own counted this rank's blocks; T5's relative position
+    biases are embeddings to transformers (they are HeadTable2D here)."""
     torch.manual_seed(0)
-    serial = transformers.BertModel(config)
+    if family == "bert":
+        serial = transformers.BertModel(transformers.BertConfig(
+            vocab_size=50, hidden_size=24 * mesh.q, num_hidden_layers=1, num_attention_heads=2 * mesh.q,
+            intermediate_size=48, max_position_embeddings=16,
+        ))  # fmt: skip
+    else:
+        serial = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=48, d_model=48, d_kv=8, d_ff=96, num_layers=1, num_decoder_layers=1, num_heads=6,
+            relative_attention_num_buckets=8, dropout_rate=0.0,
+        ))  # fmt: skip
     parallel = parallelize(copy.deepcopy(serial), mesh)
-    for kwargs in ({}, {"exclude_embeddings": True}):
+    for kwargs in ({}, {"exclude_embeddings": True}, {"only_trainable": True}):
         assert parallel.num_parameters(**kwargs) == serial.num_parameters(**kwargs), kwargs
     with pytest.raises(TypeError, match="resize the serial model"):
         parallel.resize_token_embeddings(64)

@@ -133,7 +133,9 @@ def test_the_converted_models_own_save_pretrained_writes_the_serial_files(mesh, 
     serial = family(mesh, 0)
     parallel = parallelize(family(mesh, 0), mesh)
     path = os.path.join(shared, "own")
-    parallel.save_pretrained(path, is_main_process=dist.get_rank() == 0, max_shard_size="20KB")
+    parallel.save_pretrained(
+        path, is_main_process=dist.get_rank() == 0, max_shard_size="20KB", save_function=torch.save
+    )
     assert os.path.isfile(os.path.join(path, P.INDEX)) and os.path.isfile(os.path.join(path, "config.json"))
     again = type(serial).from_pretrained(path)
     for key, value in serial.state_dict().items():
@@ -142,6 +144,19 @@ def test_the_converted_models_own_save_pretrained_writes_the_serial_files(mesh, 
         with pytest.raises(error, match=r"save_pretrained on .* converted by optimus2d\.parallelize"):
             parallel.save_pretrained(os.path.join(shared, "refused"), **bad)
     assert not os.path.exists(os.path.join(shared, "refused"))
+
+
+def test_the_models_own_save_pretrained_says_it_is_collective_when_peers_never_come(mesh, monkeypatch):
+    """transformers' habit, ``if rank == 0: model.save_pretrained(d)``: the wait's timeout says why."""
+    from optimus2d.families import hf_methods
+
+    def lost(*args, **kwargs):
+        raise TimeoutError("MPI all-gather over mesh did not complete within 10 s: is a peer lost?")
+
+    monkeypatch.setattr(hf_methods, "save_pretrained", lost)
+    parallel = parallelize(_llama(mesh, 0), mesh)
+    with pytest.raises(TimeoutError, match=r"is a peer lost\?.*it is collective: every rank of the mesh calls it"):
+        parallel.save_pretrained("anywhere")
 
 
 class _Recorder:

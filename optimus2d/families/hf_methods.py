@@ -7,10 +7,12 @@ this rank's blocks. ``finish`` gives every ``PreTrainedModel`` in a converted mo
   model's files (its transformers class's ``from_pretrained`` loads them); collective, every rank
   calls it. transformers' own wrote each rank's blocks under the serial names into one file from
   every rank (rank 0 raised, the others returned). ``is_main_process`` is taken and ignored (every
-  rank takes part; the mesh's first rank writes), as are ``token``, ``save_peft_format`` and
-  ``save_original_format`` (the names are the model's own, which transformers 5 loads); what would
-  write other files (``state_dict=``, ``push_to_hub=True``, ``variant=``,
-  ``distributed_checkpoint=True``, ``safe_serialization=False``) is refused before anything runs.
+  rank takes part; the mesh's first rank writes), as are ``token``, ``save_peft_format``,
+  ``save_function`` (Accelerate's) and ``save_original_format`` (the names are the model's own,
+  which transformers 5 loads); what would write other files (``state_dict=``, ``push_to_hub=True``,
+  ``variant=``, ``distributed_checkpoint=True``, ``safe_serialization=False``) is refused before
+  anything runs. Called on some ranks only (``if rank == 0:``, transformers' habit), the others'
+  wait ends in a ``TimeoutError`` that says every rank calls it.
 * ``num_parameters(only_trainable=, exclude_embeddings=)``: the serial model's count (each
   parameter's global size), not this rank's.
 * ``resize_token_embeddings``: refused; its embedding (and head) are split over the mesh.
@@ -30,6 +32,7 @@ from torch import nn
 
 from optimus2d.checkpoint.pretrained import save_pretrained
 from optimus2d.comm.mesh import Mesh
+from optimus2d.families.hf_seq2seq import HeadTable2D
 from optimus2d.layers.base import serial_shape
 from optimus2d.layers.embedding import Embedding2D
 
@@ -43,7 +46,7 @@ _DEFAULTS = {
     "safe_serialization": True,
 }
 # Keywords that change nothing in what is written here.
-_IGNORED = ("is_main_process", "token", "save_peft_format", "save_original_format")
+_IGNORED = ("is_main_process", "token", "save_peft_format", "save_original_format", "save_function")
 
 
 def finish(root: nn.Module, mesh: Mesh) -> None:
@@ -77,7 +80,10 @@ def _save_pretrained(self: nn.Module, save_directory: str | os.PathLike, *, mesh
     size = kwargs.get(
         "max_shard_size", inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
     )
-    save_pretrained(self, save_directory, max_shard_size=size)
+    try:
+        save_pretrained(self, save_directory, max_shard_size=size)
+    except TimeoutError as err:  # transformers' habit: `if rank == 0: model.save_pretrained(d)`
+        raise TimeoutError(f"{where}: {err}; it is collective: every rank of the mesh calls it") from err
 
 
 def _num_parameters(
@@ -89,7 +95,8 @@ def _num_parameters(
         for name, param in sub._parameters.items():
             if param is not None:
                 owners.setdefault(id(param), (sub, name))
-    embeddings = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, (nn.Embedding, Embedding2D))}
+    tables = (nn.Embedding, Embedding2D, HeadTable2D)  # what transformers counts as embeddings (T5's biases too)
+    embeddings = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, tables)}
     total = 0
     for name, param in self.named_parameters():
         if exclude_embeddings and name in embeddings:
