@@ -21,7 +21,8 @@ mode = sys.argv[1] if len(sys.argv) > 1 else "check"
 torch.set_num_threads(1)
 if mode == "existing":
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-world = optimus2d.init(timeout=float(sys.argv[2]) if len(sys.argv) > 2 else 60)
+timeout = float(sys.argv[2]) if len(sys.argv) > 2 else 60
+world = optimus2d.init(timeout=timeout)
 again = optimus2d.init()  # idempotent: the same World (a second call said local_rank 0, "existing", under mpiexec)
 assert again == world, (again, world)
 
@@ -60,7 +61,7 @@ if mode == "hold":
         time.sleep(0.1)
 if mode == "restart":
     optimus2d.shutdown()
-    world = optimus2d.init(timeout=float(sys.argv[2]) if len(sys.argv) > 2 else 60)
+    world = optimus2d.init(timeout=timeout)
     total = torch.ones(1) * (world.rank + 1)
     dist.all_reduce(total)
     assert total.item() == world.size * (world.size + 1) / 2, total
