@@ -105,6 +105,18 @@ class FusedHeads(nn.Module):  # GPT-NeoX's habits: qkv fused per head, partial r
         return self.out(heads.reshape(b, s, -1))
 
 
+class HeadsThereAndBack(nn.Module):  # [b, heads, s, head_dim] in between, transposed back before the merge
+    def __init__(self, heads: int):
+        super().__init__()
+        self.head_dim, self.proj = E // heads, nn.Linear(E, E)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        y = self.proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        y = y.softmax(-1) * 2
+        return y.transpose(1, 2).reshape(b, s, -1)
+
+
 class Pair(nn.Module):  # a child that returns a tuple, as Hugging Face's layers do
     def __init__(self):
         super().__init__()
@@ -134,7 +146,12 @@ def _heads(mesh):
 def test_wrapping_decorators_dead_branches_and_per_head_ops_convert_exactly(mesh):
     torch.manual_seed(0)
     serial = nn.Sequential(
-        Decorated(), MaybeNormalised(False), FusedHeads(_heads(mesh)), Dropping(0.0), ItemsOfOutputs()
+        Decorated(),
+        MaybeNormalised(False),
+        FusedHeads(_heads(mesh)),
+        Dropping(0.0),
+        ItemsOfOutputs(),
+        HeadsThereAndBack(_heads(mesh)),
     )
     parallel = parallelize(copy.deepcopy(serial), mesh)
     assert [type(m) for m in parallel] == [type(m) for m in serial]  # each kept, its children converted
@@ -310,6 +327,32 @@ def _reduced_head(self, x):
     return q * q.mean(-1).softmax(-1).unsqueeze(-1)
 
 
+def _heads_interleaved(self, x):  # [b, s, head_dim, heads]: each head's features spread over the heads
+    b, s, _ = x.shape
+    head_dim = 2
+    return self.proj(x).view(b, s, -1, head_dim).transpose(2, 3).reshape(b, s, -1)
+
+
+def _heads_before_tokens(self, x):  # [b, heads, s, head_dim] merged as if it were [b, s, heads, head_dim]
+    b, s, _ = x.shape
+    head_dim = 2
+    y = self.proj(x).view(b, s, -1, head_dim).transpose(1, 2)
+    return y.reshape(b, s, -1)
+
+
+def _heads_swapped_by_mt(self, x):
+    b, s, _ = x.shape
+    head_dim = 2
+    return self.proj(x).view(b, s, -1, head_dim).mT.reshape(b, s, -1)
+
+
+def _head_feature_of_tokens(self, x):  # [b, heads, s]: one feature of each head, heads before tokens
+    b, s, _ = x.shape
+    head_dim = 2
+    y = self.proj(x).view(b, s, -1, head_dim).transpose(1, 2)
+    return y[..., 0].reshape(b, s, -1)
+
+
 def _mask_total(self, x, attention_mask=None):
     return self.proj(x) / attention_mask.sum()
 
@@ -361,6 +404,10 @@ def _live_branch(self, x):
         (_loop_over_functions, "calls f(), not known to act on blocks"),
         (_method_through_an_alias, "not called through self"),
         (_reduced_head, ".softmax()"),
+        (_heads_interleaved, "moves a head's features off the last dim"),
+        (_heads_before_tokens, "per-head tensor whose heads are not in place"),
+        (_heads_swapped_by_mt, "moves a head's features off the last dim"),
+        (_head_feature_of_tokens, "per-head tensor whose heads are not in place"),
         (_mask_total, ".sum()"),
         (_through_a_dict, ".mean()"),
     ],
@@ -388,6 +435,10 @@ def _live_branch(self, x):
         "loop",
         "alias",
         "reduced-head",
+        "heads-interleaved",
+        "heads-before-tokens",
+        "heads-mT",
+        "head-feature",
         "mask-total",
         "dict-copy",
     ],

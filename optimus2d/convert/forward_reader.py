@@ -190,8 +190,8 @@ def _read_method(module: nn.Module, name: str, children: set[str], reading: Read
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
             reading.problems.append(f"{line}: assigns {ast.unparse(node)} (state the reader does not follow)")
         elif isinstance(node, ast.Attribute) and node.attr in ("T", "mT", "H", "mH") and not env.clean(node.value):
-            if not env.per_head(node.value):
-                reading.problems.append(f"{line}: moves the split last dim ({ast.unparse(node)[:60]})")
+            what = "a head's features off the last dim" if env.per_head(node.value) else "the split last dim"
+            reading.problems.append(f"{line}: moves {what} ({ast.unparse(node)[:60]})")
         elif isinstance(node, ast.Assign) and _unpacks_last_size(node, env):
             reading.problems.append(f"{line}: reads the split dim's size ({ast.unparse(node)[:60]})")
         elif isinstance(node, ast.Subscript):
@@ -234,9 +234,11 @@ def _subscript_problem(node: ast.Subscript, env: Names) -> str | None:
     if env.clean(node.value):
         return None
     if env.per_head(node.value):
-        return (
-            None if last_dim_index(node) else f"indexes a per-head tensor off its last dim ({ast.unparse(node)[:60]})"
-        )
+        if not last_dim_index(node):
+            return f"indexes a per-head tensor off its last dim ({ast.unparse(node)[:60]})"
+        if not env.per_head(node) and env.heads_at(node.value) != 2:  # q[..., 0]: head_dim dropped
+            return _heads_out_of_place(node, env.heads_at(node.value))
+        return None
     index = node.slice
     last = index.elts[-1] if isinstance(index, ast.Tuple) and index.elts else index
     if shape_of(node.value):  # x.shape[k], x.size()[k]: only the batch and sequence sizes, or all but the last
@@ -344,8 +346,9 @@ def _call_problem(node, module, children, fn, env: Names, reading: Reading, seen
         if func.attr in MIXING_METHODS:
             if env.clean(base) and (func.attr in ("any", "all") or _not_over_rows(node)):
                 return None  # a mask's own dims, not its rows (split over the mesh): cumsum(dim=1), sum(-1)
-            if env.per_head(base) and dim_is_last(node):
-                return None
+            if env.per_head(base) and dim_is_last(node):  # over head_dim: what is left of the heads must be in place
+                at = env.heads_at(base)
+                return None if env.per_head(node) or at == 2 else _heads_out_of_place(node, at)
             return f"calls .{func.attr}() ({ast.unparse(node)[:60]})"
         if func.attr in ("size", "numel") and not (env.clean(base) or env.per_head(base)):
             if func.attr == "size" and (not node.args or _leading_index(node.args[0])):
@@ -354,6 +357,13 @@ def _call_problem(node, module, children, fn, env: Names, reading: Reading, seen
         if func.attr in ("transpose", "permute", "swapaxes", "movedim", "mT", "T") and not env.clean(base):
             if not env.per_head(base):
                 return f"moves the split last dim ({ast.unparse(node)[:60]})"
+            if not env.per_head(node):  # transpose(2, 3): the heads' features interleaved with the heads
+                return f"moves a head's features off the last dim ({ast.unparse(node)[:60]})"
+        shaped = func.attr in ("view", "reshape", "flatten", "unflatten") and not env.clean(base)
+        if shaped and env.per_head(base) and env.heads_at(base) != 2:
+            return _heads_out_of_place(
+                node, env.heads_at(base)
+            )  # [b, heads, s, head_dim].reshape(b, s, -1): heads and tokens mixed
         if func.attr in ("view", "reshape", "expand", "repeat", "new_empty", "new_zeros", "view_as"):
             return None if env.clean(base) else _reshape_problem(node, env)
         if func.attr == "flatten" and not env.clean(base):
@@ -460,6 +470,17 @@ def _literal(node: ast.expr):
     except (ValueError, TypeError, SyntaxError):
         value = None  # ~0 is not a literal: unknown
     return value if isinstance(value, int) else None
+
+
+def _heads_out_of_place(node: ast.expr, at: int | None) -> str:
+    """A per-head tensor's heads merged into (or left as) the hidden dim from another place than
+    ``[b, s, heads, head_dim]``, or from a place the reader does not know."""
+    if at is None:
+        return f"may merge the split last dim with another ({ast.unparse(node)[:60]})"
+    return (
+        f"merges or reduces a per-head tensor whose heads are not in place [b, s, heads, head_dim] "
+        f"(transpose them back first) ({ast.unparse(node)[:60]})"
+    )
 
 
 def _flatten_problem(node: ast.Call, per_head: bool) -> str | None:

@@ -221,6 +221,7 @@ class Names:
                 if name in self._heads and not all(v is not None and self.per_head(v) for v in values):
                     self._heads.discard(name)
                     changed = True
+        self._head_at = self._heads_positions(candidates, assigned)
         self._tensors = {n for n in self.direct if n not in params}
         changed = True
         while changed:  # the greatest fixed point, as above: y = self.proj(x); y = y * 2
@@ -229,6 +230,61 @@ class Names:
                 if not all(v is not None and self.holds_tensor(v) for v in self.direct[name]):
                     self._tensors.discard(name)
                     changed = True
+
+    def _heads_positions(self, candidates: set[str], assigned: dict[str, list[ast.expr]]) -> dict[str, int | None]:
+        """Where each per-head name holds its heads: the least fixed point of ``heads_at`` over its
+        values, from names not yet seen (``y = y * 2`` keeps ``y``'s place); None where the values
+        disagree or do not settle."""
+        self._head_at = dict.fromkeys((n for n in candidates if n in self._heads), _UNSEEN)
+        for _ in range(4 * len(self._head_at) + 2):
+            changed = False
+            for name in self._head_at:
+                now = _agreed([self.heads_at(v) for v in assigned[name]])
+                if now != self._head_at[name]:
+                    self._head_at[name], changed = now, True
+            if not changed:
+                return {n: None if at is _UNSEEN else at for n, at in self._head_at.items()}
+        return dict.fromkeys(self._head_at)
+
+    def heads_at(self, expr: ast.expr) -> int | None:
+        """Of a per-head tensor, which dim holds the heads, counted in 4 dims: 2 after the reshape
+        into heads (``[b, s, heads, head_dim]``), 1 after ``transpose(1, 2)``. Only from 2 do the heads
+        merge back into the split hidden dim (``reshape(b, s, -1)``, ``flatten(-2)``) or leave it when
+        ``head_dim`` is reduced; None where it is not known."""
+        if not self.per_head(expr):
+            return None
+        if isinstance(expr, ast.Name):
+            return self._head_at.get(expr.id)
+        if isinstance(expr, ast.Subscript):
+            return self.heads_at(expr.value)
+        return self._heads_at_call(expr)
+
+    def _heads_at_call(self, expr: ast.expr):
+        """``heads_at`` of a call or arithmetic (a per-head one: ``per_head`` has said which)."""
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
+            method, base, args = expr.func.attr, expr.func.value, expr.args
+            if method in ("view", "reshape", "unflatten"):
+                return 2  # (*leading, -1, head_dim) of a [b, s, hidden] activation
+            if method in ("transpose", "permute"):
+                at, ints = self.heads_at(base), [_int_literal(a) % 4 for a in args]
+                if at is None or at is _UNSEEN:
+                    return at
+                if method == "transpose":
+                    return ints[1] if at == ints[0] else ints[0] if at == ints[1] else at
+                return ints.index(at)
+            if method == "update":
+                return _agreed([self.heads_at(a) for a in args[:2]])
+            if method in SPLITTING | ELEMENTWISE_METHODS | MIXING_METHODS:
+                return self.heads_at(base)
+        if isinstance(expr, ast.Call) and _self_child(expr, self.module) is not None:
+            return self.heads_at(expr.args[0])
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id in ROTARY:
+            return _agreed([self.heads_at(a) for a in expr.args[:2]])
+        if isinstance(expr, ast.Call) and resolve(expr.func, self.fn) is torch.cat:  # on the last dim
+            return _agreed([self.heads_at(p) for p in expr.args[0].elts if not self.clean(p)])
+        if isinstance(expr, ast.BinOp):
+            return _agreed([self.heads_at(e) for e in (expr.left, expr.right) if not self.clean(e)])
+        return None
 
     def holds_tensor(self, expr: ast.expr) -> bool:
         """``expr`` is surely one tensor, not a tuple or dict of outputs (whose ``[0]`` is an item,
@@ -311,8 +367,8 @@ class Names:
         """A tensor whose last dim holds one head's features, whole on every rank."""
         if isinstance(expr, ast.Name):
             return expr.id in self._heads and expr.id not in self._unknown
-        if isinstance(expr, ast.Subscript):  # q[..., :rot], or one part of a per-head split
-            return last_dim_index(expr) and self.per_head(expr.value)
+        if isinstance(expr, ast.Subscript):  # q[..., :rot], or one part of a per-head split (not q[..., 0])
+            return last_dim_index(expr) and isinstance(expr.slice.elts[-1], ast.Slice) and self.per_head(expr.value)
         if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
             method, base, args = expr.func.attr, expr.func.value, expr.args
             if method in ("view", "reshape") and len(args) == 1 and isinstance(args[0], (ast.Name, ast.Starred)):
@@ -346,6 +402,22 @@ class Names:
             sides = (expr.left, expr.right)
             return any(map(self.per_head, sides)) and all(self.per_head(e) or self.clean(e) for e in sides)
         return False
+
+
+_UNSEEN = object()  # a name's heads' place before its values are read (Names._heads_positions)
+
+
+def _agreed(positions: list) -> int | None:
+    """The one place every value gives (those not yet seen aside), or None."""
+    seen = {p for p in positions if p is not _UNSEEN}
+    if not seen:
+        return _UNSEEN if positions else None
+    return seen.pop() if len(seen) == 1 else None
+
+
+def _int_literal(a: ast.expr) -> int:
+    """A literal dim, ``1`` or ``-1`` (``_keeps_last_of_4d`` has checked that it is one)."""
+    return a.value if isinstance(a, ast.Constant) else -a.operand.value
 
 
 def _keeps_last_of_4d(method: str, args: list[ast.expr]) -> bool:
