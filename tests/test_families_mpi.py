@@ -82,6 +82,47 @@ def test_gpt2_attention_dropout_draws_a_mask_per_shard(mesh, kernel):
     assert len(set(MPI.COMM_WORLD.allgather(seeds[0]))) == MPI.COMM_WORLD.size  # a seed of its own
 
 
+def _gpt2(kernel: str):
+    config = transformers.GPT2Config(
+        vocab_size=96, n_positions=32, n_embd=48, n_layer=2, n_head=6, attn_implementation=kernel
+    )  # dropouts 0.1, then 0 as TRL's disable_dropout_in_model sets them
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _opt(kernel: str):
+    config = transformers.OPTConfig(
+        vocab_size=96, hidden_size=48, ffn_dim=96, num_hidden_layers=2, num_attention_heads=6,
+        max_position_embeddings=32, word_embed_proj_dim=48, attn_implementation=kernel,
+    )  # fmt: skip
+    return transformers.OPTForCausalLM(config)
+
+
+@pytest.mark.parametrize(("make", "kernel"), [(_gpt2, "eager"), (_gpt2, "sdpa"), (_opt, "sdpa")], ids=str)
+def test_a_training_forward_without_dropout_takes_nothing_from_the_generator(mesh, make, kernel):
+    """Every dropout at 0 in train mode (TRL's disable_dropout_in_model, then sampling): a forward
+    that hands a probability to its kernel or calls F.dropout itself ran in shard_rng all the same,
+    which takes one number from torch's generator, so the next sample was not serial's (GPT-2's
+    first sampled token differed). Now it runs there only while a probability is not 0."""
+    torch.manual_seed(0)
+    serial = make(kernel)
+    parallel = parallelize(copy.deepcopy(serial), mesh)
+    for model in (serial, parallel):
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        for name in ("dropout", "attn_dropout_p"):  # OPT's decoder layers read a float
+            for module in model.modules():
+                if isinstance(getattr(module, name, None), float):
+                    setattr(module, name, 0.0)
+    ids = torch.randint(0, 96, (2 * mesh.depth * mesh.q, 9))
+    after = []
+    for model, x in ((serial.train(), ids), (parallel.train(), scatter_batch(ids, mesh))):
+        torch.manual_seed(7)
+        model(input_ids=x)
+        after.append(torch.rand(4))
+    assert torch.equal(after[0], after[1]), after
+
+
 @pytest.mark.parametrize("vocab", [96, 97], ids=["vocab96", "vocab97"])  # 97: padded inside on q = 2, 3
 def test_gpt2_logits_and_one_training_step(mesh, vocab):
     config = transformers.GPT2Config(

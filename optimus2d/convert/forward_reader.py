@@ -35,6 +35,7 @@ import functools
 import inspect
 import textwrap
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -69,7 +70,16 @@ class Reading:
 
     problems: list[str] = field(default_factory=list)
     guards: list[tuple[str, ast.expr, bool]] = field(default_factory=list)
-    draws: bool = False
+    # the dropout probabilities it passes (None: torch's default, 0.5), read again at each call
+    dropout_ps: list[ast.expr | None] = field(default_factory=list)
+
+    @property
+    def draws(self) -> bool:
+        return bool(self.dropout_ps)
+
+    def may_draw(self, module: nn.Module) -> bool:
+        """Whether a dropout of the forward may draw now: a probability that is not 0, or unknown."""
+        return any(p is None or static_value(p, module) != 0 for p in self.dropout_ps)
 
 
 _DICT_METHODS = frozenset({"copy", "get", "items", "keys", "values", "update", "setdefault", "pop"})
@@ -118,15 +128,20 @@ def check_guards_after(module: nn.Module, args, output) -> None:
     check_guards(module, args)
 
 
-def draw_per_shard(module: nn.Module, mesh) -> None:
+def draw_per_shard(module: nn.Module, mesh, may_draw: Callable[[nn.Module], bool] | None = None) -> None:
     """Run ``module``'s forward, while training, under ``shard_rng``: its dropout draws a mask per
-    shard, as ``Dropout2D`` does, not the same mask on every shard."""
+    shard, as ``Dropout2D`` does, not the same mask on every shard. ``may_draw(module)``, asked at
+    each call: whether its dropout may draw now (a probability that is not 0); where it says no,
+    the forward runs as it is and takes no number from torch's generator (``shard_rng`` takes one),
+    which then gives what it gives serially (a sampled token, a shuffle)."""
     module._optimus2d_rng_mesh = mesh
+    module._optimus2d_may_draw = may_draw
     module.forward = types.MethodType(_forward_drawing_per_shard, module)
 
 
 def _forward_drawing_per_shard(self, *args, **kwargs):
-    with shard_rng(self._optimus2d_rng_mesh, enabled=self.training):
+    may_draw = self._optimus2d_may_draw
+    with shard_rng(self._optimus2d_rng_mesh, enabled=self.training and (may_draw is None or may_draw(self))):
         return type(self).forward(self, *args, **kwargs)
 
 
@@ -322,7 +337,7 @@ def _call_problem(node, module, children, fn, env: Names, reading: Reading, seen
     func, cls = node.func, type(module)
     for keyword in node.keywords:  # attention_interface(..., dropout=self.attention_dropout)
         if keyword.arg in ("dropout", "dropout_p") and static_value(keyword.value, module) != 0:
-            reading.draws = True
+            reading.dropout_ps.append(keyword.value)
         elif keyword.arg in ("dropout", "dropout_p") and not isinstance(keyword.value, ast.Constant):
             zero = ast.Compare(keyword.value, [ast.Eq()], [ast.Constant(0)])  # 0 now: a later p must draw per shard
             reading.guards.append((ast.unparse(zero), zero, True))
@@ -407,7 +422,7 @@ def _function_problem(node: ast.Call, resolved, module, env: Names, reading: Rea
     if resolved in DROPOUTS:
         p = [k.value for k in node.keywords if k.arg == "p"] or node.args[1:2]
         if not p or static_value(p[0], module) != 0:
-            reading.draws = True
+            reading.dropout_ps.append(p[0] if p else None)
         elif not isinstance(p[0], ast.Constant):  # 0 now: a guard, as a later non-zero p must draw per shard
             zero = ast.Compare(p[0], [ast.Eq()], [ast.Constant(0)])
             reading.guards.append((ast.unparse(zero), zero, True))

@@ -496,7 +496,7 @@ class _KeepAsRead:
             module.register_forward_pre_hook(forward_reader.check_guards)
             module.register_forward_hook(forward_reader.check_guards_after)  # a flag the forward itself changed
         if self.reading.draws:
-            forward_reader.draw_per_shard(module, mesh)
+            forward_reader.draw_per_shard(module, mesh, self.reading.may_draw)
         if self.heads:  # a per-head or full-batch 4D mask: a clear error, not torch's
             blockwise.refuse_head_masks(module, mesh)
         return module

@@ -20,6 +20,7 @@ import copy
 import importlib
 import inspect
 import textwrap
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -58,11 +59,17 @@ def local_heads(attn: nn.Module, name: str, mesh: Mesh) -> int:
     return heads // mesh.q
 
 
-def keep_drawing_per_shard(module: nn.Module, mesh: Mesh) -> nn.Module:
-    """``keep``, for a forward that calls ``F.dropout`` itself: its masks drawn per shard."""
-    keep(module, mesh)
-    draw_per_shard(module, mesh)
-    return module
+def keep_drawing_per_shard(p: str) -> Callable[[nn.Module, Mesh], nn.Module]:
+    """A converter: ``keep``, for a forward that calls ``F.dropout`` itself with the probability in
+    the attribute ``p``: its masks drawn per shard, and nothing drawn while that is 0 (a missing
+    attribute: drawn, as it may be used)."""
+
+    def convert(module: nn.Module, mesh: Mesh) -> nn.Module:
+        keep(module, mesh)
+        draw_per_shard(module, mesh, lambda m: getattr(m, p, 1.0) != 0)
+        return module
+
+    return convert
 
 
 def _gpt2_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
@@ -80,7 +87,7 @@ def _gpt2_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
     attn.split_size = e // mesh.q  # forward splits the fused output by this: local q, k, v
     # its forward hands attn_dropout.p to the attention kernel (F.dropout, SDPA's dropout_p), not
     # calling the module: without shard_rng every rank drew the same mask for its own heads
-    draw_per_shard(attn, mesh)
+    draw_per_shard(attn, mesh, lambda a: a.attn_dropout.p > 0)
     return attn
 
 

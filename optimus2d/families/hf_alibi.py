@@ -68,13 +68,13 @@ def _bloom_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
     keep(attn, mesh)
     attn.num_heads = attn._optimus2d_alibi_heads = heads
     _hook_heads(attn, mesh, arg="alibi", batch_major=True)
-    draw_per_shard(attn, mesh)  # dropout_add: F.dropout of the output block
+    draw_per_shard(attn, mesh, lambda a: a.hidden_dropout > 0)  # dropout_add: F.dropout of the output block
     return attn
 
 
 def _bloom_mlp(mlp: nn.Module, mesh: Mesh) -> nn.Module:
     _refuse_tp_slices(mlp, mesh)
-    return keep_drawing_per_shard(mlp, mesh)
+    return keep_drawing_per_shard("hidden_dropout")(mlp, mesh)
 
 
 def _mpt_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
@@ -84,7 +84,7 @@ def _mpt_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
     keep(attn, mesh)
     attn.n_heads = attn._optimus2d_alibi_heads = heads
     _hook_heads(attn, mesh, arg="position_bias", batch_major=False)
-    draw_per_shard(attn, mesh)  # F.dropout of the attention weights
+    draw_per_shard(attn, mesh, lambda a: a.attn_dropout_p > 0)  # F.dropout of the attention weights
     return attn
 
 
@@ -98,6 +98,6 @@ def register() -> None:
         register_converter(cls, keep=True)
     mpt = importlib.import_module("transformers.models.mpt.modeling_mpt")
     register_converter(mpt.MptAttention, _mpt_attention, converts_children=True)
-    register_converter(mpt.MptMLP, keep_drawing_per_shard, converts_children=True)
+    register_converter(mpt.MptMLP, keep_drawing_per_shard("hidden_dropout"), converts_children=True)
     for cls in (mpt.MptBlock, mpt.MptModel, mpt.MptForCausalLM):
         register_converter(cls, keep=True)

@@ -54,7 +54,7 @@ def register() -> None:
     """Register OPT's classes (needs ``transformers``)."""
     opt = importlib.import_module("transformers.models.opt.modeling_opt")
     register_converter(opt.OPTAttention, _attention, converts_children=True)
-    register_converter(opt.OPTDecoderLayer, keep_drawing_per_shard, converts_children=True)
+    register_converter(opt.OPTDecoderLayer, keep_drawing_per_shard("dropout"), converts_children=True)
     register_converter(opt.OPTDecoder, _decoder, converts_children=True)
     for cls in (opt.OPTModel, opt.OPTForCausalLM):
         register_converter(cls, keep=True)

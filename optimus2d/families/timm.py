@@ -50,7 +50,8 @@ def _timm_attention(attn: nn.Module, mesh: Mesh) -> nn.Module:
     attn.num_heads //= mesh.q
     if hasattr(attn, "attn_dim"):
         attn.attn_dim //= mesh.q
-    draw_per_shard(attn, mesh)  # fused: SDPA's dropout_p=attn_drop.p, not the module (one mask on every rank)
+    # fused: SDPA's dropout_p=attn_drop.p, not the module (one mask on every rank)
+    draw_per_shard(attn, mesh, lambda a: a.attn_drop.p > 0)
     return attn
 
 
