@@ -165,6 +165,24 @@ def test_generate_without_cache_odd_batch_and_outputs(mesh, family):
         assert_close(a, b, 1e-4, "hidden states")
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2_97"])
+def test_generate_with_guidance_and_rows_alike(mesh, family):
+    """Classifier-free guidance: HF's logits processor calls the model itself with input_ids
+    positional (refused: "positional inputs"). Rows alike with output_hidden_states: on a depth
+    mesh every rank's hidden-state block is the same, and gather took them for the full tensor."""
+    serial, parallel = _pair(mesh, family)
+    ids = _ids(mesh, serial.config.vocab_size)
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    for guided in ({"guidance_scale": 1.5}, {"guidance_scale": 1.5, "negative_prompt_ids": ids[:, :3]}):
+        assert torch.equal(parallel.generate(ids, **kwargs, **guided), serial.generate(ids, **kwargs, **guided))
+    alike = ids[:1].expand(ids.shape[0], -1)
+    more = {"return_dict_in_generate": True, "output_hidden_states": True}
+    want, got = serial.generate(alike, **kwargs, **more), parallel.generate(alike, **kwargs, **more)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.hidden_states[-1], want.hidden_states[-1], strict=True):
+        assert_close(a, b, 1e-4, "hidden states")
+
+
 def test_generate_from_inputs_embeds(mesh):
     serial, parallel = _pair(mesh, "llama")
     ids = _ids(mesh, 96)

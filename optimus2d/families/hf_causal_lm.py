@@ -228,8 +228,8 @@ def _check_generation(lm: nn.Module, mesh: Mesh, args: tuple, kwargs: dict) -> N
 def _scatter_inputs(lm: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Forward pre-hook while generating: full inputs [b, ...] → this rank's blocks [b/(d·q), ...]."""
     mesh, _ = _head(lm, "generate")
-    if args:
-        raise TypeError(f"generate on {type(lm).__name__}: the forward got positional inputs; expected keywords")
+    if args:  # a logits processor calling the model itself (classifier-free guidance: model(input_ids, ...))
+        kwargs = _named(lm, args, kwargs)
     from transformers.cache_utils import Cache
 
     cache = kwargs.get("past_key_values")
@@ -264,6 +264,25 @@ def _scatter_inputs(lm: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     return (), out
 
 
+def _named(lm: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """The forward's positional inputs under their names (its signature's), with the keywords."""
+    try:
+        bound = inspect.signature(lm.forward).bind_partial(*args)
+    except TypeError as err:
+        raise TypeError(
+            f"generate on {type(lm).__name__}: the forward's positional inputs do not bind: {err}"
+        ) from None
+    named = {}
+    for name, value in bound.arguments.items():
+        if bound.signature.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL or name in kwargs:
+            raise TypeError(
+                f"generate on {type(lm).__name__}: the forward got {len(args)} positional inputs that do not name "
+                f"its parameters ({name}); pass them by keyword"
+            )
+        named[name] = value
+    return {**named, **kwargs}
+
+
 def _gather_outputs(lm: nn.Module, args: tuple, output):
     """Forward hook while generating: logits [b/(d·q), s, ⌈V/q⌉] → [b, s, V] on every rank (and the
     hidden states, if asked for, [b/(d·q), s, h/q] → [b, s, h])."""
@@ -272,5 +291,6 @@ def _gather_outputs(lm: nn.Module, args: tuple, output):
     output.logits = gather(output.logits.contiguous(), mesh)[:rows, ..., :vocab]
     hidden = getattr(output, "hidden_states", None)
     if hidden is not None:
-        output.hidden_states = tuple(gather(h.contiguous(), mesh)[:rows] for h in hidden)
+        # blocks, though untagged where plain torch made them (rows alike on a depth mesh: not refused)
+        output.hidden_states = tuple(gather(h.contiguous(), mesh, check=False)[:rows] for h in hidden)
     return output
