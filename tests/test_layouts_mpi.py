@@ -72,6 +72,17 @@ def test_glob_keys_and_the_innermost_wins(world):
     check_against_serial(serial, parallel, x, outer, tol=1e-9)
 
 
+def test_a_module_planned_back_on_the_models_mesh_inside_another(world):
+    """``{"lm": inner, "lm.layers.*": model_mesh}``: the layers were converted on ``inner`` (their
+    parent's) while their boundary moved their input to the model's mesh: the first forward raised."""
+    meshes = meshes_of(world)
+    outer, inner = meshes[0], meshes[-1]
+    serial = _serial()
+    parallel = parallelize(copy.deepcopy(serial), outer, plan={"lm": inner, "lm.layers.*": outer})
+    assert parallel.lm.layers[0].linear1.mesh is outer and parallel.lm.norm is None
+    check_against_serial(serial, parallel, _input(world), outer, tol=1e-9)
+
+
 def test_plan_refusals(world):
     mesh = meshes_of(world)[0]
     with pytest.raises(ValueError, match=r"plan= names no module of the model at 'vision'"):

@@ -258,7 +258,7 @@ class _Walk:
                 self.split[id(module)] = (self.contexts[hit[0]], path)
                 if (why := ContextParallel.refusal(module)) is not None:
                     self.unsplit.append(f"{path} ({type(module).__name__}): {why}")
-        if mesh is not self.mesh:
+        if mesh is not self.mesh or hit is not None:  # (planned back on the model's mesh inside another: that)
             self.meshes[id(module)] = mesh
         called = type(module).forward is not nn.Module.forward  # a ModuleList is never called itself
         if hit is not None and hit[0] in self.megatron:  # 1D tensor parallelism: torch splits it as it is
