@@ -73,6 +73,28 @@ def test_every_module_that_does_not_fit_is_named_once(mesh):
     assert "\n  a (Linear): Linear2D: out_features" in message and "\n  b (Linear): Linear2D: in_features" in message
 
 
+class _Nested(nn.Module):
+    def __init__(self, q: int) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4 * q, 4 * q + 1), nn.GELU())
+        self.projector = nn.Sequential(nn.Linear(4 * q + 1, 4 * q), nn.LayerNorm(4 * q))
+
+    def forward(self, x):
+        return {"y": self.projector(self.encoder(x))}
+
+
+def test_modules_inside_containers_are_named_by_their_whole_paths(mesh):
+    """A container's children are converted by the container's converter: they were named by their
+    own names alone ("0 (Linear)" for both encoder.0 and projector.0)."""
+    if mesh.q == 1:
+        pytest.skip("q = 1: every size divides")
+    torch.manual_seed(0)
+    model = _Nested(mesh.q)
+    message = _refused_whole(model, mesh, r"2 module\(s\) do not fit", {"x": torch.randn(2, 4 * mesh.q)})
+    assert "\n  encoder.0 (Linear): Linear2D: out_features" in message, message
+    assert "\n  projector.0 (Linear): Linear2D: in_features" in message, message
+
+
 def test_what_fits_converts_as_before(mesh):
     torch.manual_seed(0)
     serial = nn.Sequential(nn.Linear(4 * mesh.q, 8 * mesh.q), nn.ReLU(), nn.Linear(8 * mesh.q, 4 * mesh.q))

@@ -56,8 +56,9 @@ _current: contextvars.ContextVar[_Walk | None] = contextvars.ContextVar("optimus
 def convert_children(module: nn.Module, mesh: Mesh) -> None:
     """Convert every child of ``module`` in place (for converters of modules that hold tensors too)."""
     walk = _current.get() or _Walk(mesh, {}, tied_embeddings(module))
+    prefix = walk.paths.get(id(module), "")  # the model's path of module: refusals name the full path
     for name, child in _children(module):
-        setattr(module, name, walk.convert(child, name, mesh))
+        setattr(module, name, walk.convert(child, f"{prefix}.{name}" if prefix else name, mesh))
 
 
 def keep(module: nn.Module, mesh: Mesh) -> nn.Module:
@@ -235,6 +236,7 @@ class _Walk:
     rehearsing: bool = False  # converting a meta copy first: collect the refusals (_rehearse)
     errors: list[Exception] = field(default_factory=list)  # what they raised, in order
     outside: list = field(default_factory=list)  # (holder, key, name): modules outside it holding its parameters
+    paths: dict[int, str] = field(default_factory=dict)  # id(module) → its path in the model, as converted
 
     def check(
         self,
@@ -371,6 +373,7 @@ class _Walk:
 
     def convert(self, module: nn.Module, path: str, mesh: Mesh | None = None) -> nn.Module:
         if id(module) not in self.done:
+            self.paths.setdefault(id(module), path)
             on = self.meshes.get(id(module), mesh or self.mesh)
             if self.rehearsing:  # note every module that refuses, and go on with the others
                 try:
