@@ -225,6 +225,29 @@ def test_an_optimizer_state_dict_loads_into_a_fresh_optimizer_before_its_first_s
         assert_close(value, serial.state_dict()[key], 1e-6, f"{key} after the resumed step")
 
 
+@pytest.mark.parametrize("when", ["fresh", "stepped"])
+def test_a_serial_optimizers_state_dict_loads_into_the_converted_optimizer(mesh, when):
+    """A serial run's ``opt.state_dict()`` (plain tensors) into the converted model's optimizer, fresh
+    or after a step of its own: its step mixed plain tensors with DTensors and raised on every rank,
+    after the load had changed the optimizer. Every parameter's state now becomes its layout (the
+    canonical ones DTensors of their shards, the padded and fused ones blocks)."""
+    serial = _gpt2(vocab=97)
+    opt_ref = torch.optim.AdamW(serial.parameters(), **ADAM, foreach=True)
+    torch.manual_seed(1)
+    batches = [torch.randint(0, 97, (2 * mesh.size, 6)) for _ in range(2)]
+    model = parallelize(copy.deepcopy(serial), mesh)
+    opt = torch.optim.AdamW(model.parameters(), **ADAM, foreach=True)
+    if when == "stepped":
+        _step(model, opt, None, batches[0], mesh)
+    _step(serial, opt_ref, None, batches[0])
+    model.load_state_dict(serial.state_dict())
+    opt.load_state_dict(copy.deepcopy(opt_ref.state_dict()))
+    _step(serial, opt_ref, None, batches[1])
+    _step(model, opt, None, batches[1], mesh)
+    for key, value in serial_state_dict(model).items():
+        assert_close(value, serial.state_dict()[key], 1e-6, f"{key} after the step from the serial state")
+
+
 def test_a_state_dict_loads_into_a_model_on_another_mesh(mesh):
     """torch's own ``load_state_dict`` of one converted model's ``state_dict()`` into another's, on
     another mesh shape: a DTensor of another mesh is taken back to this mesh's blocks."""

@@ -6,7 +6,9 @@ like it, in the stored layout. Before an optimizer's first step (torch's ``get_s
 ``set_state_dict`` take one on an optimizer without state), one holding such a parameter gets two
 hooks: ``state_dict()`` gives that state as the serial tensor's DTensor, and ``load_state_dict``
 takes the serial tensor (or any DTensor of it) back to blocks. State loaded before the first step
-(into a fresh optimizer, without the hooks) is taken to blocks at that step, before it runs.
+(into a fresh optimizer, without the hooks) is taken to blocks at that step, before it runs. Every
+optimizer holding DTensor parameters gets the load hook: a serial optimizer's state (plain tensors)
+of a parameter that is DTensor's shard becomes that DTensor (torch's step cannot mix the two).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from optimus2d.comm.dtensor import STORED, like, local, placements, serial_dtensor
@@ -52,18 +54,34 @@ def _attach_to_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None
     _refuse_padded(optimizer)
     if optimizer in _ATTACHED:
         return
-    if any("_optimus2d_layout" in p.__dict__ for group in optimizer.param_groups for p in group["params"]):
-        _ATTACHED.add(optimizer)
-        optimizer.register_state_dict_post_hook(_optimizer_serial_state)
-        optimizer.register_load_state_dict_pre_hook(_optimizer_blocks)
-        # State before the first step was loaded without these hooks (``load_state_dict`` into a
-        # fresh optimizer, the usual resume): it is in the serial layout, as every ``state_dict()``
-        # gives it (an optimizer is attached at its first step, before it has state of its own).
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                layout = p.__dict__.get("_optimus2d_layout")
-                if layout is not None and p in optimizer.state:
-                    optimizer.state[p] = {k: _to_blocks(p, *layout, v) for k, v in optimizer.state[p].items()}
+    _ATTACHED.add(optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(isinstance(p, DTensor) for p in params):
+        return  # a plain torch model's: nothing to do
+    optimizer.register_state_dict_post_hook(_optimizer_serial_state)
+    optimizer.register_load_state_dict_pre_hook(_optimizer_blocks)
+    # State before the first step was loaded without these hooks (``load_state_dict`` into a
+    # fresh optimizer, the usual resume): it is in the serial layout, as every ``state_dict()``
+    # gives it (an optimizer is attached at its first step, before it has state of its own), or
+    # a serial optimizer's plain tensors.
+    for p in params:
+        if p in optimizer.state:
+            optimizer.state[p] = {k: _state_to_blocks(p, v) for k, v in optimizer.state[p].items()}
+
+
+def _state_to_blocks(p: torch.Tensor, v: object) -> object:
+    """A state tensor of parameter ``p`` in the serial layout as ``p`` holds its values: blocks in
+    the stored layout (``_to_blocks``), or, for a parameter that is DTensor's shard of the serial
+    tensor, the serial tensor as that DTensor (a serial optimizer's state: plain tensors, which
+    torch's step could not mix with DTensors); anything else as it is."""
+    layout = p.__dict__.get("_optimus2d_layout")
+    if layout is not None:
+        return _to_blocks(p, *layout, v)
+    plain = isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0
+    if isinstance(p, DTensor) and plain and tuple(v.shape) == tuple(p.shape):
+        # every rank holds the same serial tensor: each takes its own shard (src_data_rank=None: no collective)
+        return distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+    return v
 
 
 # Optimizers whose step reads a parameter's shape, not only its values (torch.optim.Muon scales its
@@ -127,8 +145,12 @@ def _optimizer_serial_state(optimizer: torch.optim.Optimizer, state: dict) -> di
 
 
 def _optimizer_blocks(optimizer: torch.optim.Optimizer, state: dict) -> dict:
-    for index, p, (sharding, mesh), per in list(_laid_out(optimizer, state)):
-        state["state"][index] = {k: _to_blocks(p, sharding, mesh, v) for k, v in per.items()}
+    """Before ``load_state_dict``: the state of every parameter as the parameter holds its values."""
+    keys = [key for group in state["param_groups"] for key in group["params"]]
+    by_key = dict(zip(keys, (p for group in optimizer.param_groups for p in group["params"]), strict=False))
+    for key, per in list(state["state"].items()):
+        if key in by_key:
+            state["state"][key] = {k: _state_to_blocks(by_key[key], v) for k, v in per.items()}
     return state
 
 
