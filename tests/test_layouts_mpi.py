@@ -72,6 +72,20 @@ def test_glob_keys_and_the_innermost_wins(world):
     check_against_serial(serial, parallel, x, outer, tol=1e-9)
 
 
+def test_the_most_specific_key_wins_so_a_glob_has_exceptions(world):
+    """``{"[el]*.layers.0": inner, "lm.layers.0": outer}``: the longer glob took lm.layers.0 and the
+    exception was refused as naming no module. A key without globs in more atoms wins now; a glob
+    whose every module another key takes is named with them."""
+    meshes = meshes_of(world)
+    outer, inner = meshes[0], meshes[-1]
+    serial = _serial()
+    parallel = parallelize(copy.deepcopy(serial), outer, plan={"[el]*.layers.0": inner, "lm.layers.0": outer})
+    assert parallel.encoder.layers[0].linear1.mesh is inner and parallel.lm.layers[0].linear1.mesh is outer
+    check_against_serial(serial, parallel, _input(world), outer, tol=1e-9)
+    with pytest.raises(ValueError, match=r"at 'pro\*' \('pro\*' names only proj \(given 'proj'\), each given a"):
+        parallelize(_serial(), outer, plan={"pro*": inner, "proj": outer})
+
+
 def test_a_module_planned_back_on_the_models_mesh_inside_another(world):
     """``{"lm": inner, "lm.layers.*": model_mesh}``: the layers were converted on ``inner`` (their
     parent's) while their boundary moved their input to the model's mesh: the first forward raised."""

@@ -126,10 +126,21 @@ def matches(key: str, path: str) -> bool:
 
 
 def planned_mesh(plan: dict[str, Mesh], path: str) -> tuple[str, Mesh] | None:
-    """(key, mesh) of the plan entry naming ``path`` itself (the longest key of several), or None.
-    The model itself (path "") is on the model's mesh: no key names it."""
+    """(key, mesh) of the plan entry naming ``path`` itself, or None: of several, the most specific
+    (the most atoms without a glob, then the longest: ``layers.0.mlp`` over ``layers.*.mlp``, a glob
+    and its exception). The model itself (path "") is on the model's mesh: no key names it."""
     hits = [(key, m) for key, m in plan.items() if path and matches(key, path)]
-    return max(hits, key=lambda hit: len(hit[0])) if hits else None
+    return max(hits, key=lambda hit: _specificity(hit[0])) if hits else None
+
+
+def shadowed_keys(plan: dict[str, Mesh], path: str) -> list[str]:
+    """The plan's keys that name ``path`` but lose it to a more specific one (``planned_mesh``)."""
+    hit = planned_mesh(plan, path)
+    return [key for key in plan if hit is not None and key != hit[0] and matches(key, path)]
+
+
+def _specificity(key: str) -> tuple[int, int]:
+    return sum(not any(c in atom for c in "*?[") for atom in key.split(".")), len(key)
 
 
 def mesh_aliases(model: nn.Module, plan: dict[str, Mesh], mesh: Mesh, regions: Collection[str] = ()) -> list[str]:

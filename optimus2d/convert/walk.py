@@ -237,6 +237,7 @@ class _Walk:
     errors: list[Exception] = field(default_factory=list)  # what they raised, in order
     outside: list = field(default_factory=list)  # (holder, key, name): modules outside it holding its parameters
     paths: dict[int, str] = field(default_factory=dict)  # id(module) → its path in the model, as converted
+    shadowed: dict[str, list[str]] = field(default_factory=dict)  # plan key → paths it names that another takes
 
     def check(
         self,
@@ -253,6 +254,8 @@ class _Walk:
         outer = outer or self.mesh
         caller = caller or outer
         hit = layouts.planned_mesh(self.plan, path) if self.plan else None
+        for key in layouts.shadowed_keys(self.plan, path) if hit is not None else ():
+            self.shadowed.setdefault(key, []).append(f"{path} (given {hit[0]!r})")
         mesh = hit[1] if hit is not None else outer
         if hit is not None:
             self.planned.add(hit[0])
@@ -346,7 +349,13 @@ class _Walk:
             lines = ", ".join(f"{key!r} inside {r!r}" for key, r in nested)
             raise ValueError(f"parallelize: a 1D region (megatron.Megatron) holds no other plan entry: {lines}")
         if missing:
-            raise ValueError(f"parallelize: plan= names no module of the model at {', '.join(map(repr, missing))}")
+            shadowed = [
+                f"{key!r} names only {', '.join(self.shadowed[key])}" for key in missing if key in self.shadowed
+            ]
+            shadowed = f" ({'; '.join(shadowed)}, each given a more specific key)" if shadowed else ""
+            raise ValueError(
+                f"parallelize: plan= names no module of the model at {', '.join(map(repr, missing))}{shadowed}"
+            )
         if self.unfit:
             lines = "\n  ".join(self.unfit)
             raise ValueError(
