@@ -205,6 +205,9 @@ def test_generate_refusals(mesh):
         parallel.generate(ids, max_new_tokens=2, num_beams=2)
     with pytest.raises(ValueError, match="cache_implementation='static'"):
         parallel.generate(ids, max_new_tokens=2, cache_implementation="static")
+    static = transformers.StaticCache(config=parallel.config, max_cache_len=16)  # handed to the forward as cache=
+    with pytest.raises(ValueError, match="StaticCache is not supported"):
+        parallel.generate(ids, max_new_tokens=2, past_key_values=static)
     with pytest.raises(ValueError, match="output_attentions"):
         parallel.generate(ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)
     with pytest.raises(TypeError, match="resize the serial model"):

@@ -232,7 +232,7 @@ def _scatter_inputs(lm: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
         kwargs = _named(lm, args, kwargs)
     from transformers.cache_utils import Cache
 
-    cache = kwargs.get("past_key_values")
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers 5.24+ names it cache
     if isinstance(cache, Cache) and cache.is_compileable:
         raise ValueError(
             f"generate on {type(lm).__name__}: {type(cache).__name__} is not supported on {mesh}; its buffers "
