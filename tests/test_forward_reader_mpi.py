@@ -353,6 +353,32 @@ def _head_feature_of_tokens(self, x):  # [b, heads, s]: one feature of each head
     return y[..., 0].reshape(b, s, -1)
 
 
+def _heads_through_gelu(self, x):  # an element-wise function keeps the heads where they are: [b, heads, s, hd]
+    b, s, _ = x.shape
+    head_dim = 2
+    y = F.gelu(self.proj(x).view(b, s, -1, head_dim).transpose(1, 2))
+    return y.reshape(b, s, -1)
+
+
+def _heads_unsqueezed(self, x):
+    b, s, _ = x.shape
+    head_dim = 2
+    return self.proj(x).view(b, s, -1, head_dim).transpose(1, 2).unsqueeze(0).reshape(b, s, -1)
+
+
+def _head_features_unbound(self, x):  # unbind(-1) drops head_dim: [b, s, heads] is split like the hidden dim
+    b, s, _ = x.shape
+    head_dim = 2
+    a, c = self.proj(x).view(b, s, -1, head_dim).unbind(-1)
+    return torch.cat([a.softmax(-1), c], -1)
+
+
+def _heads_of_a_spread_shape(self, x):  # how many dims it has is not known: its heads' place neither
+    head_dim = 2
+    y = self.proj(x).view(*x.shape[:-1], -1, head_dim).transpose(0, 1)
+    return y.reshape(*x.shape[:-1], -1)
+
+
 def _mask_total(self, x, attention_mask=None):
     return self.proj(x) / attention_mask.sum()
 
@@ -408,6 +434,10 @@ def _live_branch(self, x):
         (_heads_before_tokens, "per-head tensor whose heads are not in place"),
         (_heads_swapped_by_mt, "moves a head's features off the last dim"),
         (_head_feature_of_tokens, "per-head tensor whose heads are not in place"),
+        (_heads_through_gelu, "per-head tensor whose heads are not in place"),
+        (_heads_unsqueezed, "per-head tensor whose heads are not in place"),
+        (_head_features_unbound, ".softmax()"),
+        (_heads_of_a_spread_shape, "may merge the split last dim with another"),
         (_mask_total, ".sum()"),
         (_through_a_dict, ".mean()"),
     ],
@@ -439,6 +469,10 @@ def _live_branch(self, x):
         "heads-before-tokens",
         "heads-mT",
         "head-feature",
+        "heads-gelu",
+        "heads-unsqueezed",
+        "heads-unbound",
+        "heads-spread",
         "mask-total",
         "dict-copy",
     ],

@@ -374,7 +374,8 @@ def _call_problem(node, module, children, fn, env: Names, reading: Reading, seen
                 return f"moves the split last dim ({ast.unparse(node)[:60]})"
             if not env.per_head(node):  # transpose(2, 3): the heads' features interleaved with the heads
                 return f"moves a head's features off the last dim ({ast.unparse(node)[:60]})"
-        shaped = func.attr in ("view", "reshape", "flatten", "unflatten") and not env.clean(base)
+        shaped = func.attr in ("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "expand", "repeat")
+        shaped = shaped and not env.clean(base)
         if shaped and env.per_head(base) and env.heads_at(base) != 2:
             return _heads_out_of_place(
                 node, env.heads_at(base)

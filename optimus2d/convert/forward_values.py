@@ -68,6 +68,7 @@ SAFE_TORCH = frozenset(
     }
 )
 DROPOUTS = frozenset({F.dropout, torch.dropout})
+_ELEMENTWISE_FUNCTIONS = SAFE_TORCH - {torch.arange, torch.tensor, torch.zeros, torch.ones, torch.full, torch.empty}
 TENSOR_FUNCTIONS = frozenset({torch.cumsum, torch.cumprod, torch.sum, torch.mean, torch.amax, torch.amin})
 # Decorators whose wrappers only rename arguments, document, or reshape the returned container.
 WRAPPERS = frozenset(
@@ -261,10 +262,15 @@ class Names:
 
     def _heads_at_call(self, expr: ast.expr):
         """``heads_at`` of a call or arithmetic (a per-head one: ``per_head`` has said which)."""
+        if isinstance(expr, ast.Call) and _elementwise_function(expr, self.fn):
+            return _agreed([self.heads_at(a) for a in expr.args if not self.clean(a)])
         if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
             method, base, args = expr.func.attr, expr.func.value, expr.args
-            if method in ("view", "reshape", "unflatten"):
-                return 2  # (*leading, -1, head_dim) of a [b, s, hidden] activation
+            if method in ("view", "reshape"):  # (b, s, -1, head_dim): 4 dims; a spread, another count: not known
+                sizes = self.reshapes.get(getattr(args[0], "id", None), args) if len(args) == 1 else args
+                return 2 if len(sizes) == 4 and not any(isinstance(a, ast.Starred) for a in sizes) else None
+            if method == "unflatten":
+                return None
             if method in ("transpose", "permute"):
                 at, ints = self.heads_at(base), [_int_literal(a) % 4 for a in args]
                 if at is None or at is _UNSEEN:
@@ -280,6 +286,8 @@ class Names:
             return self.heads_at(expr.args[0])
         if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id in ROTARY:
             return _agreed([self.heads_at(a) for a in expr.args[:2]])
+        if isinstance(expr, ast.Compare):
+            return _agreed([self.heads_at(e) for e in (expr.left, *expr.comparators) if not self.clean(e)])
         if isinstance(expr, ast.Call) and resolve(expr.func, self.fn) is torch.cat:  # on the last dim
             return _agreed([self.heads_at(p) for p in expr.args[0].elts if not self.clean(p)])
         if isinstance(expr, ast.BinOp):
@@ -367,6 +375,9 @@ class Names:
         """A tensor whose last dim holds one head's features, whole on every rank."""
         if isinstance(expr, ast.Name):
             return expr.id in self._heads and expr.id not in self._unknown
+        if isinstance(expr, ast.Call) and _elementwise_function(expr, self.fn):  # F.gelu(q), torch.where(q > 0, q, 0)
+            sides = [a for a in expr.args if not self.clean(a)]
+            return bool(sides) and all(self.per_head(a) for a in sides)
         if isinstance(expr, ast.Subscript):  # q[..., :rot], or one part of a per-head split (not q[..., 0])
             return last_dim_index(expr) and isinstance(expr.slice.elts[-1], ast.Slice) and self.per_head(expr.value)
         if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
@@ -380,6 +391,8 @@ class Names:
                 return False  # a reduction over head_dim leaves the heads on the last dim
             if method == "unflatten" and len(args) == 2 and isinstance(args[1], ast.Tuple) and args[1].elts:
                 return _head_size(args[1].elts[-1])
+            if method == "unbind":  # unbind(-1) drops head_dim: [b, s, heads] is no longer per head
+                return False
             if method in SPLITTING and dim_is_last(expr):
                 return self.per_head(base)
             if method in ELEMENTWISE_METHODS or (method in MIXING_METHODS and dim_is_last(expr)):
@@ -395,6 +408,9 @@ class Names:
             return not list(child.children()) and weight is not None and tuple(weight.shape) == (head_dim,)
         if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id in ROTARY:
             return len(expr.args) >= 2 and all(self.per_head(a) for a in expr.args[:2])
+        if isinstance(expr, ast.Compare):
+            sides = [expr.left, *expr.comparators]
+            return any(map(self.per_head, sides)) and all(self.per_head(e) or self.clean(e) for e in sides)
         if isinstance(expr, ast.Call) and resolve(expr.func, self.fn) is torch.cat and expr.args:
             parts = expr.args[0].elts if isinstance(expr.args[0], (ast.List, ast.Tuple)) else []
             return dim_is_last(expr) and bool(parts) and all(self.per_head(p) or self.clean(p) for p in parts)
@@ -402,6 +418,12 @@ class Names:
             sides = (expr.left, expr.right)
             return any(map(self.per_head, sides)) and all(self.per_head(e) or self.clean(e) for e in sides)
         return False
+
+
+def _elementwise_function(call: ast.Call, fn) -> bool:
+    """``F.gelu(x)``, ``torch.where(c, x, y)``, ``F.dropout(x, p)``: a function acting element by element."""
+    resolved = resolve(call.func, fn)
+    return resolved in _ELEMENTWISE_FUNCTIONS or resolved in DROPOUTS
 
 
 _UNSEEN = object()  # a name's heads' place before its values are read (Names._heads_positions)
