@@ -7,7 +7,10 @@ imported here so they exist before any compile) and ``sharding`` < ``functional`
 ``redistribution``, ``stationary``, ``summa``.
 """
 
-from optimus2d.comm import compiled  # noqa: F401  (registers the optimus2d:: operators)
+from optimus2d.comm import (
+    compiled,  # noqa: F401  (registers the optimus2d:: operators)
+    grad_scaler,
+)
 from optimus2d.comm.counter import CommCounter, CommRecord, count_comm
 from optimus2d.comm.functional import (
     all_gather,
@@ -53,3 +56,5 @@ __all__ = [
     "summa_atb",
     "unshard",
 ]
+
+grad_scaler.install()  # GradScaler: found_inf over the whole mesh (every rank skips alike)
