@@ -54,6 +54,7 @@ from optimus2d.convert.forward_values import (
     WRAPPERS,
     Names,
     dim_is_last,
+    in_place,
     is_minus_one,
     last_dim_index,
     resolve,
@@ -251,7 +252,7 @@ def _subscript_problem(node: ast.Subscript, env: Names) -> str | None:
     if env.per_head(node.value):
         if not last_dim_index(node):
             return f"indexes a per-head tensor off its last dim ({ast.unparse(node)[:60]})"
-        if not env.per_head(node) and env.heads_at(node.value) != 2:  # q[..., 0]: head_dim dropped
+        if not env.per_head(node) and not in_place(env.heads_at(node.value)):  # q[..., 0]: head_dim dropped
             return _heads_out_of_place(node, env.heads_at(node.value))
         return None
     index = node.slice
@@ -363,7 +364,7 @@ def _call_problem(node, module, children, fn, env: Names, reading: Reading, seen
                 return None  # a mask's own dims, not its rows (split over the mesh): cumsum(dim=1), sum(-1)
             if env.per_head(base) and dim_is_last(node):  # over head_dim: what is left of the heads must be in place
                 at = env.heads_at(base)
-                return None if env.per_head(node) or at == 2 else _heads_out_of_place(node, at)
+                return None if env.per_head(node) or in_place(at) else _heads_out_of_place(node, at)
             return f"calls .{func.attr}() ({ast.unparse(node)[:60]})"
         if func.attr in ("size", "numel") and not (env.clean(base) or env.per_head(base)):
             if func.attr == "size" and (not node.args or _leading_index(node.args[0])):
@@ -376,7 +377,7 @@ def _call_problem(node, module, children, fn, env: Names, reading: Reading, seen
                 return f"moves a head's features off the last dim ({ast.unparse(node)[:60]})"
         shaped = func.attr in ("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "expand", "repeat")
         shaped = shaped and not env.clean(base)
-        if shaped and env.per_head(base) and env.heads_at(base) != 2:
+        if shaped and env.per_head(base) and not in_place(env.heads_at(base)):
             return _heads_out_of_place(
                 node, env.heads_at(base)
             )  # [b, heads, s, head_dim].reshape(b, s, -1): heads and tokens mixed

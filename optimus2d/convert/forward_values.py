@@ -249,7 +249,8 @@ class Names:
 
     def heads_at(self, expr: ast.expr) -> int | None:
         """Of a per-head tensor, which dim holds the heads, counted in 4 dims: 2 after the reshape
-        into heads (``[b, s, heads, head_dim]``), 1 after ``transpose(1, 2)``. Only from 2 do the heads
+        into heads (``[b, s, heads, head_dim]``; -2, from the end, after one to a spread shape), 1 after
+        ``transpose(1, 2)``. Only from 2 (or -2) do the heads
         merge back into the split hidden dim (``reshape(b, s, -1)``, ``flatten(-2)``) or leave it when
         ``head_dim`` is reduced; None where it is not known."""
         if not self.per_head(expr):
@@ -266,15 +267,23 @@ class Names:
             return _agreed([self.heads_at(a) for a in expr.args if not self.clean(a)])
         if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
             method, base, args = expr.func.attr, expr.func.value, expr.args
-            if method in ("view", "reshape"):  # (b, s, -1, head_dim): 4 dims; a spread, another count: not known
+            if method in ("view", "reshape"):  # (b, s, -1, head_dim): dim 2 of 4; (*shape, -1, head_dim): -2
                 sizes = self.reshapes.get(getattr(args[0], "id", None), args) if len(args) == 1 else args
-                return 2 if len(sizes) == 4 and not any(isinstance(a, ast.Starred) for a in sizes) else None
+                if any(isinstance(a, ast.Starred) for a in sizes):
+                    return -2  # counted from the end: how many dims there are is not known
+                return 2 if len(sizes) == 4 else None
             if method == "unflatten":
                 return None
             if method in ("transpose", "permute"):
-                at, ints = self.heads_at(base), [_int_literal(a) % 4 for a in args]
+                at = self.heads_at(base)
                 if at is None or at is _UNSEEN:
                     return at
+                if at < 0:  # from the end: only dims counted from the end can be followed
+                    ends = [_int_literal(a) for a in args]
+                    if method == "permute" or any(i >= 0 for i in ends):
+                        return None
+                    return ends[1] if at == ends[0] else ends[0] if at == ends[1] else at
+                ints = [_int_literal(a) % 4 for a in args]
                 if method == "transpose":
                     return ints[1] if at == ints[0] else ints[0] if at == ints[1] else at
                 return ints.index(at)
@@ -418,6 +427,11 @@ class Names:
             sides = (expr.left, expr.right)
             return any(map(self.per_head, sides)) and all(self.per_head(e) or self.clean(e) for e in sides)
         return False
+
+
+def in_place(at: int | None) -> bool:
+    """``heads_at``'s answer for ``[..., heads, head_dim]``: dim 2 of 4, or -2 from the end."""
+    return at in (2, -2)
 
 
 def _elementwise_function(call: ast.Call, fn) -> bool:
