@@ -118,12 +118,18 @@ def _to_blocks(p: torch.Tensor, sharding, mesh, v: object) -> object:
     return v
 
 
+def _params_by_key(optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    """The state dict's keys (ints from state_dict(); DCP's names) → the optimizer's parameters, in
+    its order, as torch's own load_state_dict pairs them."""
+    keys = [key for group in state["param_groups"] for key in group["params"]]
+    return dict(zip(keys, (p for group in optimizer.param_groups for p in group["params"]), strict=False))
+
+
 def _laid_out(optimizer: torch.optim.Optimizer, state: dict):
     """(key, parameter, its (Sharding, Mesh), its state) for each parameter with ``_optimus2d_layout``."""
     # keyed as the state dict's groups list them (ints from state_dict(); DCP loads by names), in
     # the optimizer's order, as torch's own load_state_dict pairs them
-    keys = [key for group in state["param_groups"] for key in group["params"]]
-    by_key = dict(zip(keys, (p for group in optimizer.param_groups for p in group["params"]), strict=False))
+    by_key = _params_by_key(optimizer, state)
     for key, per in state["state"].items():
         layout = by_key[key].__dict__.get("_optimus2d_layout") if key in by_key else None
         if layout is not None:
@@ -146,8 +152,7 @@ def _optimizer_serial_state(optimizer: torch.optim.Optimizer, state: dict) -> di
 
 def _optimizer_blocks(optimizer: torch.optim.Optimizer, state: dict) -> dict:
     """Before ``load_state_dict``: the state of every parameter as the parameter holds its values."""
-    keys = [key for group in state["param_groups"] for key in group["params"]]
-    by_key = dict(zip(keys, (p for group in optimizer.param_groups for p in group["params"]), strict=False))
+    by_key = _params_by_key(optimizer, state)
     for key, per in list(state["state"].items()):
         if key in by_key:
             state["state"][key] = {k: _state_to_blocks(by_key[key], v) for k, v in per.items()}
